@@ -1,0 +1,47 @@
+"Small real datasets (scikit-learn, no downloads) and models for the tests"
+import warnings
+import numpy as np, pytest, torch
+from torch import nn
+from fastai.vision.all import *
+from fastai.tabular.all import *
+
+warnings.filterwarnings('ignore', message='.*load_learner.*insecure.*')
+
+def digits_dls(bs=64, seed=42):
+    "scikit-learn's 8x8 digits as a fastai image task through a `DataBlock`"
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    imgs, labels = (d.images * 255 / 16).astype(np.uint8), d.target
+    dblock = DataBlock(blocks=(ImageBlock(cls=PILImageBW), CategoryBlock),
+                       get_x=lambda i: PILImageBW.create(imgs[i]), get_y=lambda i: labels[i],
+                       splitter=RandomSplitter(0.2, seed=seed))
+    return dblock.dataloaders(range(len(imgs)), bs=bs, num_workers=0)
+
+def cancer_dls(bs=64, seed=42):
+    "scikit-learn's breast cancer data as a fastai tabular task"
+    from sklearn.datasets import load_breast_cancer
+    df = load_breast_cancer(as_frame=True).frame
+    df['size_bin'] = pd.cut(df['mean radius'], 4, labels=False).astype(str)
+    conts = [c for c in df.columns if c not in ('target', 'size_bin')]
+    return TabularDataLoaders.from_df(df, procs=[Categorify, Normalize], cat_names=['size_bin'], cont_names=conts,
+                                      y_names='target', y_block=CategoryBlock(), valid_idx=list(range(0, len(df), 5)),
+                                      bs=bs, num_workers=0)
+
+def two_conv_cnn(n_out=10):
+    "The issue's plain two-conv CNN for 1×8×8 images"
+    return nn.Sequential(nn.Conv2d(1,16,3,padding=1), nn.ReLU(), nn.Conv2d(16,16,3,padding=1), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(16*8*8, n_out))
+
+def bn_cnn(n_out=10):
+    "A body/head CNN with BatchNorm, split so it can be frozen"
+    body = nn.Sequential(nn.Conv2d(1,16,3,padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16,32,3,stride=2,padding=1), nn.ReLU())
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, n_out))
+    return nn.Sequential(body, head)
+
+def body_head_splitter(m): return L(m[0], m[1]).map(params)
+
+@pytest.fixture(scope='session')
+def digits(): return digits_dls()
+
+@pytest.fixture(scope='session')
+def cancer(): return cancer_dls()
