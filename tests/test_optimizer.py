@@ -1,0 +1,203 @@
+"The compiled optimizer step: the same update and state as fastai's eager step, without recompiles"
+import copy, warnings
+from functools import partial
+import pytest, torch
+from torch import nn
+from torch._dynamo.utils import counters
+from fastai.optimizer import (Optimizer, OptimWrapper, SGD, RMSProp, Adam, RAdam, QHAdam, Larc, Lamb, ranger,
+                              weight_decay, momentum_step)
+from fastai.data.core import DataLoaders
+from fastai.learner import Learner
+from fastai.losses import MSELossFlat
+from fastai.callback.core import Callback
+from fastai.torch_core import params
+import fastai.callback.schedule
+from fastxtend_compile.optimizer import *
+
+RTOL, ATOL = 1e-5, 1e-6
+
+def graphs(): return counters['stats']['unique_graphs']
+
+def make_params(seed=0):
+    torch.manual_seed(seed)
+    shapes = [(4, 6), (6,), (3, 2, 5), (5,), (7, 3)]
+    return [torch.randn(*s, requires_grad=True) for s in shapes]
+
+def make_grads(ps, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(p.shape, generator=g) for p in ps] for _ in range(n)]
+
+def run(opt_func, backend=None, n=10, none_at=(), schedule=True, **kwargs):
+    "`n` steps of `opt_func` on two parameter groups, eager or compiled with `backend`"
+    ps = make_params()
+    opt = opt_func([ps[:2], ps[2:]], lr=1e-2, **kwargs)
+    opt.state[ps[1]]['do_wd'] = False # Like a bias with `wd_bn_bias=False`
+    opt.state[ps[3]]['do_wd'] = False
+    if backend: compile_optimizer(opt, backend=backend)
+    for i,gs in enumerate(make_grads(ps, n)):
+        if schedule: # Like `fit_one_cycle`: new hyper-parameters every step, discriminative LRs
+            opt.set_hyper('lr', slice(1e-3 * (1 + i), 1e-2 * (1 + i)))
+            if 'mom' in opt.hypers[0]: opt.set_hyper('mom', 0.95 - 0.01*i)
+        for j,(p,g) in enumerate(zip(ps, gs)): p.grad = None if (i,j) in none_at else g.clone()
+        opt.step()
+    return opt
+
+def assert_same(a, b):
+    for (pa,_,sa,_),(pb,_,sb,_) in zip(a.all_params(), b.all_params()):
+        torch.testing.assert_close(pa, pb, rtol=RTOL, atol=ATOL)
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            if isinstance(sa[k], torch.Tensor) or isinstance(sb[k], torch.Tensor):
+                torch.testing.assert_close(torch.as_tensor(sa[k]).to(pa.dtype), torch.as_tensor(sb[k]).to(pa.dtype), rtol=RTOL, atol=ATOL)
+            else: assert sa[k] == sb[k], k
+
+optimizers = {
+    'Adam':             partial(Adam, wd=0.1),
+    'Adam-l2':          partial(Adam, wd=0.1, decouple_wd=False),
+    'SGD':              partial(SGD, wd=0.1),
+    'SGD-mom':          partial(SGD, mom=0.9, wd=0.1),
+    'SGD-mom-l2':       partial(SGD, mom=0.9, wd=0.1, decouple_wd=False),
+    'RAdam':            partial(RAdam, wd=0.1),
+    'RAdam-beta':       partial(RAdam, beta=2.),
+    'Lamb':             partial(Lamb, wd=0.1),
+    'RMSProp':          RMSProp,
+    'RMSProp-mom':      partial(RMSProp, mom=0.9, wd=0.1),
+    'QHAdam':           partial(QHAdam, wd=0.1),
+    'Larc':             partial(Larc, wd=0.1),
+    'Lars':             partial(Larc, clip=False),
+    'ranger':           partial(ranger, k=3),
+}
+
+@pytest.mark.parametrize('name', optimizers)
+def test_same_update_and_state_as_fastai(name):
+    opt_func = optimizers[name]
+    # No grad for a parameter at the first step gives it its own step count in its group, as after an unfreeze
+    eager, compiled = run(opt_func, none_at={(0, 0)}), run(opt_func, 'eager', none_at={(0, 0)})
+    assert_same(eager, compiled)
+    if 'step' in eager.state[eager.param_lists[0][0]]: assert eager.state[eager.param_lists[0][0]]['step'] == 9
+
+def test_radam_rectifies_within_the_run():
+    # RAdam steps without its denominator until the variance is tractable (step 6 with sqr_mom=0.99): both paths run
+    opt = run(RAdam, 'eager', n=3)
+    assert [v for k,v in opt.step.scalars[0, torch.device('cpu'), torch.float32].values.items() if k[1] == 'rect'] == [0.]
+    assert_same(run(RAdam, n=8), run(RAdam, 'eager', n=8))
+
+@pytest.mark.parametrize('name', ['Adam', 'SGD-mom', 'RAdam', 'Lamb'])
+def test_new_hyperparameters_every_step_never_recompile(name):
+    before = graphs()
+    opt = run(optimizers[name], 'aot_eager', n=10)
+    assert graphs() - before == 1
+    assert opt.hypers[0]['lr'] == pytest.approx(1e-3 * 10)
+
+def test_inductor():
+    before = graphs()
+    for name in ('Adam', 'SGD-mom'):
+        assert_same(run(optimizers[name]), run(optimizers[name], 'inductor'))
+    assert graphs() - before == 2
+
+def test_state_dict_round_trips_between_eager_and_compiled():
+    def steps(opt, ps, grads):
+        for gs in grads:
+            for p,g in zip(ps, gs): p.grad = g.clone()
+            opt.step()
+    ps, grads = make_params(), make_grads(make_params(), 6)
+    opt = compile_optimizer(Adam([ps[:2], ps[2:]], lr=1e-2, wd=0.1), backend='eager')
+    steps(opt, ps, grads[:3])
+    sd = copy.deepcopy(opt.state_dict())
+    assert sd['state'][0]['step'] == 3 and set(sd['state'][0]) == {'grad_avg', 'sqr_avg', 'step'}
+    # Into an eager optimizer, and the compiled one continues from its own state: both agree
+    ps2 = [p.detach().clone().requires_grad_() for p in ps]
+    eager = Adam([ps2[:2], ps2[2:]], lr=1e-2, wd=0.1)
+    eager.load_state_dict(copy.deepcopy(sd))
+    steps(opt, ps, grads[3:]); steps(eager, ps2, grads[3:])
+    assert_same(eager, opt)
+    # An eager state into the compiled optimizer, loaded as a plain dict, then cleared
+    opt.load_state_dict(copy.deepcopy(eager.state_dict()))
+    steps(opt, ps, grads[:2]); steps(eager, ps2, grads[:2])
+    assert_same(eager, opt)
+    opt.clear_state(); eager.clear_state()
+    steps(opt, ps, grads[2:4]); steps(eager, ps2, grads[2:4])
+    assert_same(eager, opt)
+    assert opt.state[ps[0]]['step'] == 2
+
+def test_unknown_step_function_runs_eagerly_after_one_warning():
+    def sign_step(p, lr, **kwargs): p.data.add_(p.grad.data.sign(), alpha=-lr)
+    custom = lambda ps, lr, **kw: Optimizer(ps, [weight_decay, sign_step], lr=lr, wd=0.1, **kw)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        compiled = run(custom, 'eager')
+    assert len(w) == 1 and 'sign_step' in str(w[0].message)
+    assert_same(run(custom), compiled)
+
+def test_what_compiles_and_what_is_left_alone():
+    ps = make_params()
+    wrapped = OptimWrapper(ps, torch.optim.AdamW, lr=1e-3)
+    assert compile_optimizer(wrapped) is wrapped and 'step' not in wrapped.__dict__
+    assert compiled_optimizer_settings(wrapped) is None
+    class OwnStep(Optimizer):
+        def step(self, closure=None): pass
+    with pytest.warns(UserWarning, match='Not compiling the step of OwnStep'):
+        own = compile_optimizer(OwnStep(ps, [momentum_step], lr=1e-3))
+    assert compiled_optimizer_settings(own) is None
+    look = ranger(ps, lr=1e-3)
+    compile_optimizer(look, backend='eager')
+    assert isinstance(look.opt.__dict__['step'], CompiledOptimizerStep)
+    # The same settings keep the compiled step, others replace it; `uncompile_optimizer` goes back to eager
+    opt = Adam(ps, lr=1e-3)
+    step = compile_optimizer(opt, backend='eager').step
+    assert compile_optimizer(opt, backend='eager').step is step
+    assert compile_optimizer(opt, backend='aot_eager').step is not step
+    assert compiled_optimizer_settings(opt) == dict(fullgraph=False, dynamic=False, backend='aot_eager', mode=None, options=None)
+    with pytest.raises(ValueError, match="Unknown torch.compile backend 'inductr'"): compile_optimizer(opt, backend='inductr')
+    assert compiled_optimizer_settings(uncompile_optimizer(opt)) is None and 'step' not in opt.__dict__
+    with pytest.raises(NotImplementedError): compile_optimizer(opt, backend='eager').step(lambda: 0)
+
+# A `Learner`, trained the same way with the eager and the compiled step
+
+class CompileOpt(Callback):
+    "What `CompilerCallback` does for the optimizer"
+    def __init__(self, backend): self.backend = backend
+    def before_fit(self): compile_optimizer(self.learn.opt, backend=self.backend)
+
+def bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+def regression_dls():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 4, generator=g)
+    y = x @ torch.tensor([[1.], [-2.], [0.5], [3.]]) + 0.1 * torch.randn(96, 1, generator=g)
+    return DataLoaders.from_dsets(list(zip(x[:64], y[:64])), list(zip(x[64:], y[64:])), bs=16, shuffle=False)
+
+def train(backend, opt_func):
+    learn = Learner(regression_dls(), bn_model(), loss_func=MSELossFlat(), opt_func=opt_func,
+                    splitter=lambda m: [params(m[:3]), params(m[3:])], cbs=CompileOpt(backend) if backend else None)
+    with learn.no_logging(), learn.no_bar():
+        learn.freeze()                          # Body frozen: only the head and the BatchNorm (`train_bn`) train
+        learn.fit_one_cycle(1, 1e-2)
+        learn.unfreeze()
+        learn.fit_one_cycle(2, slice(1e-3, 1e-2)) # Discriminative LRs
+        learn.freeze()                          # The body has zero grads now: fastai still steps it
+        learn.fit_one_cycle(1, 1e-2, wd=0.1)
+    return learn
+
+@pytest.mark.parametrize('opt_func', [Adam, partial(SGD, mom=0.9)], ids=['Adam', 'SGD'])
+def test_learner_trains_the_same(opt_func):
+    before = graphs()
+    eager, compiled = train(None, opt_func), train('aot_eager', opt_func)
+    assert compiled_optimizer_settings(compiled.opt) is not None
+    assert graphs() - before == 3 # One graph per freeze state: frozen with no body grads, unfrozen, frozen with zero body grads
+    for pe,pc in zip(eager.model.parameters(), compiled.model.parameters()):
+        torch.testing.assert_close(pe, pc, rtol=RTOL, atol=ATOL)
+    assert_same(eager.opt, compiled.opt)
+
+def test_learner_saves_and_loads_the_optimizer_state(tmp_path):
+    learn = Learner(regression_dls(), bn_model(), loss_func=MSELossFlat(), opt_func=Adam, path=tmp_path, cbs=CompileOpt('eager'))
+    with learn.no_logging(), learn.no_bar(): learn.fit(1)
+    learn.save('m', with_opt=True)
+    sd = learn.opt.state_dict()
+    learn2 = Learner(regression_dls(), bn_model(), loss_func=MSELossFlat(), opt_func=Adam, path=tmp_path)
+    learn2.load('m', with_opt=True)
+    for s1,s2 in zip(sd['state'], learn2.opt.state_dict()['state']):
+        assert s1.keys() == s2.keys()
+        for k in s1: torch.testing.assert_close(torch.as_tensor(s1[k]), torch.as_tensor(s2[k]))
