@@ -1,0 +1,122 @@
+"Every fastai application's batches reach the compiled model as plain tensors; real data trains as well as eager"
+import subprocess, sys, textwrap, cloudpickle
+import numpy as np, pandas as pd, pytest, torch
+from torch import nn
+from fastcore.foundation import L
+from fastai.learner import Learner
+from fastai.torch_core import set_seed, TensorBase
+from fastai.metrics import accuracy
+from fastai.tabular.learner import tabular_learner
+from fastai.text.data import TextDataLoaders
+from fastai.text.learner import text_classifier_learner
+from fastai.text.models.awdlstm import AWD_LSTM
+import fastai.callback.schedule
+from fastxtend_compile import *
+from conftest import two_conv_cnn, digits_dls, cancer_dls
+
+def compile_counts(learn):
+    r = learn.compiler.report
+    return r.graph_breaks, len(r.recompiles), len(r.fallbacks)
+
+class MLP(nn.Module):
+    "An MLP over the flattened 8x8 digits"
+    def __init__(self): super().__init__(); self.layers = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    def forward(self, x): return self.layers(x)
+
+@pytest.mark.parametrize('model', [two_conv_cnn, MLP], ids=['cnn', 'mlp'])
+def test_vision_no_graph_breaks(model):
+    dls = digits_dls()
+    learn = Learner(dls, model(), metrics=accuracy).compile(backend='aot_eager')
+    learn.fit(2)
+    breaks, recompiles, fallbacks = compile_counts(learn)
+    assert (breaks, fallbacks) == (0, 0)
+    # One graph for training; validation recompiles once for no_grad and once for its smaller last batch, then never again
+    assert [e.kind for e in learn.compiler.report.events] == ['compile', 'recompile', 'recompile']
+
+def test_tabular_no_graph_breaks(cancer):
+    learn = tabular_learner(cancer, layers=[32, 16], metrics=accuracy).compile(backend='aot_eager')
+    xb = cancer.one_batch()
+    assert [type(t) for t in xb[:2]] == [torch.Tensor, torch.Tensor] or all(isinstance(t, torch.Tensor) for t in xb[:2])
+    learn.fit(2)
+    breaks, recompiles, fallbacks = compile_counts(learn)
+    assert (breaks, fallbacks) == (0, 0) and recompiles <= 2
+
+def _text_dls():
+    rng = np.random.default_rng(0)
+    good, bad = ['great', 'good', 'fine', 'lovely'], ['awful', 'bad', 'poor', 'sad']
+    texts = [' '.join(rng.choice(good if i%2 else bad, 6)) for i in range(96)]
+    df = pd.DataFrame(dict(text=texts, label=['pos' if i%2 else 'neg' for i in range(96)]))
+    return TextDataLoaders.from_df(df, text_col='text', label_col='label', valid_pct=0.25, seed=0, bs=16, seq_len=16, num_workers=0)
+
+def test_text_batches_are_plain_inside_the_model():
+    dls = _text_dls()
+    xb,_ = dls.one_batch()
+    assert isinstance(xb, TensorBase) # fastai's TensorText
+    seen = []
+    class Embed(nn.Module):
+        def __init__(self): super().__init__(); self.emb, self.lin = nn.Embedding(len(dls.vocab[0]), 8), nn.Linear(8, 2)
+        def forward(self, x): return self.lin(self.emb(x).mean(1))
+    learn = Learner(dls, Embed(), metrics=accuracy).compile(backend='aot_eager')
+    learn.fit(1)
+    assert learn.compiler.report.graph_breaks == 0 and not learn.compiler.report.fallbacks
+    preds = learn.get_preds()[0]
+    assert preds.shape[1] == 2
+
+def test_digits_compiled_accuracy_matches_eager():
+    "Real data through a DataBlock: compiled training (inductor) reaches the eager accuracy within 1 point, same seed"
+    accs = []
+    for compiled in (False, True):
+        set_seed(42, reproducible=True)
+        learn = Learner(digits_dls(), two_conv_cnn(), metrics=accuracy)
+        if compiled: learn.compile()
+        learn.fit_one_cycle(3, 1e-2)
+        accs.append(float(learn.validate()[1]))
+    assert accs[0] > 0.9
+    assert abs(accs[0] - accs[1]) <= 0.01, accs
+
+def test_breast_cancer_tabular_accuracy_matches_eager():
+    accs = []
+    for compiled in (False, True):
+        set_seed(42, reproducible=True)
+        learn = tabular_learner(cancer_dls(), layers=[64, 32], metrics=accuracy)
+        if compiled: learn.compile()
+        learn.fit_one_cycle(3, 1e-2)
+        accs.append(float(learn.validate()[1]))
+    assert accs[0] > 0.9
+    assert abs(accs[0] - accs[1]) <= 0.01, accs
+
+def test_export_loads_in_fresh_process_without_this_library(tmp_path):
+    dls = digits_dls()
+    learn = Learner(dls, two_conv_cnn(), path=tmp_path, metrics=accuracy).compile(backend='aot_eager')
+    learn.fit(1)
+    item = dls.valid_ds.items[:8]
+    expected = learn.get_preds(dl=dls.test_dl(item))[0]
+    learn.export('export.pkl')
+    assert any(isinstance(cb, CompilerCallback) for cb in learn.cbs) and is_compiled(learn.model) # Learner untouched
+    raw = (tmp_path/'export.pkl').read_bytes()
+    assert b'fastxtend_compile' not in raw and b'torch._dynamo' not in raw and b'_orig_mod' not in raw
+    np.save(tmp_path/'expected.npy', expected.numpy())
+    script = textwrap.dedent(f"""
+        import sys, numpy as np, torch, warnings
+        warnings.simplefilter('ignore')
+        sys.path.insert(0, {str(__file__.rsplit('/', 1)[0])!r})
+        from conftest import digits_dls # the dataset helpers; the getters the DataBlock pickled live there
+        from fastai.learner import load_learner
+        learn = load_learner({str(tmp_path/'export.pkl')!r})
+        assert 'fastxtend_compile' not in sys.modules
+        assert learn.model._compiled_call_impl is None
+        assert not any('Compiler' in type(cb).__name__ for cb in learn.cbs)
+        dls = digits_dls()
+        preds = learn.get_preds(dl=learn.dls.test_dl(dls.valid_ds.items[:8]))[0]
+        np.testing.assert_allclose(preds.numpy(), np.load({str(tmp_path/'expected.npy')!r}), rtol=1e-5, atol=1e-6)
+        print('ok')
+    """)
+    res = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith('ok'), res.stderr[-3000:]
+
+def test_load_learner_removes_compiler_callback(tmp_path):
+    learn = Learner(digits_dls(), two_conv_cnn(), path=tmp_path).compile(backend='aot_eager')
+    learn.fit(1)
+    torch.save(learn, tmp_path/'with_cb.pkl', pickle_module=cloudpickle) # what fastxtend's export could leave behind
+    loaded = load_learner(tmp_path/'with_cb.pkl')
+    assert not any(isinstance(cb, CompilerCallback) for cb in loaded.cbs) and not is_compiled(loaded.model)

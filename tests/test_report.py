@@ -1,0 +1,182 @@
+"What the compiler did is visible: report, warnings, explain, the crash ladder, clear errors"
+import re, shutil, warnings, pytest, torch
+from torch import nn
+import matplotlib; matplotlib.use('Agg')
+from fastai.learner import Learner
+from fastai.torch_core import TensorImage
+from fastai.test_utils import synth_learner
+from fastai.data.core import DataLoaders
+from fastai.data.load import DataLoader
+from fastai.callback.fp16 import MixedPrecision
+from fastai.callback.core import Callback
+from fastxtend_compile import *
+from fastxtend_compile.core import cannot_compile_reason
+from conftest import two_conv_cnn, digits_dls
+
+BACKEND = 'aot_eager'
+
+class Toy(nn.Module):
+    "The FAQ's toy example: a `print` and a data-dependent `if` in `forward`"
+    def __init__(self): super().__init__(); self.a = nn.Linear(1,1)
+    def forward(self, x):
+        x = self.a(x)
+        print("woo")
+        if x.sum() < 0: x = x * -1
+        return x * 2
+
+def test_report_records_compiles_and_recompile_reasons(digits, capsys):
+    learn = Learner(digits, two_conv_cnn()).compile(backend=BACKEND, verbose=True)
+    learn.fit(1)
+    r = learn.compiler.report
+    assert r.graphs == 3 and r.graph_breaks == 0 and not r.fallbacks
+    assert r.events[0].kind == 'compile' and r.events[0].during == 'training batch 1' and r.events[0].frame == 'Sequential'
+    reasons = [e.reason for e in r.recompiles]
+    assert "gradients were switched on or off (validation and inference run without them)" in reasons
+    assert any(re.match(r"batch size changed from 64 to \d+ \(often the last, smaller batch", x) for x in reasons)
+    assert r.compile_seconds > 0
+    out = capsys.readouterr().out
+    assert re.search(r"torch.compile: 3 graph\(s\) compiled in [\d.]+s, 0 graph break\(s\), 2 recompile\(s\), 0 eager fallback\(s\)", out)
+    assert "batch size changed from 64 to" in out
+
+def test_graph_breaks_counted():
+    learn = synth_learner(cbs=CompilerCallback(backend=BACKEND))
+    learn.model = Toy()
+    learn.fit(1)
+    assert learn.compiler.report.graph_breaks >= 2
+
+def test_fallback_to_eager_always_warns():
+    class Varying(DataLoader):
+        "Batches of a different size each time"
+        def create_batches(self, samps):
+            for i in range(2, 8): yield (torch.randn(i, 1), torch.randn(i, 1))
+    dls = DataLoaders(Varying(range(6)), Varying(range(6)))
+    learn = Learner(dls, nn.Linear(1,1), loss_func=nn.MSELoss()).compile(backend='eager', verbose=False)
+    with torch._dynamo.config.patch(recompile_limit=2), pytest.warns(UserWarning) as rec:
+        learn.fit(1)
+    msgs = [str(w.message) for w in rec if 'gave up' in str(w.message)]
+    assert msgs, [str(w.message) for w in rec]
+    assert re.search(r"torch.compile gave up on Linear after 2 recompiles \(recompile_limit\) and runs it eagerly from now on\. Last cause: batch size changed", msgs[0])
+    assert "pass `dynamic=True` (or `drop_last=True` for a smaller last batch)" in msgs[0] and "recompile_limit" in msgs[0]
+    assert learn.compiler.report.fallbacks
+
+def test_fallback_on_a_python_value_guard_warns():
+    "A float read in `forward` and changed every batch: TorchDynamo records no metric for this fallback, only a log line"
+    class Scaled(nn.Module):
+        def __init__(self): super().__init__(); self.lin, self.scale = nn.Linear(1,1), 0.5
+        def forward(self, x): return self.lin(x) * self.scale
+    class ChangeScale(Callback):
+        def before_batch(self): self.learn.model.scale = float(self.iter) + 0.5
+    learn = synth_learner(cbs=ChangeScale()).compile(backend='eager')
+    learn.model = Scaled()
+    with torch._dynamo.config.patch(recompile_limit=2), pytest.warns(UserWarning, match=r"torch.compile gave up on forward \(.*test_report.py:\d+\) after 2 recompiles"):
+        learn.fit(1)
+    fb = learn.compiler.report.fallbacks[0]
+    assert fb.reason.startswith("a guard on the Python value `self.scale` failed") and fb.during.startswith('training batch')
+
+def test_long_compile_is_announced(digits, capsys):
+    learn = Learner(digits, two_conv_cnn()).compile(backend=BACKEND)
+    learn.compiler.compile_recorder.notice_after = 0.
+    learn.fit(1)
+    out = capsys.readouterr().out
+    assert "Compiling the Sequential with torch.compile..." in out
+    assert re.search(r"\.\.\.compiled in [\d.]+s", out)
+
+def test_batch_time_plot(digits):
+    learn = Learner(digits, two_conv_cnn()).compile(backend=BACKEND)
+    learn.fit(1)
+    times = learn.compiler.report.batch_times
+    assert len(times) == len(digits.train) and times[0][1] and not any(c for _,c in times[1:])
+    ax = learn.compiler.plot_batch_times()
+    assert len(ax.lines[0].get_ydata()) == len(times) and ax.get_yscale() == 'log'
+    assert ax.collections # the compile spike is marked
+
+def test_explain_toy_example_and_leaves_learner_untouched(capsys):
+    learn = synth_learner(cbs=DynamoExplainCallback())
+    learn.model = Toy()
+    learn.model.a.register_buffer('counter', torch.zeros(1))
+    w = [p.clone() for p in learn.model.parameters()]
+    torch.manual_seed(1); state = torch.get_rng_state()
+    learn.fit(1)
+    assert torch.equal(torch.get_rng_state(), state)
+    out = learn.dynamo_explain.explain_output
+    assert (out.graph_count, out.graph_break_count) == (3, 2)
+    assert all(torch.equal(a, b) for a,b in zip(w, learn.model.parameters()))
+    assert learn.opt is None or not any('grad_avg' in s for s in learn.opt.state.values()) # no optimizer step
+    text = capsys.readouterr().out
+    assert "Dynamo explain: 3 graph(s), 2 graph break(s)" in text
+    assert re.search(r"Graph break 1 at .*test_report.py:\d+ in forward: `print\(\"woo\"\)`", text)
+    assert re.search(r"Graph break 2 at .*test_report.py:\d+ in forward: `if x.sum\(\) < 0", text)
+    assert "Guards" not in text and "Ops in graph" not in text
+
+def test_explain_guards_and_ops_only_when_asked(capsys):
+    learn = synth_learner(cbs=DynamoExplainCallback(out_guards=True, ops_per_graph=True))
+    learn.fit(1)
+    text = capsys.readouterr().out
+    assert "Guards (" in text and "Ops in graph 1" in text
+
+def test_explain_uses_mixed_precision_autocast():
+    seen = []
+    class Probe(nn.Module):
+        def __init__(self): super().__init__(); self.a = nn.Linear(1,1)
+        def forward(self, x):
+            seen.append(torch.is_autocast_enabled('cpu'))
+            return self.a(x)
+    learn = synth_learner(cbs=[DynamoExplainCallback(print_results=False), MixedPrecision(amp_mode='bf16')])
+    learn.model = Probe()
+    learn.fit(1)
+    assert seen and all(seen)
+
+def test_debug_compile_ladder_passes_and_matches():
+    learn = Learner(digits_dls(), two_conv_cnn())
+    stages = learn.debug_compile(backend='inductor', show=False)
+    assert [s.backend for s in stages] == ['eager', 'aot_eager', 'inductor']
+    assert all(s.ok and s.max_diff < 1e-3 for s in stages)
+
+class ReluNet(nn.Module):
+    "Calls `torch.relu`, which torch's testing backends break on purpose"
+    def __init__(self): super().__init__(); self.a, self.b = nn.Linear(64, 32), nn.Linear(32, 10)
+    def forward(self, x): return self.b(torch.relu(self.a(x.flatten(1))))
+
+def test_debug_compile_stops_at_first_failure(capsys):
+    learn = Learner(digits_dls(), ReluNet())
+    p = [x.clone() for x in learn.model.parameters()]
+    stages = learn.debug_compile(backend='relu_compile_error_TESTING_ONLY')
+    assert [s.backend for s in stages] == ['eager', 'aot_eager', 'relu_compile_error_TESTING_ONLY']
+    assert stages[0].ok and stages[1].ok and stages[2].error is not None and not stages[2].ok
+    assert "relu_compile_error_TESTING_ONLY: FAILED with" in capsys.readouterr().out
+    assert all(torch.equal(a, b) for a,b in zip(p, learn.model.parameters())) and all(x.grad is None for x in learn.model.parameters())
+
+def test_debug_compile_reports_wrong_results():
+    learn = Learner(digits_dls(), ReluNet())
+    stages = learn.debug_compile(backend='relu_accuracy_error_TESTING_ONLY', show=False)
+    assert stages[-1].error is None and not stages[-1].outputs_match and not stages[-1].ok
+
+def test_fullgraph_with_graph_break_says_where_and_leaves_learner_eager():
+    learn = synth_learner().compile(fullgraph=True, backend='eager')
+    learn.model = Toy()
+    with pytest.raises(GraphBreakError, match=r"fullgraph=True, but the model has a graph break at .*test_report.py:\d+ in forward: `print\(\"woo\"\)`") as e:
+        learn.fit(1)
+    assert "`CompilerCallback` was removed and the Learner trains eagerly" in str(e.value)
+    assert not hasattr(learn, 'compiler') and not is_compiled(learn.model)
+    w = learn.model.a.weight.clone()
+    learn.fit(1)
+    assert not torch.equal(w, learn.model.a.weight)
+
+def test_no_cpp_compiler_trains_eagerly(digits, monkeypatch):
+    monkeypatch.setattr(shutil, 'which', lambda name: None)
+    learn = Learner(digits, two_conv_cnn()).compile()
+    with pytest.warns(UserWarning, match="Not compiling the model: inductor needs a C\\+\\+ compiler to compile for the CPU and none was found"):
+        learn.fit(1)
+    assert not is_compiled(learn.model)
+
+def test_gpu_too_old_for_triton(monkeypatch):
+    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None: (6, 1))
+    assert cannot_compile_reason('inductor', 'cuda') == "inductor needs Triton, which needs a CUDA GPU of compute capability 7.0 or newer; this GPU has 6.1"
+    assert cannot_compile_reason('aot_eager', 'cuda') is None
+
+def test_torch_that_cannot_compile(digits, monkeypatch):
+    monkeypatch.setattr(torch._dynamo, 'is_dynamo_supported', lambda: False)
+    learn = Learner(digits, two_conv_cnn()).compile(backend=BACKEND)
+    with pytest.warns(UserWarning, match=r"Not compiling the model: torch.compile is not supported by this build of torch .* on Python 3\.\d+"):
+        learn.fit(1)
+    assert not is_compiled(learn.model)
