@@ -123,7 +123,9 @@ class CompileStage:
     max_diff:float|None = None # Largest absolute difference in outputs or gradients
 
     @property
-    def ok(self)->bool: return self.error is None and bool(self.outputs_match) and bool(self.grads_match)
+    def ok(self)->bool:
+        "Ran, and matched eager"
+        return self.error is None and bool(self.outputs_match) and bool(self.grads_match)
 
     def __str__(self):
         name = getattr(self.backend, '__name__', str(self.backend))

@@ -72,11 +72,17 @@ class CompileReport:
     batch_times:list = field(default_factory=list) # (seconds, compiled during this batch) for each training batch
 
     @property
-    def graphs(self)->int: return sum(e.kind != 'fallback' for e in self.events)
+    def graphs(self)->int:
+        "Number of frames compiled, first compiles and recompiles"
+        return sum(e.kind != 'fallback' for e in self.events)
     @property
-    def recompiles(self)->list: return [e for e in self.events if e.kind == 'recompile']
+    def recompiles(self)->list:
+        "The recompile events, each with its reason"
+        return [e for e in self.events if e.kind == 'recompile']
     @property
-    def fallbacks(self)->list: return [e for e in self.events if e.kind == 'fallback']
+    def fallbacks(self)->list:
+        "The frames that hit the recompile limit and run eagerly"
+        return [e for e in self.events if e.kind == 'fallback']
 
     def summary(self)->str:
         "The report as a few readable lines"
