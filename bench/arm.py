@@ -1,0 +1,307 @@
+"""Run one benchmark arm in this process and write its result as JSON.
+
+An arm is one way of training one workload with one optimizer:
+
+    python bench/arm.py --workload resnet18 --arm fastai_compile --opt fastai_adam --device cuda --result out.json
+
+`bench/bench.py` runs every arm in its own process with a fresh `TORCHINDUCTOR_CACHE_DIR`; run this file directly
+only to debug one arm.
+"""
+from __future__ import annotations
+import argparse, inspect, json, os, platform, statistics, sys, time, traceback
+from contextlib import nullcontext
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1])) # The repository's `fastxtend_compile`, installed or not
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+ARMS = {
+    # name: (training loop, torch.compile mode or None for eager, regional)
+    'hand_eager':              ('hand',   None,              False),
+    'hand_compile':            ('hand',   'default',         False),
+    'hand_compile_ro':         ('hand',   'reduce-overhead', False),
+    'hand_compile_regional':   ('hand',   'default',         True),
+    'fastai_eager':            ('fastai', None,              False),
+    'fastai_compile':          ('fastai', 'default',         False),
+    'fastai_compile_ro':       ('fastai', 'reduce-overhead', False),
+    'fastai_compile_regional': ('fastai', 'default',         True),
+}
+OPTS = ('fastai_adam', 'fused_adamw')
+LR = 1e-3
+
+# Workload sizes: the full size runs on a GPU, `smoke` is a tiny CPU check of the same code paths
+WORKLOADS = {
+    'resnet18': dict(full=dict(kind='resnet', px=128, bs=64), smoke=dict(kind='resnet', px=32, bs=4)),
+    'small':    dict(full=dict(kind='resnet', px=64,  bs=16), smoke=dict(kind='resnet', px=32, bs=2)),
+    'gpt':      dict(full=dict(kind='gpt', n_layer=8, d=512, n_head=8, T=256, vocab=8192, bs=64),
+                     smoke=dict(kind='gpt', n_layer=2, d=64, n_head=2, T=32, vocab=256, bs=4)),
+}
+
+def describe(cfg:dict)->str:
+    "A workload's size in a few words"
+    if cfg['kind'] == 'resnet': return f"ResNet-18, {cfg['px']} px, bs {cfg['bs']}"
+    return f"GPT {cfg['n_layer']} layers, d={cfg['d']}, T={cfg['T']}, vocab {cfg['vocab']}, bs {cfg['bs']}"
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Models and data
+
+class Block(nn.Module):
+    "Pre-norm transformer block with causal self-attention through `F.scaled_dot_product_attention`"
+    def __init__(self, d, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3*d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4*d), nn.GELU(approximate='tanh'), nn.Linear(4*d, d))
+
+    def forward(self, x):
+        B,T,C = x.shape
+        q,k,v = (t.view(B, T, self.n_head, C//self.n_head).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp(self.ln2(x))
+
+class GPT(nn.Module):
+    "A GPT-style decoder: token and position embeddings, `n_layer` blocks, final norm and a vocabulary head"
+    def __init__(self, vocab, T, d, n_layer, n_head):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(T, d)
+        self.blocks = nn.ModuleList(Block(d, n_head) for _ in range(n_layer))
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for b in self.blocks: x = b(x)
+        return self.head(self.ln_f(x))
+
+def make_model(cfg):
+    if cfg['kind'] == 'resnet':
+        import torchvision
+        return torchvision.models.resnet18(num_classes=1000) # Random init
+    return GPT(cfg['vocab'], cfg['T'], cfg['d'], cfg['n_layer'], cfg['n_head'])
+
+def repeated_blocks(model)->list:
+    "The repeated blocks that regional compilation compiles one by one"
+    if isinstance(model, GPT): return list(model.blocks)
+    return [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer]
+
+def make_batches(cfg, device, n=4, typed=True)->list:
+    "`n` distinct synthetic batches, already on `device`; typed as fastai's data blocks would type them if `typed`"
+    from fastai.torch_core import TensorBase, TensorImage, TensorCategory
+    g = torch.Generator().manual_seed(0)
+    res = []
+    for _ in range(n):
+        if cfg['kind'] == 'resnet':
+            x = torch.randn(cfg['bs'], 3, cfg['px'], cfg['px'], generator=g)
+            y = torch.randint(0, 1000, (cfg['bs'],), generator=g)
+            tx, ty = TensorImage, TensorCategory
+        else:
+            x = torch.randint(0, cfg['vocab'], (cfg['bs'], cfg['T']), generator=g)
+            y = torch.randint(0, cfg['vocab'], (cfg['bs'], cfg['T']), generator=g)
+            tx = ty = TensorBase # fastai's language-model batches are `TensorText`, a plain `TensorBase` subclass
+        x, y = x.to(device), y.to(device)
+        res.append((tx(x), ty(y)) if typed else (x, y))
+    return res
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Timing
+
+class StepTimer:
+    "Wall time of each warm-up step (synchronized) and device time between the ends of the timed steps"
+    def __init__(self, device, warmup):
+        self.cuda, self.warmup = device.type == 'cuda', warmup
+        self.warm_s, self.ends = [], []
+
+    def sync(self):
+        if self.cuda: torch.cuda.synchronize()
+
+    def start(self):
+        self.sync()
+        self.t = time.perf_counter()
+
+    def step_done(self, i):
+        "Call at the end of training step `i` (0-based)"
+        if i < self.warmup:
+            self.sync()
+            t = time.perf_counter()
+            self.warm_s.append(t - self.t)
+            self.t = t
+            if i < self.warmup - 1: return
+        # Timed steps are not synchronized, so the host can run ahead of the GPU as it does in real training
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.ends.append(e)
+        else: self.ends.append(time.perf_counter())
+
+    def step_ms(self)->list:
+        self.sync()
+        if self.cuda: return [a.elapsed_time(b) for a,b in zip(self.ends, self.ends[1:])]
+        return [(b - a)*1e3 for a,b in zip(self.ends, self.ends[1:])]
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The two training loops
+
+def hand_loop(args, cfg, model, batches, device, mode, regional, timer):
+    "A hand-written PyTorch training loop"
+    if mode is not None:
+        if regional:
+            for b in repeated_blocks(model): b.compile(backend=args.backend, mode=mode)
+        else: model = torch.compile(model, backend=args.backend, mode=mode)
+    if args.opt == 'fused_adamw': opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    else:
+        from fastai.optimizer import Adam
+        opt = Adam(list(model.parameters()), lr=LR)
+    autocast = torch.autocast('cuda', torch.bfloat16) if device.type == 'cuda' else nullcontext()
+    mark_step = mode == 'reduce-overhead' and not regional
+    model.train()
+    timer.start()
+    for i in range(args.warmup + args.steps):
+        x, y = batches[i % len(batches)]
+        if mark_step: torch.compiler.cudagraph_mark_step_begin()
+        with autocast:
+            out = model(x)
+            loss = F.cross_entropy(out.view(-1, out.shape[-1]), y.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        timer.step_done(i)
+    return {}
+
+def fastai_loop(args, cfg, model, batches, device, mode, regional, timer):
+    "`Learner.fit` for exactly warmup+steps batches, no validation, no progress bar or logging"
+    from fastcore.basics import noop
+    from fastai.callback.core import Callback
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    from fastai.learner import Learner
+    from fastai.losses import CrossEntropyLossFlat
+    from fastai.optimizer import Adam, OptimWrapper
+
+    class Batches:
+        "`n` prebatched items cycling through `pool`"
+        def __init__(self, pool, n): self.pool, self.n = pool, n
+        def __len__(self): return self.n
+        def __getitem__(self, i): return self.pool[i % len(self.pool)]
+
+    class TimeSteps(Callback):
+        order = 1000 # After every other callback, so a step ends when fastai's work on the batch is done
+        def before_train(self): timer.start()
+        def after_batch(self):
+            if self.training: timer.step_done(self.iter)
+
+    dls = DataLoaders(DataLoader(Batches(batches, args.warmup + args.steps), bs=None),
+                      DataLoader(Batches(batches, 0), bs=None), device=device)
+    opt_func = Adam if args.opt == 'fastai_adam' else partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True))
+    cbs = [TimeSteps()]
+    if device.type == 'cuda':
+        from fastai.callback.fp16 import MixedPrecision
+        cbs.append(MixedPrecision(amp_mode='bf16'))
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), opt_func=opt_func, lr=LR, cbs=cbs)
+    learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback'])
+    learn.logger = noop
+    info = {}
+    if mode is not None:
+        import fastxtend_compile # Patches `Learner.compile`
+        from fastxtend_compile import CompilerCallback
+        kwargs = dict(backend=args.backend, mode=None if mode == 'default' else mode, **json.loads(args.compile_kwargs))
+        if regional:
+            if 'regional' not in inspect.signature(CompilerCallback.__init__).parameters:
+                raise Skip(f"fastxtend_compile {fxc_version()} has no `regional` option on `learn.compile`")
+            kwargs['regional'] = True
+        learn.compile(**kwargs)
+        info['compile_kwargs'] = {k:str(v) for k,v in kwargs.items()}
+    learn.fit(1)
+    if mode is not None:
+        try:
+            r = learn.compiler.report
+            info['compile_report'] = dict(graphs=r.graphs, graph_breaks=r.graph_breaks, recompiles=len(r.recompiles),
+                                          fallbacks=len(r.fallbacks), compile_seconds=round(r.compile_seconds, 2))
+        except AttributeError as e: info['compile_report_error'] = str(e) # The report's fields moved: not fatal here
+    return info
+
+class Skip(Exception): "The arm cannot run with this version of the library"
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+def fxc_version()->str:
+    try: import fastxtend_compile; v = fastxtend_compile.__version__
+    except Exception as e: return f'not importable: {e}'
+    if v != 'unknown': return v
+    import configparser # Not installed, imported from the checkout: its settings.ini has the version
+    cp = configparser.ConfigParser()
+    cp.read(Path(__file__).resolve().parents[1]/'settings.ini')
+    return cp.get('DEFAULT', 'version', fallback='unknown') + ' (checkout)'
+
+def env_info(device)->dict:
+    import fastai, torchvision
+    try: import triton; triton_v = triton.__version__
+    except ImportError: triton_v = None
+    fxc_v = fxc_version()
+    return dict(device=torch.cuda.get_device_name(device) if device.type == 'cuda' else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
+                torch=torch.__version__, cuda=torch.version.cuda, triton=triton_v, fastai=fastai.__version__,
+                torchvision=torchvision.__version__, python=platform.python_version(), fastxtend_compile=fxc_v)
+
+def run(args)->dict:
+    device = torch.device(args.device)
+    cfg = WORKLOADS[args.workload]['smoke' if args.smoke else 'full']
+    loop, mode, regional = ARMS[args.arm]
+    if device.type == 'cuda':
+        torch.zeros(1, device=device); torch.cuda.synchronize() # CUDA context up front, not in the first step
+        torch.set_float32_matmul_precision('high') # What `learn.compile` sets; the same for every arm
+    torch.manual_seed(0)
+    model = make_model(cfg).to(device)
+    batches = make_batches(cfg, device, typed=loop == 'fastai' and not args.plain)
+    if device.type == 'cuda': torch.cuda.reset_peak_memory_stats(device)
+    timer = StepTimer(device, args.warmup)
+    t0 = time.perf_counter()
+    info = (hand_loop if loop == 'hand' else fastai_loop)(args, cfg, model, batches, device, mode, regional, timer)
+    ms = timer.step_ms()
+    if len(ms) != args.steps: raise RuntimeError(f"timed {len(ms)} steps, expected {args.steps}")
+    med = statistics.median(ms)
+    return dict(status='ok', median_ms=med, mean_ms=statistics.fmean(ms), min_ms=min(ms), max_ms=max(ms),
+                first_step_s=timer.warm_s[0],
+                # Cold (or warm-cache) compile time: the first step's wall time less a steady-state step
+                compile_s=timer.warm_s[0] - med/1e3 if mode is not None else None,
+                # Time all warm-up steps took over steady state (also counts CUDA graph recording, late recompiles)
+                warmup_excess_s=sum(timer.warm_s) - len(timer.warm_s)*med/1e3,
+                peak_mem_gb=torch.cuda.max_memory_allocated(device)/2**30 if device.type == 'cuda' else None,
+                run_s=time.perf_counter() - t0, **info)
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--workload', choices=WORKLOADS, required=True)
+    p.add_argument('--arm', choices=ARMS, required=True)
+    p.add_argument('--opt', choices=OPTS, required=True)
+    p.add_argument('--device', default='cuda')
+    p.add_argument('--steps', type=int, default=100, help='timed steps')
+    p.add_argument('--warmup', type=int, default=20, help='untimed steps before them (at least 1: the first is the compile step)')
+    p.add_argument('--backend', default='inductor', help='torch.compile backend for the compiled arms')
+    p.add_argument('--compile-kwargs', default='{}', help='extra keyword arguments for `learn.compile`, as JSON')
+    p.add_argument('--smoke', action='store_true', help='tiny workload sizes')
+    p.add_argument('--plain', action='store_true', help="feed the fastai arms plain tensors, not fastai's typed ones")
+    p.add_argument('--phase', default='cold', help='label only: cold or warm (bench.py reuses the cache dir for warm)')
+    p.add_argument('--result', required=True, help='where to write the JSON result')
+    args = p.parse_args()
+    if args.warmup < 1: p.error('--warmup must be at least 1')
+    rec = dict(workload=args.workload, arm=args.arm, opt=args.opt, phase=args.phase, backend=args.backend,
+               steps=args.steps, warmup=args.warmup, smoke=args.smoke,
+               config=WORKLOADS[args.workload]['smoke' if args.smoke else 'full'],
+               cache_dir=os.environ.get('TORCHINDUCTOR_CACHE_DIR'))
+    rc = 0
+    try:
+        rec['env'] = env_info(torch.device(args.device))
+        rec.update(run(args))
+    except Skip as e: rec.update(status='skipped', reason=str(e))
+    except Exception as e:
+        traceback.print_exc()
+        rec.update(status='error', reason=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        rc = 1
+    Path(args.result).write_text(json.dumps(rec, indent=1))
+    sys.exit(rc)
+
+if __name__ == '__main__': main()
