@@ -52,6 +52,7 @@ class CompilerCallback(Callback):
             self.run = False
             return
         self._set_matmul_precision(device)
+        self.cudagraph_grads = device.type == 'cuda' and uses_cudagraphs(self.settings)
         if self.recompile and self.freeze_changed: self._compile()
         self.freeze_changed, self.trained = False, False
         self.compile_recorder.model_name = type(unwrap_model(model)).__name__
@@ -76,6 +77,12 @@ class CompilerCallback(Callback):
         # Compile here, not only before the fit, so a model swapped or replaced mid-fit is compiled too
         if compiled_settings(self.learn.model) != self.settings: self._compile()
         self.compile_recorder.batch_start(self.training)
+
+    def after_step(self):
+        # CUDA graphs hand out gradients in memory their next replay overwrites, and fastai's `zero_grad` zeroes
+        # gradients in place: let each backward allocate them afresh, as torch's `zero_grad(set_to_none=True)` does
+        if self.cudagraph_grads:
+            for p in self.learn.model.parameters(): p.grad = None
 
     def after_batch(self):
         self.compile_recorder.batch_done(self.training)

@@ -16,8 +16,8 @@ from fastai.torch_core import TensorBase
 
 # %% auto #0
 __all__ = ['CompileMode', 'MatMulPrecision', 'check_backend', 'compile_settings', 'cannot_compile_reason', 'graph_break_reason',
-           'GraphBreakError', 'CompiledCall', 'unwrap_model', 'compiled_settings', 'is_compiled', 'compile_model',
-           'uncompile_model']
+           'GraphBreakError', 'uses_cudagraphs', 'CompiledCall', 'unwrap_model', 'compiled_settings', 'is_compiled',
+           'compile_model', 'uncompile_model']
 
 # %% ../nbs/00_core.ipynb #69462bf1
 class _CheckedEnum(str, Enum):
@@ -119,6 +119,11 @@ def _graph_break_error(e:torch._dynamo.exc.Unsupported, removed:bool)->GraphBrea
         f"Remove the break, or compile with fullgraph=False (`DynamoExplainCallback` lists every break). {now}.")
 
 # %% ../nbs/00_core.ipynb #5f279e17
+def uses_cudagraphs(settings:dict)->bool:
+    "Whether `torch.compile` `settings` record CUDA graphs (on a CUDA device)"
+    return settings.get('mode') in ('reduce-overhead', 'max-autotune') or bool((settings.get('options') or {}).get('triton.cudagraphs'))
+
+# %% ../nbs/00_core.ipynb #e939e865
 _can_isolate = 'isolate_recompiles' in inspect.signature(torch.compile).parameters
 
 class CompiledCall:
@@ -126,8 +131,7 @@ class CompiledCall:
     def __init__(self, module:nn.Module, on_refused:Callable|None=None, **settings):
         self.module, self.on_refused, self.settings = module, on_refused, settings
         # CUDA graphs overwrite their outputs at the next replay, and fastai keeps outputs around (Recorder, metrics, preds)
-        self.cudagraphs = settings.get('mode') in ('reduce-overhead', 'max-autotune') or \
-                          bool((settings.get('options') or {}).get('triton.cudagraphs'))
+        self.cudagraphs = uses_cudagraphs(settings)
         # Each compile gets its own recompile region where torch supports it, so models don't share a recompile limit
         extra = dict(isolate_recompiles=True) if _can_isolate else {}
         self.compiled = torch.compile(module._call_impl, **settings, **extra)
@@ -145,7 +149,7 @@ class CompiledCall:
         if self.cudagraphs: out = tree_map_only(Tensor, torch.clone, out)
         return out if like is None else tree_map_only(Tensor, lambda t: _retyped(t, like), out)
 
-# %% ../nbs/00_core.ipynb #e939e865
+# %% ../nbs/00_core.ipynb #d74f1d6a
 def unwrap_model(model:nn.Module)->nn.Module:
     "`model` without a `torch.compile` wrapper (`OptimizedModule`)"
     return getattr(model, '_orig_mod', model)

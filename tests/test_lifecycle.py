@@ -214,16 +214,3 @@ def test_layer_replaced_mid_fit_trains_the_new_layer(digits):
     out = learn.model(xb)
     uncompile_model(learn.model)
     torch.testing.assert_close(out.as_subclass(Tensor), learn.model(xb).as_subclass(Tensor), rtol=1e-5, atol=1e-5)
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason='CUDA graphs need a CUDA GPU')
-def test_reduce_overhead_trains_like_eager(digits):
-    digits = digits.to('cuda')
-    eager, comp = [], None
-    set_seed(0, reproducible=True)
-    e = Learner(digits, two_conv_cnn(), metrics=accuracy); e.fit(2, 3e-3)
-    set_seed(0, reproducible=True)
-    c = Learner(digits, two_conv_cnn(), metrics=accuracy).compile(mode='reduce-overhead'); c.fit(2, 3e-3)
-    losses_e, losses_c = L(e.recorder.losses).map(float), L(c.recorder.losses).map(float)
-    assert np.allclose(losses_e, losses_c, rtol=2e-2, atol=2e-2)
-    preds, _ = c.get_preds()
-    assert c.recorder.values[-1][-1] == pytest.approx(e.recorder.values[-1][-1], abs=0.02)
