@@ -1,0 +1,373 @@
+"""Compiled vs eager fastai training on 1 and 2 GPUs through `learn.distrib_ctx()` (DistributedDataParallel).
+
+One command runs everything (under 9 minutes on two H100/H200s) and writes `ddp.md` and `ddp.json` to `--out`:
+
+    NCCL_NVLS_ENABLE=0 python bench/ddp_bench.py --out bench/results
+
+It starts the 1-GPU runs as a plain process (no DDP, as one GPU trains) and the 2-GPU runs through
+`torchrun --standalone --nproc_per_node=2`, each launch with a fresh inductor cache so compile times are cold. In each
+launch, every workload trains eager then with `learn.compile()`: ResNet-18 (torchvision, 128 px, bs 64 per GPU) and a
+GPT-style model (8 layers, d=512, T=256, vocab 8192, bs 64 per GPU), in bf16 (`learn.to_bf16()`), fused AdamW, synthetic
+data, no validation. A step is timed from the end of the warm-up steps to the end of the last step, synchronized,
+slowest rank. After each fit the ranks' parameters are compared.
+
+    python bench/ddp_bench.py --smoke --out /tmp/ddp-smoke   # the same code paths on the CPU with gloo, tiny sizes
+
+A worker (`--worker`) is what the launches run; run one directly only to debug.
+"""
+from __future__ import annotations
+import argparse, datetime, gc, json, os, platform, shutil, subprocess, sys, tempfile, time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT)) # The repository's `fastxtend_compile`, installed or not
+
+# Multicast over NVLink can take a shared host's GPUs out of service: keep it off in every process started here
+SAFE_ENV = dict(NCCL_NVLS_ENABLE='0', TORCH_SYMM_MEM_DISABLE_MULTICAST='1', NVSHMEM_DISABLE_NVLS='1')
+os.environ.update(SAFE_ENV)
+
+WORKLOADS = {
+    'resnet18': dict(full=dict(kind='resnet', px=128, bs=64), smoke=dict(kind='resnet', px=32, bs=2)),
+    'gpt':      dict(full=dict(kind='gpt', n_layer=8, d=512, n_head=8, T=256, vocab=8192, bs=64),
+                     smoke=dict(kind='gpt', n_layer=2, d=64, n_head=2, T=32, vocab=256, bs=2)),
+}
+DIST_ENV = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT', 'GROUP_RANK',
+            'ROLE_RANK', 'ROLE_WORLD_SIZE', 'TORCHELASTIC_RUN_ID')
+
+def describe(cfg:dict)->str:
+    if cfg['kind'] == 'resnet': return f"ResNet-18, {cfg['px']} px, bs {cfg['bs']}/GPU"
+    return f"GPT {cfg['n_layer']}L d={cfg['d']} T={cfg['T']} vocab {cfg['vocab']}, bs {cfg['bs']}/GPU"
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Worker: one process of one launch, training every workload eager then compiled
+
+def make_model(cfg):
+    import torch
+    from torch import nn
+    import torch.nn.functional as F
+    if cfg['kind'] == 'resnet':
+        import torchvision
+        return torchvision.models.resnet18(num_classes=1000)
+
+    class Block(nn.Module):
+        "Pre-norm transformer block, causal attention through `F.scaled_dot_product_attention`"
+        def __init__(self, d, n_head):
+            super().__init__()
+            self.n_head = n_head
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv, self.proj = nn.Linear(d, 3*d), nn.Linear(d, d)
+            self.mlp = nn.Sequential(nn.Linear(d, 4*d), nn.GELU(approximate='tanh'), nn.Linear(4*d, d))
+        def forward(self, x):
+            B,T,C = x.shape
+            q,k,v = (t.view(B, T, self.n_head, C//self.n_head).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(C, dim=2))
+            x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C))
+            return x + self.mlp(self.ln2(x))
+
+    class GPT(nn.Module):
+        def __init__(self, vocab, T, d, n_layer, n_head):
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(T, d)
+            self.blocks = nn.ModuleList(Block(d, n_head) for _ in range(n_layer))
+            self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        def forward(self, idx):
+            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+            for b in self.blocks: x = b(x)
+            return self.head(self.ln_f(x))
+
+    return GPT(cfg['vocab'], cfg['T'], cfg['d'], cfg['n_layer'], cfg['n_head'])
+
+def make_batches(cfg, device, rank, n=4):
+    "`n` distinct synthetic batches for this rank, on `device`, typed as fastai's data blocks type them"
+    import torch
+    from fastai.torch_core import TensorBase, TensorImage, TensorCategory
+    g = torch.Generator().manual_seed(rank)
+    res = []
+    for _ in range(n):
+        if cfg['kind'] == 'resnet':
+            x = TensorImage(torch.randn(cfg['bs'], 3, cfg['px'], cfg['px'], generator=g))
+            y = TensorCategory(torch.randint(0, 1000, (cfg['bs'],), generator=g))
+        else:
+            x = TensorBase(torch.randint(0, cfg['vocab'], (cfg['bs'], cfg['T']), generator=g))
+            y = TensorBase(torch.randint(0, cfg['vocab'], (cfg['bs'], cfg['T']), generator=g))
+        res.append((x.to(device), y.to(device)))
+    return res
+
+def _cpu_gloo_patch():
+    "fastai's `DistributedDL` broadcasts the sample order as a CUDA tensor, which only NCCL needs"
+    import torch
+    from fastai.distributed import DistributedDL
+    def _broadcast(self, t, rank):
+        t = torch.LongTensor(t)
+        torch.distributed.broadcast(t, rank)
+        return t.tolist()
+    DistributedDL._broadcast = _broadcast
+
+_ddp_buckets = []
+def _spy_ddp_optimizer():
+    "Record into how many DDP buckets TorchDynamo's DDPOptimizer split each graph"
+    from torch._dynamo.backends.distributed import DDPOptimizer
+    orig = DDPOptimizer.compile_fn
+    def compile_fn(self, gm, example_inputs, **kwargs):
+        res = orig(self, gm, example_inputs, **kwargs)
+        _ddp_buckets.append(len(getattr(self, 'buckets', ())))
+        return res
+    DDPOptimizer.compile_fn = compile_fn
+
+def run_one(args, name, cfg, mode, device, rank, world):
+    "Train one workload eager or compiled for `warmup+steps` steps per rank; the timings and compile report"
+    import torch
+    from functools import partial
+    from fastai.callback.core import Callback, CancelValidException
+    from fastai.callback.progress import ProgressCallback
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    from fastai.learner import Learner
+    from fastai.losses import CrossEntropyLossFlat
+    from fastai.optimizer import OptimWrapper
+    import fastai.callback.fp16, fastai.distributed
+    from fastxtend_compile import CompilerCallback, is_compiled
+
+    cuda = device.type == 'cuda'
+    n_steps = args.warmup + args.steps
+
+    class Batches:
+        "Prebatched items cycling through `pool` (a DataLoader with `bs=None` yields them as they are)"
+        def __init__(self, pool, n): self.pool, self.n = pool, n
+        def __len__(self): return self.n
+        def __getitem__(self, i): return self.pool[i % len(self.pool)]
+
+    def sync():
+        if cuda: torch.cuda.synchronize(device)
+
+    class TimeSteps(Callback):
+        "Wall time of each warm-up step, then of all timed steps together; no validation"
+        order = 1000
+        def before_fit(self): self.warm, self.t = [], None
+        def before_train(self):
+            sync()
+            self.t = time.perf_counter()
+        def after_batch(self):
+            if not self.training: return
+            if self.iter < args.warmup:
+                sync()
+                t = time.perf_counter()
+                self.warm.append(t - self.t)
+                self.t = t
+            elif self.iter == n_steps - 1:
+                sync()
+                self.timed = time.perf_counter() - self.t
+        def before_validate(self): raise CancelValidException()
+
+    torch.manual_seed(0) # Same initial weights on every rank (DDP broadcasts rank 0's anyway)
+    model = make_model(cfg)
+    pool = make_batches(cfg, device, rank)
+    # `DistributedDL` deals each rank `1/world` of the items: `n_steps` batches of `bs` each
+    dls = DataLoaders(DataLoader(Batches(pool, n_steps*world), bs=None), DataLoader(Batches(pool, world), bs=None),
+                      device=device)
+    adamw = partial(torch.optim.AdamW, fused=True) if cuda else partial(torch.optim.AdamW, foreach=True)
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), opt_func=partial(OptimWrapper, opt=adamw), lr=1e-3,
+                    cbs=TimeSteps())
+    learn.remove_cb(ProgressCallback)
+    if cuda: learn.to_bf16()
+    if mode == 'compile': learn.compile(backend=args.backend)
+    if cuda: torch.cuda.reset_peak_memory_stats(device)
+    _ddp_buckets.clear()
+    ctx = dict(sync_bn=args.sync_bn) if cuda else dict(sync_bn=False, cpu=True) # SyncBatchNorm needs a GPU
+    t0 = time.perf_counter()
+    with learn.no_logging(), learn.distrib_ctx(**ctx): learn.fit(1)
+    fit_s = time.perf_counter() - t0
+    ts = learn.time_steps
+    res = dict(workload=name, mode=mode, world=world, desc=describe(cfg), fit_s=fit_s, first_step_s=ts.warm[0],
+               warm_s=ts.warm, step_ms=ts.timed/args.steps*1e3, steps=args.steps, warmup=args.warmup,
+               peak_gib=torch.cuda.max_memory_allocated(device)/2**30 if cuda else None,
+               model_after_fit=type(learn.model).__name__, compiled_after_fit=is_compiled(learn.model),
+               ddp_buckets=list(_ddp_buckets))
+    if mode == 'compile':
+        r = learn.compiler.report
+        res.update(graphs=r.graphs, graph_breaks=r.graph_breaks, recompiles=len(r.recompiles), fallbacks=len(r.fallbacks),
+                   compile_s=r.compile_seconds, events=[str(e) for e in r.events])
+    if world > 1: # Slowest rank's step time; every rank trained the same parameters
+        t = torch.tensor([res['step_ms'], res['first_step_s']], device=device, dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        res['step_ms'], res['first_step_s'] = t.tolist()
+        flat = torch.cat([p.detach().float().flatten() for p in learn.model.parameters()])
+        mine = torch.stack([flat.sum(), flat.abs().sum(), (flat*torch.arange(len(flat), device=flat.device)%7).sum()]).double()
+        allp = [torch.zeros_like(mine) for _ in range(world)]
+        torch.distributed.all_gather(allp, mine)
+        res['ranks_identical'] = all(torch.equal(allp[0], a) for a in allp[1:])
+    res['samples_per_s'] = world*cfg['bs']*1e3/res['step_ms']
+    del learn, model, pool, dls
+    gc.collect()
+    torch._dynamo.reset()
+    if cuda: torch.cuda.empty_cache()
+    return res
+
+def worker(args):
+    import torch
+    from fastai.torch_core import rank_distrib, num_distrib
+    rank, world = rank_distrib(), max(num_distrib(), 1)
+    local = int(os.environ.get('LOCAL_RANK', 0))
+    if args.device == 'cuda':
+        torch.cuda.set_device(local)
+        device = torch.device('cuda', local)
+        torch.backends.cudnn.benchmark = True
+    else:
+        device = torch.device('cpu')
+        _cpu_gloo_patch()
+    _spy_ddp_optimizer()
+    results = []
+    for name in args.workloads.split(','):
+        cfg = WORKLOADS[name]['smoke' if args.smoke else 'full']
+        for mode in args.modes.split(','):
+            t0 = time.time()
+            try: res = run_one(args, name, cfg, mode, device, rank, world)
+            except Exception as e:
+                import traceback; traceback.print_exc()
+                res = dict(workload=name, mode=mode, world=world, desc=describe(cfg), error=f"{type(e).__name__}: {e}")
+            if rank == 0:
+                print(f"[{world} proc] {name} {mode}: " + (res.get('error') or
+                      f"first step {res['first_step_s']:.1f}s, {res['step_ms']:.1f} ms/step, {res['samples_per_s']:.0f} samples/s")
+                      + f" ({time.time()-t0:.0f}s)", flush=True)
+                results.append(res)
+                Path(args.result).write_text(json.dumps(dict(results=results, env=environment(device)), indent=1))
+    if world > 1: torch.distributed.barrier()
+
+def environment(device)->dict:
+    import torch, fastai
+    env = dict(torch=torch.__version__, fastai=fastai.__version__, python=platform.python_version(), device=str(device))
+    try:
+        import accelerate
+        env['accelerate'] = accelerate.__version__
+    except ImportError: pass
+    if device.type == 'cuda': env['gpu'] = torch.cuda.get_device_name(device)
+    return env
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Driver: the launches and the table
+
+def launch(args, world:int, result:Path, timeout:float)->tuple:
+    "Run one launch of `world` processes; (exit code or 'timeout', seconds)"
+    env = {k:v for k,v in os.environ.items() if k not in DIST_ENV}
+    env.update(SAFE_ENV, PYTHONUNBUFFERED='1', OMP_NUM_THREADS=env.get('OMP_NUM_THREADS', '1' if args.smoke else '4'),
+               TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix='ddp-bench-inductor-'))
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(ROOT), env.get('PYTHONPATH')]))
+    wargs = ['--worker', '--result', str(result), '--workloads', args.workloads, '--modes', args.modes, '--device', args.device,
+             '--backend', args.backend, '--steps', str(args.steps), '--warmup', str(args.warmup)]
+    wargs += ['--smoke'] * args.smoke + ['--sync-bn'] * args.sync_bn
+    me = str(Path(__file__).resolve())
+    cmd = [sys.executable, me, *wargs] if world == 1 else \
+          [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={world}', me, *wargs]
+    print(f"$ {' '.join(cmd)}", flush=True)
+    t0 = time.time()
+    p = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try: rc = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9) # torchrun and its workers
+        p.wait()
+        rc = 'timeout'
+    shutil.rmtree(env['TORCHINDUCTOR_CACHE_DIR'], ignore_errors=True)
+    return rc, time.time() - t0
+
+def table(results:list, gpus:int)->str:
+    one = {(r['workload'], r['mode']): r for r in results if r['world'] == 1 and 'error' not in r}
+    lines = ['| workload | mode | GPUs | first step (s) | step (ms) | samples/s | vs eager | scaling vs 1 GPU | '
+             'graphs / breaks / recompiles | DDP buckets per graph | ranks identical | peak GiB |',
+             '|---|---|---|---|---|---|---|---|---|---|---|---|']
+    order = sorted(results, key=lambda r: (list(WORKLOADS).index(r['workload']), r['mode'] != 'eager', r['world']))
+    for r in order:
+        head = f"| {r['desc']} | {'learn.compile()' if r['mode'] == 'compile' else 'eager'} | {r['world']} |"
+        if 'error' in r:
+            lines.append(head + f" failed: {r['error'][:120]} |" + ' |'*8)
+            continue
+        eager = next((e for e in results if e['workload'] == r['workload'] and e['world'] == r['world']
+                      and e['mode'] == 'eager' and 'error' not in e), None)
+        vs_eager = f"{eager['step_ms']/r['step_ms']:.2f}×" if eager and r['mode'] != 'eager' else '–'
+        base = one.get((r['workload'], r['mode']))
+        scaling = f"{r['samples_per_s']/base['samples_per_s']:.2f}× ({r['samples_per_s']/base['samples_per_s']/r['world']:.0%})" \
+                  if base and r['world'] > 1 else '–'
+        graphs = f"{r['graphs']} / {r['graph_breaks']} / {r['recompiles']}" if 'graphs' in r else '–'
+        buckets = ', '.join(map(str, r['ddp_buckets'])) if r.get('ddp_buckets') else '–'
+        same = {True: 'yes', False: 'NO'}.get(r.get('ranks_identical'), '–')
+        peak = f"{r['peak_gib']:.1f}" if r.get('peak_gib') is not None else '–'
+        lines.append(f"{head} {r['first_step_s']:.1f} | {r['step_ms']:.1f} | {r['samples_per_s']:.0f} | {vs_eager} | "
+                     f"{scaling} | {graphs} | {buckets} | {same} | {peak} |")
+    return '\n'.join(lines)
+
+def report(args, results, env, launches, total_s)->str:
+    gpu = env.get('gpu', env.get('device', '?'))
+    where = f"{args.gpus} GPUs" if args.device == 'cuda' else f"{args.gpus} CPU processes (smoke run)"
+    out = [f"# Compiled training on {where} through fastai's `distrib_ctx`", '',
+           f"{datetime.date.today()}, {gpu}; torch {env.get('torch')}, fastai {env.get('fastai')}, "
+           f"accelerate {env.get('accelerate')}, Python {env.get('python')}. "
+           f"`{' '.join(['python', 'bench/ddp_bench.py'] + sys.argv[1:])}`, {total_s/60:.1f} min in all.", '',
+           table(results, args.gpus), '',
+           f"- bf16 mixed precision (`learn.to_bf16()`), fused AdamW, synthetic batches already on the GPU, no validation; "
+           f"{args.warmup} warm-up steps, then {args.steps} timed steps (synchronized at both ends, slowest rank). "
+           f"`sync_bn={args.sync_bn}`." if args.device == 'cuda' else
+           f"- CPU smoke run: gloo, tiny sizes, backend `{args.backend}`; the timings mean nothing.",
+           "- 1 GPU is a plain process, as one GPU trains (no DDP); 2 GPUs is `torchrun --nproc_per_node=2` with "
+           "`learn.distrib_ctx()`. Each launch has a fresh inductor cache: the first step's time includes a cold compile.",
+           "- samples/s counts all GPUs' samples; scaling = 2-GPU samples/s over 1-GPU samples/s (efficiency in brackets).",
+           "- graphs / breaks / recompiles come from `learn.compiler.report`; DDP buckets per graph is how many pieces "
+           "TorchDynamo's DDPOptimizer split each compiled graph into (none: the graph ran outside DDP).",
+           "- ranks identical: a checksum of every rank's parameters after the fit is the same."]
+    for l in launches: out.append(f"- launch of {l['world']} process(es): exit {l['rc']}, {l['seconds']:.0f}s")
+    return '\n'.join(out) + '\n'
+
+def driver(args):
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0, results, launches, env = time.time(), [], [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in (1, args.gpus):
+            left = args.budget - (time.time() - t0)
+            if left < 30:
+                print(f"Skipping the {world}-process launch: the {args.budget}s budget is spent", flush=True)
+                continue
+            result = Path(tmp)/f'world{world}.json'
+            rc, secs = launch(args, world, result, timeout=min(args.timeout, left))
+            launches.append(dict(world=world, rc=rc, seconds=secs))
+            if result.exists():
+                d = json.loads(result.read_text())
+                results += d['results']
+                env = d['env']
+            if rc != 0: print(f"The {world}-process launch ended with {rc}", flush=True)
+    total = time.time() - t0
+    (out/'ddp.json').write_text(json.dumps(dict(env=env, args=vars(args), launches=launches, results=results), indent=1))
+    md = report(args, results, env, launches, total)
+    (out/'ddp.md').write_text(md)
+    print(md)
+    ok = all(l['rc'] == 0 for l in launches) and len(launches) == 2 and results and not any('error' in r for r in results)
+    ok = ok and all(r.get('ranks_identical', True) for r in results)
+    return 0 if ok else 1
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--out', default=str(ROOT/'bench'/'results'), help='Folder for ddp.md and ddp.json')
+    p.add_argument('--gpus', type=int, default=2, help='Processes of the multi-GPU launch')
+    p.add_argument('--workloads', default='resnet18,gpt')
+    p.add_argument('--modes', default='eager,compile')
+    p.add_argument('--device', default=None, help='cuda (default with a GPU) or cpu')
+    p.add_argument('--backend', default=None, help="torch.compile backend (default: inductor; aot_eager with --smoke)")
+    p.add_argument('--steps', type=int, default=None, help='Timed steps per rank (default 40; 3 with --smoke)')
+    p.add_argument('--warmup', type=int, default=None, help='Warm-up steps, compiling included (default 5; 2 with --smoke)')
+    p.add_argument('--sync-bn', action='store_true', help="Convert BatchNorm to SyncBatchNorm (fastai's default in distrib_ctx)")
+    p.add_argument('--smoke', action='store_true', help='Tiny sizes on the CPU with gloo: checks the code paths')
+    p.add_argument('--timeout', type=float, default=300, help='Seconds for one launch')
+    p.add_argument('--budget', type=float, default=530, help='Seconds for the whole run; a launch that would start later is skipped')
+    p.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
+    p.add_argument('--result', help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.device is None:
+        import torch
+        args.device = 'cuda' if torch.cuda.is_available() and not args.smoke else 'cpu'
+    args.backend = args.backend or ('aot_eager' if args.smoke else 'inductor')
+    args.steps = args.steps or (3 if args.smoke else 40)
+    args.warmup = args.warmup or (2 if args.smoke else 5)
+    if args.device == 'cuda' and not args.worker:
+        import torch
+        if torch.cuda.device_count() < args.gpus: sys.exit(f"{args.gpus} GPUs asked for, {torch.cuda.device_count()} found")
+    if args.worker: worker(args)
+    else: sys.exit(driver(args))
+
+if __name__ == '__main__': main()

@@ -1,0 +1,140 @@
+"""One process of a compiled fastai fit under `learn.distrib_ctx()` on the CPU with `gloo`, for tests/test_distributed.py.
+
+The test starts it once per rank with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` set, as
+`torchrun --nproc_per_node=2 tests/ddp_worker.py OUT` would; without them it runs the same fit in one process, without
+DDP, on the same global batches. It writes what the test checks to `OUT/rank{RANK}.pt`.
+"""
+import argparse, os, time
+os.environ.setdefault('OMP_NUM_THREADS', '1') # Before torch loads; else accelerate sets the thread count and warns
+
+import torch
+from torch import nn
+from fastai.data.core import TfmdDL, DataLoaders
+from fastai.learner import Learner
+from fastai.callback.progress import ProgressCallback
+from fastai.optimizer import SGD
+from fastai.torch_core import rank_distrib, num_distrib, distrib_barrier
+from fastai.distributed import DistributedDL
+from accelerate.utils import DistributedDataParallelKwargs
+from torch._dynamo.backends.distributed import DDPOptimizer
+from fastxtend_compile import *
+
+def _broadcast(self, t, rank):
+    "fastai broadcasts the sample order as a CUDA tensor, which only NCCL needs; this fit runs on the CPU with `gloo`"
+    t = torch.LongTensor(t)
+    torch.distributed.broadcast(t, rank)
+    return t.tolist()
+DistributedDL._broadcast = _broadcast
+
+# Record the buckets DDPOptimizer splits each graph into, to show TorchDynamo saw the DDP module
+_ddp_buckets, _ddp_compile_fn = [], DDPOptimizer.compile_fn
+def _spy_compile_fn(self, gm, example_inputs, **kwargs):
+    res = _ddp_compile_fn(self, gm, example_inputs, **kwargs)
+    _ddp_buckets.append(len(self.buckets))
+    return res
+DDPOptimizer.compile_fn = _spy_compile_fn
+
+N_TRAIN, N_VALID, BS, N_IN, N_HID, N_OUT = 64, 32, 8, 6, 512, 3 # `BS` per rank: a global batch is `BS*2` samples
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N_TRAIN+N_VALID, N_IN, generator=g)
+    y = x @ torch.randn(N_IN, N_OUT, generator=g) + 0.1*torch.randn(N_TRAIN+N_VALID, N_OUT, generator=g)
+    return x[:N_TRAIN], y[:N_TRAIN], x[N_TRAIN:], y[N_TRAIN:]
+
+def global_order(n, bs, world=2):
+    "Sample order that makes a single process's batch `k` (`bs*world` samples) the union of the ranks' batches `k`"
+    per = n // world # `DistributedDL` gives rank `r` the `r`-th contiguous `1/world` of the samples, unshuffled here
+    return [r*per + k*bs + i for k in range(per//bs) for r in range(world) for i in range(bs)]
+
+class TensorDS:
+    "Pairs of tensors, with what fastai asks of a dataset: `n_inp` and, to export, `new_empty`"
+    n_inp = 1
+    def __init__(self, x, y): self.x,self.y = x,y
+    def __len__(self): return len(self.x)
+    def __getitem__(self, i): return self.x[i], self.y[i]
+    def new_empty(self): return TensorDS(self.x[:0], self.y[:0])
+
+def dls(world):
+    xt,yt,xv,yv = data()
+    if world == 1:
+        it,iv = global_order(N_TRAIN, BS), global_order(N_VALID, BS)
+        xt,yt,xv,yv = xt[it],yt[it],xv[iv],yv[iv]
+    bs = BS*2 if world == 1 else BS
+    return DataLoaders(*(TfmdDL(TensorDS(x,y), bs=bs, shuffle=False, device='cpu') for x,y in ((xt,yt), (xv,yv))), device='cpu')
+
+class MLP(nn.Module):
+    "The same layers as a class with its own `forward`"
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+    def forward(self, x):
+        for l in self.layers: x = l(x)
+        return x
+
+def model(kind):
+    torch.manual_seed(42) # Same initial weights everywhere (DDP would broadcast rank 0's anyway)
+    layers = [nn.Linear(N_IN, N_HID), nn.ReLU(), nn.Linear(N_HID, N_HID), nn.ReLU(), nn.Linear(N_HID, N_HID), nn.ReLU(),
+              nn.Linear(N_HID, N_OUT)] # Two 1 MiB layers: more than one 1 MiB DDP bucket
+    return nn.Sequential(*layers) if kind == 'sequential' else MLP(layers)
+
+def events(report):
+    return [dict(kind=e.kind, frame=e.frame, reason=e.reason, text=str(e)) for e in report.events]
+
+def learner(world, model_kind, backend):
+    learn = Learner(dls(world), model(model_kind), loss_func=nn.MSELoss(), opt_func=SGD, lr=0.1)
+    learn.remove_cb(ProgressCallback)
+    return learn.compile(backend=backend)
+
+def fit(world, model_kind, backend, epochs=2):
+    learn = learner(world, model_kind, backend)
+    with learn.distrib_ctx(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=1)]): learn.fit(epochs)
+    return learn
+
+def export_and_load(learn, fname, rank, world):
+    "Export on every rank as a script would, count the files written, and load the export"
+    saves, save = [], torch.save
+    def spy(obj, f, *args, **kwargs):
+        if str(f) == fname: saves.append(rank)
+        return save(obj, f, *args, **kwargs)
+    torch.save = spy
+    try: learn.export(fname)
+    finally: torch.save = save
+    if world > 1: distrib_barrier() # The other ranks wait for rank 0's file
+    return saves, load_learner(fname)
+
+def explain(world, model_kind, backend):
+    "A fit with `DynamoExplainCallback`, which explains on rank 0 and cancels the fit on every rank"
+    learn = learner(world, model_kind, backend).add_cb(DynamoExplainCallback(print_results=False))
+    with learn.distrib_ctx(cpu=True): learn.fit(1)
+    out = learn.dynamo_explain.explain_output
+    return dict(explain_graphs=None if out is None else out.graph_count, explain_iters=learn.train_iter,
+                explain_model_type=type(learn.model).__name__)
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument('out')
+    p.add_argument('--model', default='sequential', choices=['sequential', 'class'])
+    p.add_argument('--backend', default='aot_eager')
+    p.add_argument('--no-explain', action='store_true')
+    a = p.parse_args()
+    rank, world = rank_distrib(), max(num_distrib(), 1)
+    t0 = time.time()
+    learn = fit(world, a.model, a.backend)
+    report = learn.compiler.report
+    res = dict(rank=rank, world=world, fit_seconds=time.time()-t0, model_type=type(learn.model).__name__,
+               compiled_after_fit=is_compiled(learn.model), events=events(report), graph_breaks=report.graph_breaks,
+               ddp_buckets=list(_ddp_buckets), losses=[float(l) for l in learn.recorder.losses],
+               params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
+    res['export_saves'], loaded = export_and_load(learn, os.path.join(a.out, f'export{world}.pkl'), rank, world)
+    x = data()[2][:4]
+    with torch.no_grad(): res['loaded_out'], res['trained_out'] = loaded.model(x), learn.model.eval()(x)
+    res['loaded_compiled'] = is_compiled(loaded.model)
+    if world > 1 and not a.no_explain:
+        res.update(explain(world, a.model, a.backend))
+        distrib_barrier() # Every rank got here: none is left waiting in a collective
+    torch.save(res, os.path.join(a.out, f'rank{rank}.pt'))
+    print(f"rank {rank} of {world}: fit in {res['fit_seconds']:.1f}s, DDPOptimizer buckets {res['ddp_buckets']}\n"
+          + learn.compiler.report.summary())
+
+if __name__ == '__main__': main()

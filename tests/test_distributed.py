@@ -1,0 +1,98 @@
+"""Compiled training through fastai's `distrib_ctx` (DistributedDataParallel): two CPU processes on `gloo`, started here.
+
+One run starts three processes at once: the two ranks of a DDP fit and, for reference, the same fit in one process on
+the same global batches. tests/ddp_worker.py is what each runs; the checks read what they wrote.
+"""
+import os, socket, subprocess, sys
+from pathlib import Path
+import pytest, torch
+
+pytest.importorskip('accelerate')
+pytestmark = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                                reason='needs torch.distributed with gloo')
+
+TIMEOUT = 240 # Seconds for the whole run: a rank stuck in a collective fails the test instead of blocking CI
+WORKER = Path(__file__).parent/'ddp_worker.py'
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+def _tail(path, n=40): return '\n'.join(Path(path).read_text(errors='replace').splitlines()[-n:])
+
+def launch(out:Path, *args):
+    "Start ranks 0 and 1 of a 2-process fit and the 1-process reference; return what each wrote"
+    port, root = _free_port(), str(Path(__file__).parents[1])
+    base = {k:v for k,v in os.environ.items() if k not in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE')}
+    base['CUDA_VISIBLE_DEVICES'] = '' # A CPU test, on a machine with GPUs too
+    base['PYTHONPATH'] = os.pathsep.join(filter(None, [os.environ.get('PYTHONPATH'), root]))
+    runs = {'rank0': dict(RANK='0', LOCAL_RANK='0'), 'rank1': dict(RANK='1', LOCAL_RANK='1'), 'single': {}}
+    procs = {}
+    for name,env in runs.items():
+        if env: env = dict(env, WORLD_SIZE='2', LOCAL_WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+        d = out/('single' if name == 'single' else 'ddp')
+        d.mkdir(exist_ok=True)
+        log = open(out/f'{name}.log', 'w')
+        procs[name] = (subprocess.Popen([sys.executable, str(WORKER), str(d), *args], env={**base, **env},
+                                        stdout=log, stderr=subprocess.STDOUT), log)
+    try:
+        for name,(p,_) in procs.items():
+            try: p.wait(timeout=TIMEOUT)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name} still running after {TIMEOUT}s (a rank hangs?):\n{_tail(out/f'{name}.log')}")
+    finally:
+        for p,log in procs.values():
+            if p.poll() is None: p.kill(); p.wait()
+            log.close()
+    for name,(p,_) in procs.items():
+        assert p.returncode == 0, f"{name} failed with exit code {p.returncode}:\n{_tail(out/f'{name}.log')}"
+    load = lambda f: torch.load(f, weights_only=False)
+    return [load(out/'ddp'/'rank0.pt'), load(out/'ddp'/'rank1.pt')], load(out/'single'/'rank0.pt')
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory): return launch(tmp_path_factory.mktemp('ddp'))
+
+def test_ranks_wrap_compile_and_unwrap(runs):
+    ranks, single = runs
+    for r in ranks + [single]:
+        assert r['model_type'] == 'Sequential' # DistributedTrainer unwrapped DDP after the fit...
+        assert r['compiled_after_fit'] # ...and left the compiled model, so inference after the fit needs no new compile
+    assert [r['world'] for r in ranks] == [2, 2] and single['world'] == 1
+
+def test_every_rank_trains_the_same_model(runs):
+    (r0, r1), _ = runs
+    for k in r0['params']: assert torch.equal(r0['params'][k], r1['params'][k]), k
+
+def test_two_processes_match_one_on_the_same_global_batch(runs):
+    (r0, _), single = runs
+    for k,v in single['params'].items(): torch.testing.assert_close(r0['params'][k], v, rtol=1e-5, atol=1e-5, msg=k)
+    # fastai records rank 0's loss on its half batch; the halves' mean is the 1-process loss, so compare the trend only
+    assert len(r0['losses']) == len(single['losses'])
+
+def test_ddp_optimizer_splits_the_compiled_graph_at_bucket_boundaries(runs):
+    ranks, single = runs
+    for r in ranks: # The graphs compiled while DDP ran: split into DDP's 1 MiB gradient buckets (the model has ~2 MiB)
+        assert r['ddp_buckets'] and all(n >= 2 for n in r['ddp_buckets']), r['ddp_buckets']
+    assert single['ddp_buckets'] == []
+
+def test_each_rank_compiles_as_one_process_does(runs):
+    ranks, single = runs
+    kinds = lambda r: [(e['kind'], e['frame']) for e in r['events']]
+    assert [k for k,_ in kinds(single)] == ['compile', 'recompile'] # Training, then validation without gradients
+    for r in ranks:
+        assert kinds(r) == kinds(single), '\n'.join(e['text'] for e in r['events'])
+        assert r['graph_breaks'] == single['graph_breaks'] == 0
+
+def test_only_rank0_exports_and_every_rank_loads_it(runs):
+    ranks, single = runs
+    assert ranks[0]['export_saves'] == [0] and ranks[1]['export_saves'] == [] and single['export_saves'] == [0]
+    for r in ranks + [single]:
+        assert not r['loaded_compiled']
+        torch.testing.assert_close(r['loaded_out'], r['trained_out'])
+
+def test_explain_runs_on_rank0_and_cancels_every_rank(runs):
+    (r0, r1), _ = runs
+    assert r0['explain_graphs'] == 1 and r1['explain_graphs'] is None # Rank 0 explained, rank 1 did not
+    assert r0['explain_iters'] == r1['explain_iters'] == 0 # No rank trained: the fit was cancelled everywhere
+    # Both ranks then met at a barrier and wrote their results, so none hung
