@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_callback.ipynb #a89011f9
 from __future__ import annotations
-import warnings
+import warnings, weakref
 from typing import Callable, Dict, Union
 
 import torch
@@ -34,10 +34,12 @@ class CompilerCallback(Callback):
         matmul_precision:str|MatMulPrecision='high', # Set Ampere and newer matmul precision
         recompile:bool=False, # Force a compiled model to recompile. Use when freezing/unfreezing a compiled model.
         verbose:bool=False, # Verbose output
+        regional:bool=False, # Compile only the model's repeated blocks (e.g. transformer layers): a faster cold compile
     ):
         self.settings = compile_settings(fullgraph, dynamic, backend, mode, options)
         self.matmul_precision = MatMulPrecision(matmul_precision).value
-        store_attr('recompile,verbose')
+        store_attr('recompile,verbose,regional')
+        self.compiled_model = None # Weak reference to the model this callback compiled
         self.report, self.freeze_changed = CompileReport(), True
         self.compile_recorder = CompileRecorder(self.report)
 
@@ -74,8 +76,8 @@ class CompilerCallback(Callback):
         torch.set_float32_matmul_precision(self.matmul_precision)
 
     def before_batch(self):
-        # Compile here, not only before the fit, so a model swapped or replaced mid-fit is compiled too
-        if compiled_settings(self.learn.model) != self.settings: self._compile()
+        # Compile here, not only before the fit, so a model swapped mid-fit is compiled too
+        if self.compiled_model is None or self.compiled_model() is not self.learn.model: self._compile()
         self.compile_recorder.batch_start(self.training)
 
     def after_step(self):
@@ -92,7 +94,9 @@ class CompilerCallback(Callback):
         self._restore()
         if self.verbose and self.trained: print(self.report.summary())
 
-    def _compile(self): self.learn.model = compile_model(self.learn.model, on_refused=self._refused, **self.settings)
+    def _compile(self):
+        self.learn.model = compile_model(self.learn.model, self.regional, on_refused=self._refused, **self.settings)
+        self.compiled_model = weakref.ref(self.learn.model)
 
     def _restore(self):
         "Undo what `before_fit` changed outside the model"

@@ -5,6 +5,7 @@
 # %% ../nbs/00_core.ipynb #de0ba488
 from __future__ import annotations
 import inspect, shutil
+from collections import Counter
 from enum import Enum
 from typing import Callable, Dict, Union
 
@@ -17,7 +18,7 @@ from fastai.torch_core import TensorBase
 # %% auto #0
 __all__ = ['CompileMode', 'MatMulPrecision', 'check_backend', 'compile_settings', 'cannot_compile_reason', 'graph_break_reason',
            'GraphBreakError', 'uses_cudagraphs', 'CompiledCall', 'unwrap_model', 'compiled_settings', 'is_compiled',
-           'compile_model', 'uncompile_model']
+           'repeated_blocks', 'compile_model', 'uncompile_model']
 
 # %% ../nbs/00_core.ipynb #69462bf1
 class _CheckedEnum(str, Enum):
@@ -128,12 +129,12 @@ _can_isolate = 'isolate_recompiles' in inspect.signature(torch.compile).paramete
 
 class CompiledCall:
     "The compiled `__call__` of a module: `torch.compile` on plain tensors, with outputs typed as fastai's eager ones"
-    def __init__(self, module:nn.Module, on_refused:Callable|None=None, **settings):
+    def __init__(self, module:nn.Module, on_refused:Callable|None=None, isolate:bool=True, **settings):
         self.module, self.on_refused, self.settings = module, on_refused, settings
         # CUDA graphs overwrite their outputs at the next replay, and fastai keeps outputs around (Recorder, metrics, preds)
         self.cudagraphs = uses_cudagraphs(settings)
-        # Each compile gets its own recompile region where torch supports it, so models don't share a recompile limit
-        extra = dict(isolate_recompiles=True) if _can_isolate else {}
+        # Each model gets its own recompile region where torch supports it, so models don't share a recompile limit
+        extra = dict(isolate_recompiles=True) if isolate and _can_isolate else {}
         self.compiled = torch.compile(module._call_impl, **settings, **extra)
 
     def __call__(self, *args, **kwargs):
@@ -165,14 +166,32 @@ def is_compiled(model:nn.Module)->bool:
     "Whether `model` is compiled, in place or wrapped by `torch.compile`"
     return compiled_settings(model) is not None
 
-def compile_model(model:nn.Module, on_refused:Callable|None=None, **settings)->nn.Module:
-    "Compile `model` in place with `settings` (see `compile_settings`), unwrapping an `OptimizedModule` first"
-    model = unwrap_model(model)
-    model._compiled_call_impl = CompiledCall(model, on_refused=on_refused, **settings)
+def repeated_blocks(model:nn.Module)->list:
+    "The largest blocks that repeat among the children of a `ModuleList` or `Sequential`, such as a transformer's layers"
+    kids = list(model.children())
+    if isinstance(model, (nn.ModuleList, nn.Sequential)):
+        counts = Counter(type(k) for k in kids if next(k.children(), None) is not None)
+        if any(n > 1 for n in counts.values()): return [k for k in kids if counts[type(k)] > 1]
+    return [b for k in kids for b in repeated_blocks(k)]
+
+def compile_model(
+    model:nn.Module, # Model to compile in place
+    regional:bool=False, # Compile only its repeated blocks, each reusing its twins' compiled code
+    on_refused:Callable|None=None, # Called when a `fullgraph=True` compile is refused
+    **settings # `torch.compile` settings, from `compile_settings`
+)->nn.Module:
+    "Compile `model` in place with `settings`, unwrapping an `OptimizedModule` first"
+    model = uncompile_model(model)
+    if not regional:
+        model._compiled_call_impl = CompiledCall(model, on_refused=on_refused, **settings)
+        return model
+    blocks = repeated_blocks(model)
+    if not blocks: raise ValueError(f"regional=True, but {type(model).__name__} has no repeated blocks (children of a ModuleList or Sequential of the same class) to compile")
+    for b in blocks: b._compiled_call_impl = CompiledCall(b, on_refused=on_refused, isolate=False, **settings)
     return model
 
 def uncompile_model(model:nn.Module)->nn.Module:
-    "`model` with its compiled state dropped, so it runs eagerly"
+    "`model` with its compiled state, and that of any compiled block inside it, dropped, so it runs eagerly"
     model = unwrap_model(model)
-    model._compiled_call_impl = None
+    for m in model.modules(): m._compiled_call_impl = None
     return model

@@ -166,14 +166,14 @@ def test_save_model_and_early_stopping(digits, tmp_path):
     assert not any(k.startswith('_orig_mod') for k in best)
     assert unchanged(params(learn.model), [best[k] for k in learn.model.state_dict() if 'weight' in k or 'bias' in k])
 
-def _fit_pair(make_learner, epochs=1, backend=BACKEND, lr=3e-3, run=None):
+def _fit_pair(make_learner, epochs=1, backend=BACKEND, lr=3e-3, run=None, **compile_kwargs):
     "Train the same seeded Learner (fresh DataLoaders: their shuffling RNG is seeded when created) eagerly and compiled"
     res = []
     for compiled in (False, True):
         set_seed(0, reproducible=True)
         dls = digits_dls()
         learn = make_learner(dls)
-        if compiled: learn.compile(backend=backend)
+        if compiled: learn.compile(backend=backend, **compile_kwargs)
         if run is None: learn.fit(epochs, lr)
         else: run(dls, learn)
         res.append(learn)
@@ -214,3 +214,27 @@ def test_layer_replaced_mid_fit_trains_the_new_layer(digits):
     out = learn.model(xb)
     uncompile_model(learn.model)
     torch.testing.assert_close(out.as_subclass(Tensor), learn.model(xb).as_subclass(Tensor), rtol=1e-5, atol=1e-5)
+
+
+class Block(nn.Module):
+    def __init__(self, d=32): super().__init__(); self.norm, self.lin = nn.LayerNorm(d), nn.Linear(d, d)
+    def forward(self, x): return x + self.lin(self.norm(x)).relu()
+
+def tower(n_blocks=6):
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Sequential(*[Block() for _ in range(n_blocks)]), nn.Linear(32, 10))
+
+def test_regional_compiles_one_block_for_its_twins():
+    eager, comp = _fit_pair(lambda dls: Learner(dls, tower()), regional=True)
+    assert all(is_compiled(b) for b in comp.model[2])
+    for a,b in zip(eager.model.parameters(), comp.model.parameters()): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+def test_regional_training_compiles_once_per_graph_kind(digits):
+    class FreshBlock(Block): # Code of its own: nothing compiled earlier in this process can be reused
+        def forward(self, x): return x + self.lin(self.norm(x)).relu()
+    model = tower()
+    model[2] = nn.Sequential(*[FreshBlock() for _ in range(6)])
+    learn = Learner(digits, model).compile(backend=BACKEND, regional=True)
+    learn.fit(1)
+    assert all(is_compiled(b) for b in learn.model[2]) and not is_compiled(learn.model)
+    train = [e for e in learn.compiler.report.events if e.during.startswith('training')]
+    assert len(train) == 1, [str(e) for e in train] # six blocks, one compile
