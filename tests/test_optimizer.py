@@ -89,6 +89,29 @@ def test_new_hyperparameters_every_step_never_recompile(name):
     assert graphs() - before == 1
     assert opt.hypers[0]['lr'] == pytest.approx(1e-3 * 10)
 
+def test_each_optimizer_has_its_own_graphs_and_recompile_limit():
+    before = graphs()
+    for i in range(12): # More optimizers than TorchDynamo's recompile limit (8), each with parameters of other shapes
+        p = torch.zeros(i + 1, requires_grad=True)
+        opt = compile_optimizer(SGD([p], lr=0.1), backend='eager')
+        p.grad = torch.ones_like(p)
+        opt.step()
+        torch.testing.assert_close(p.detach(), torch.full_like(p, -0.1))
+    assert graphs() - before == 12 # None ran eagerly for want of room in a shared cache
+
+def test_scalars_are_0d_tensors_refilled_in_place():
+    ps = make_params()
+    opt = compile_optimizer(SGD(ps, lr=0.1, mom=0.9), backend='eager')
+    for p in ps: p.grad = torch.ones_like(p)
+    opt.step()
+    scalars = opt.step.scalars[0, torch.device('cpu'), torch.float32].tensors
+    before = dict(scalars)
+    opt.set_hypers(lr=0.2, mom=0.8)
+    opt.step()
+    assert all(scalars[k] is t and t.ndim == 0 for k,t in before.items())
+    # SGD's step functions: weight_decay, average_grad, momentum_step
+    assert scalars[1, 'mom'].item() == pytest.approx(0.8) and scalars[2, 'neg_lr'].item() == pytest.approx(-0.2)
+
 def test_inductor():
     before = graphs()
     for name in ('Adam', 'SGD-mom'):
