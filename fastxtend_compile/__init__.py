@@ -5,6 +5,7 @@ except _NotFound: __version__ = 'unknown'
 
 from .core import *
 from .report import *
+from .optimizer import *
 from .callback import *
 from .patches import *
 from .explain import *

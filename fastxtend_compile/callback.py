@@ -16,6 +16,7 @@ from fastai.learner import Learner
 
 from .core import *
 from .report import *
+from .optimizer import compile_optimizer
 
 # %% auto #0
 __all__ = ['CompilerCallback']
@@ -35,10 +36,11 @@ class CompilerCallback(Callback):
         recompile:bool=False, # Force a compiled model to recompile. Use when freezing/unfreezing a compiled model.
         verbose:bool=False, # Verbose output
         regional:bool=False, # Compile only the model's repeated blocks (e.g. transformer layers): a faster cold compile
+        compile_opt:bool=True, # Compile the step of a fastai `Optimizer` too (see `compile_optimizer`)
     ):
         self.settings = compile_settings(fullgraph, dynamic, backend, mode, options)
         self.matmul_precision = MatMulPrecision(matmul_precision).value
-        store_attr('recompile,verbose,regional')
+        store_attr('recompile,verbose,regional,compile_opt')
         self.compiled_model = None # Weak reference to the model this callback compiled
         self.report, self.freeze_changed = CompileReport(), True
         self.compile_recorder = CompileRecorder(self.report)
@@ -54,6 +56,9 @@ class CompilerCallback(Callback):
             self.run = False
             return
         self._set_matmul_precision(device)
+        if self.compile_opt and self.learn.opt is not None: # `create_opt` makes an eager optimizer: check at every fit
+            # Parameter shapes never change, and CUDA graphs don't suit a step that updates its inputs in place
+            compile_optimizer(self.learn.opt, **{**self.settings, 'dynamic': False, 'mode': None, 'fullgraph': False})
         self.cudagraph_grads = device.type == 'cuda' and uses_cudagraphs(self.settings)
         if self.recompile and self.freeze_changed: self._compile()
         self.freeze_changed, self.trained = False, False
