@@ -12,6 +12,8 @@ from fastcore.basics import store_attr
 from fastcore.meta import delegates
 from fastcore.basics import patch
 from fastai.callback.core import Callback
+from fastai.torch_core import get_model, rank_distrib
+from fastcore.basics import noop
 from fastai.learner import Learner
 
 from .core import *
@@ -24,7 +26,7 @@ __all__ = ['CompilerCallback']
 # %% ../nbs/02_callback.ipynb #59e8f7c7
 class CompilerCallback(Callback):
     "A callback for using `torch.compile` with fastai"
-    order = 12 # After `DistributedTrainer` (11), so DDP's wrapper is compiled as PyTorch recommends
+    order = 12 # After `DistributedTrainer` (11) wraps the model in DDP, so the module inside it is compiled
 
     def __init__(self,
         fullgraph:bool=False, # Prevent breaking model into subgraphs
@@ -45,9 +47,11 @@ class CompilerCallback(Callback):
         self.report, self.freeze_changed = CompileReport(), True
         self.compile_recorder = CompileRecorder(self.report)
 
+    def __getstate__(self): return {**self.__dict__, 'compiled_model': None} # A copy compiles its model afresh
+
     def before_fit(self):
         model = self.learn.model
-        if not getattr(self.learn, 'compile_frozen', True) and self._frozen() and not is_compiled(model):
+        if not getattr(self.learn, 'compile_frozen', True) and self._frozen() and not is_compiled(get_model(model)):
             self.run = False # `fine_tune(compile_frozen=False)`: frozen epochs run eagerly
             return
         device = next(model.parameters(), torch.empty(0)).device
@@ -62,7 +66,8 @@ class CompilerCallback(Callback):
         self.cudagraph_grads = device.type == 'cuda' and uses_cudagraphs(self.settings)
         if self.recompile and self.freeze_changed: self._compile()
         self.freeze_changed, self.trained = False, False
-        self.compile_recorder.model_name = type(unwrap_model(model)).__name__
+        self.compile_recorder.model_name = type(unwrap_model(get_model(model))).__name__
+        self.compile_recorder.show = print if rank_distrib() == 0 else noop
         self.compile_recorder.start()
 
     def after_freeze(self):
@@ -82,7 +87,7 @@ class CompilerCallback(Callback):
 
     def before_batch(self):
         # Compile here, not only before the fit, so a model swapped mid-fit is compiled too
-        if self.compiled_model is None or self.compiled_model() is not self.learn.model: self._compile()
+        if self.compiled_model is None or self.compiled_model() is not get_model(self.learn.model): self._compile()
         self.compile_recorder.batch_start(self.training)
 
     def after_step(self):
@@ -100,8 +105,14 @@ class CompilerCallback(Callback):
         if self.verbose and self.trained: print(self.report.summary())
 
     def _compile(self):
-        self.learn.model = compile_model(self.learn.model, self.regional, on_refused=self._refused, **self.settings)
-        self.compiled_model = weakref.ref(self.learn.model)
+        # Under DistributedDataParallel, compile the module DDP runs rather than DDP, whose forward breaks the graph on
+        # purpose: it runs inside DDP's forward, so TorchDynamo's DDPOptimizer splits it at DDP's gradient buckets
+        model = self.learn.model
+        inner = get_model(model)
+        compiled = compile_model(inner, self.regional, on_refused=self._refused, **self.settings)
+        if inner is model: self.learn.model = compiled
+        elif compiled is not inner: model.module = compiled # `inner` was an `OptimizedModule`
+        self.compiled_model = weakref.ref(compiled)
 
     def _restore(self):
         "Undo what `before_fit` changed outside the model"

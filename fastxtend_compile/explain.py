@@ -57,8 +57,11 @@ def untouched(learn:Learner):
 def one_plain_batch(learn:Learner):
     "One batch from the validation set (training set if there is none), as plain tensors split into inputs and targets"
     dl = learn.dls.valid if len(learn.dls.valid) else learn.dls.train
+    # fastai's `DistributedDL` deals each rank its share through a collective every rank must join: draw from the
+    # DataLoader it wraps, so rank 0 alone can take a batch
+    if type(dl).__name__ == 'DistributedDL': dl = dl.dl
     b = tree_map_only(TensorBase, lambda t: t.as_subclass(Tensor), dl.one_batch())
-    return b[:learn.dls.n_inp], b[learn.dls.n_inp:]
+    return b[:dl.n_inp], b[dl.n_inp:]
 
 # %% ../nbs/04_explain.ipynb #cdb3dead
 def _where(reason)->str:

@@ -173,6 +173,8 @@ class CompiledOptimizerStep:
         # Each optimizer gets its own graphs, freed with it, and its own recompile limit, on every torch version
         self.compiled = torch.compile(_own_copy(_foreach_step), **settings)
 
+    def __reduce__(self): return (partial(type(self), **self.settings), (self.opt,)) # Compiled anew when unpickled or copied
+
     def _set_rules(self):
         self.cbs = tuple(self.opt.cbs)
         rules = [_rule_of(cb) for cb in self.cbs]

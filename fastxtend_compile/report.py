@@ -175,6 +175,8 @@ class CompileRecorder:
 
     def _frame(self, m):
         if m.co_filename.startswith(_torch_dir): return self.model_name
+        if m.co_name == '_foreach_step' and m.co_filename.endswith('optimizer.py'): return 'optimizer step'
+
         return f"{m.co_name} ({m.co_filename}:{m.co_firstlineno})"
 
     def collect(self, during:str=''):
@@ -199,4 +201,4 @@ class CompileRecorder:
     def batch_done(self, training:bool):
         "Record the batch's time if `training`, and what was compiled during it"
         if training: self.report.batch_times.append((time.perf_counter() - self.batch_t, self.compiling))
-        self.collect(self.during)
+        if self.compiling: self.collect(self.during)

@@ -28,14 +28,15 @@ def test_report_records_compiles_and_recompile_reasons(digits, capsys):
     learn = Learner(digits, two_conv_cnn()).compile(backend=BACKEND, verbose=True)
     learn.fit(1)
     r = learn.compiler.report
-    assert r.graphs == 3 and r.graph_breaks == 0 and not r.fallbacks
+    assert r.graphs == 4 and r.graph_breaks == 0 and not r.fallbacks
+    assert [e.frame for e in r.events if e.kind == 'compile'] == ['Sequential', 'optimizer step']
     assert r.events[0].kind == 'compile' and r.events[0].during == 'training batch 1' and r.events[0].frame == 'Sequential'
     reasons = [e.reason for e in r.recompiles]
     assert "gradients were switched on or off (validation and inference run without them)" in reasons
     assert any(re.match(r"batch size changed from 64 to \d+ \(often the last, smaller batch", x) for x in reasons)
     assert r.compile_seconds > 0
     out = capsys.readouterr().out
-    assert re.search(r"torch.compile: 3 graph\(s\) compiled in [\d.]+s, 0 graph break\(s\), 2 recompile\(s\), 0 eager fallback\(s\)", out)
+    assert re.search(r"torch.compile: 4 graph\(s\) compiled in [\d.]+s, 0 graph break\(s\), 2 recompile\(s\), 0 eager fallback\(s\)", out)
     assert "batch size changed from 64 to" in out
 
 def test_graph_breaks_counted():
