@@ -163,7 +163,7 @@ class CompileRecorder:
 
     def _on_start(self, *args):
         self.compiling, self.started = True, time.perf_counter()
-        self.timer = threading.Timer(self.notice_after, lambda: self.show(f"Compiling the {self.model_name} with torch.compile..."))
+        self.timer = threading.Timer(self.notice_after, lambda: self.show(f"torch.compile is compiling ({self.during or 'first call'})..."))
         self.timer.daemon = True
         self.timer.start()
 

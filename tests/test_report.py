@@ -79,7 +79,7 @@ def test_long_compile_is_announced(digits, capsys):
     learn.compiler.compile_recorder.notice_after = 0.
     learn.fit(1)
     out = capsys.readouterr().out
-    assert "Compiling the Sequential with torch.compile..." in out
+    assert "torch.compile is compiling (training batch 1)..." in out
     assert re.search(r"\.\.\.compiled in [\d.]+s", out)
 
 def test_batch_time_plot(digits):
