@@ -21,6 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT)) # The repository's `fastxtend_compile`, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from arm import make_model # The same ResNet-18 and GPT-style models as the single-GPU benchmark
 
 # Multicast over NVLink can take a shared host's GPUs out of service: keep it off in every process started here
 SAFE_ENV = dict(NCCL_NVLS_ENABLE='0', TORCH_SYMM_MEM_DISABLE_MULTICAST='1', NVSHMEM_DISABLE_NVLS='1')
@@ -40,41 +42,6 @@ def describe(cfg:dict)->str:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Worker: one process of one launch, training every workload eager then compiled
-
-def make_model(cfg):
-    import torch
-    from torch import nn
-    import torch.nn.functional as F
-    if cfg['kind'] == 'resnet':
-        import torchvision
-        return torchvision.models.resnet18(num_classes=1000)
-
-    class Block(nn.Module):
-        "Pre-norm transformer block, causal attention through `F.scaled_dot_product_attention`"
-        def __init__(self, d, n_head):
-            super().__init__()
-            self.n_head = n_head
-            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.proj = nn.Linear(d, 3*d), nn.Linear(d, d)
-            self.mlp = nn.Sequential(nn.Linear(d, 4*d), nn.GELU(approximate='tanh'), nn.Linear(4*d, d))
-        def forward(self, x):
-            B,T,C = x.shape
-            q,k,v = (t.view(B, T, self.n_head, C//self.n_head).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(C, dim=2))
-            x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C))
-            return x + self.mlp(self.ln2(x))
-
-    class GPT(nn.Module):
-        def __init__(self, vocab, T, d, n_layer, n_head):
-            super().__init__()
-            self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(T, d)
-            self.blocks = nn.ModuleList(Block(d, n_head) for _ in range(n_layer))
-            self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-        def forward(self, idx):
-            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-            for b in self.blocks: x = b(x)
-            return self.head(self.ln_f(x))
-
-    return GPT(cfg['vocab'], cfg['T'], cfg['d'], cfg['n_layer'], cfg['n_head'])
 
 def make_batches(cfg, device, rank, n=4):
     "`n` distinct synthetic batches for this rank, on `device`, typed as fastai's data blocks type them"
