@@ -122,7 +122,6 @@ class CompileRecorder:
         store_attr()
         self.timer, self.log_handler, self.froze, self.during = None, None, False, ''
 
-
     def __getstate__(self): return {**self.__dict__, 'timer': None, 'log_handler': None} # Locks can't be pickled or copied
 
     def note_freeze_change(self):
@@ -176,7 +175,6 @@ class CompileRecorder:
     def _frame(self, m):
         if m.co_filename.startswith(_torch_dir): return self.model_name
         if m.co_name == '_foreach_step' and m.co_filename.endswith('optimizer.py'): return 'optimizer step'
-
         return f"{m.co_name} ({m.co_filename}:{m.co_firstlineno})"
 
     def collect(self, during:str=''):
