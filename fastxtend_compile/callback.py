@@ -51,10 +51,10 @@ class CompilerCallback(Callback):
 
     def before_fit(self):
         model = self.learn.model
-        if not getattr(self.learn, 'compile_frozen', True) and self._frozen() and not is_compiled(get_model(model)):
+        if not getattr(self.learn, 'compile_frozen', True) and self._frozen() and not is_compiled(inner_model(model)):
             self.run = False # `fine_tune(compile_frozen=False)`: frozen epochs run eagerly
             return
-        device = next(model.parameters(), torch.empty(0)).device
+        device = model_device(model)
         if reason := cannot_compile_reason(self.settings['backend'], device):
             warnings.warn(f"Not compiling the model: {reason}. Training continues eagerly.")
             self.run = False
@@ -66,7 +66,7 @@ class CompilerCallback(Callback):
         self.cudagraph_grads = device.type == 'cuda' and uses_cudagraphs(self.settings)
         if self.recompile and self.freeze_changed: self._compile()
         self.freeze_changed, self.trained = False, False
-        self.compile_recorder.model_name = type(unwrap_model(get_model(model))).__name__
+        self.compile_recorder.model_name = type(inner_model(model)).__name__
         self.compile_recorder.show = print if rank_distrib() == 0 else noop
         self.compile_recorder.start()
 

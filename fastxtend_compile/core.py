@@ -13,12 +13,12 @@ import torch
 from torch import nn, Tensor
 from torch.utils._pytree import tree_map_only, tree_leaves
 from fastcore.basics import store_attr
-from fastai.torch_core import TensorBase
+from fastai.torch_core import TensorBase, get_model
 
 # %% auto #0
 __all__ = ['CompileMode', 'MatMulPrecision', 'check_backend', 'compile_settings', 'cannot_compile_reason', 'graph_break_reason',
-           'GraphBreakError', 'uses_cudagraphs', 'CompiledCall', 'unwrap_model', 'compiled_settings', 'is_compiled',
-           'repeated_blocks', 'compile_model', 'uncompile_model']
+           'GraphBreakError', 'uses_cudagraphs', 'CompiledCall', 'unwrap_model', 'inner_model', 'model_device',
+           'compiled_settings', 'is_compiled', 'repeated_blocks', 'compile_model', 'uncompile_model']
 
 # %% ../nbs/00_core.ipynb #69462bf1
 class _CheckedEnum(str, Enum):
@@ -154,6 +154,14 @@ class CompiledCall:
 def unwrap_model(model:nn.Module)->nn.Module:
     "`model` without a `torch.compile` wrapper (`OptimizedModule`)"
     return getattr(model, '_orig_mod', model)
+
+def inner_model(model:nn.Module)->nn.Module:
+    "The module doing the work: `model` without its DDP (`get_model`) and `torch.compile` wrappers"
+    return unwrap_model(get_model(model))
+
+def model_device(model:nn.Module)->torch.device:
+    "The device of `model`'s parameters (the CPU for a model without any)"
+    return next(model.parameters(), torch.empty(0)).device
 
 def compiled_settings(model:nn.Module)->dict|None:
     "The `torch.compile` settings `model` is compiled with: `{}` if unknown, `None` if it isn't compiled"

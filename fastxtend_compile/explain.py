@@ -24,29 +24,29 @@ from .callback import CompilerCallback
 __all__ = ['learner_autocast', 'untouched', 'one_plain_batch', 'explain_summary', 'DynamoExplainCallback', 'CompileStage']
 
 # %% ../nbs/04_explain.ipynb #049826d9
-def _model_device(model): return next(model.parameters(), torch.empty(0)).device
-
 def learner_autocast(learn:Learner):
     "The autocast `learn`'s `MixedPrecision` callback trains under, or a no-op context without one"
     mp = getattr(learn, 'mixed_precision', None)
     if mp is None: return nullcontext()
     dtype = torch.bfloat16 if mp.amp_mode.value == 'bf16' else torch.float16
-    return torch.autocast(_model_device(learn.model).type, dtype=dtype)
+    return torch.autocast(model_device(learn.model).type, dtype=dtype)
 
 @contextmanager
 def untouched(learn:Learner):
     "Run the body with `learn.model` eager and in training mode, then restore RNG states, buffers, gradients and compilation"
-    model = unwrap_model(getattr(learn.model, 'module', learn.model)) # Inside DDP and `torch.compile` wrappers
+    model = inner_model(learn.model)
     rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     buffers = [b.clone() for b in model.buffers()]
     grads = [p.grad for p in model.parameters()]
-    compiled, training = model._compiled_call_impl, model.training
-    model._compiled_call_impl = None
+    # The whole model and, with `regional=True`, its blocks
+    compiled = {m: m._compiled_call_impl for m in model.modules() if m._compiled_call_impl is not None}
+    training = model.training
+    uncompile_model(model)
     model.train()
     try: yield model
     finally:
-        model._compiled_call_impl = compiled
+        for m,call in compiled.items(): m._compiled_call_impl = call
         model.train(training)
         with torch.no_grad():
             for b,old in zip(model.buffers(), buffers): b.copy_(old)
@@ -138,9 +138,8 @@ class CompileStage:
                 f"gradients {'match' if self.grads_match else 'differ'}, max difference {self.max_diff:.2e})")
 
 # %% ../nbs/04_explain.ipynb #810d0c04
-def _forward_backward(learn, call, xb, yb):
-    "Outputs and gradients of one forward and backward pass through `call`"
-    model = unwrap_model(getattr(learn.model, 'module', learn.model))
+def _forward_backward(learn, model, call, xb, yb):
+    "Outputs and gradients of `model`'s parameters from one forward and backward pass through `call`"
     for p in model.parameters(): p.grad = None
     with learner_autocast(learn): out = call(*xb)
     learn.loss_func(out, *yb).backward()
@@ -166,13 +165,13 @@ def debug_compile(self:Learner,
     stages = []
     with untouched(self) as model:
         xb,yb = one_plain_batch(self)
-        ref_out, ref_grads = _forward_backward(self, model, xb, yb)
+        ref_out, ref_grads = _forward_backward(self, model, model, xb, yb)
         for b in dict.fromkeys(['eager', 'aot_eager', settings['backend']]):
             stage = CompileStage(b)
             stages.append(stage)
             try:
                 call = CompiledCall(model, **{**settings, 'backend':b, 'mode':settings['mode'] if b == settings['backend'] else None})
-                out, grads = _forward_backward(self, call, xb, yb)
+                out, grads = _forward_backward(self, model, call, xb, yb)
             except Exception as e:
                 stage.error = e
                 break

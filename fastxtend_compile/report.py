@@ -120,7 +120,7 @@ class CompileRecorder:
         show:Callable=print, # Where announcements go
     ):
         store_attr()
-        self.timer, self.log_handler, self.froze, self.during = None, None, False, ''
+        self.timer, self.log_handler, self.froze, self.training = None, None, False, None
 
     def __getstate__(self): return {**self.__dict__, 'timer': None, 'log_handler': None} # Locks can't be pickled or copied
 
@@ -191,12 +191,17 @@ class CompileRecorder:
             self.report.events.append(ev)
         self.report.graph_breaks = sum(counters['graph_break'].values()) - self.graph_breaks0
 
+    @property
+    def during(self)->str:
+        "The batch running now, for the events compiled during it"
+        if self.training is None: return ''
+        return f"training batch {len(self.report.batch_times)+1}" if self.training else 'validation'
+
     def batch_start(self, training:bool):
         "Start timing a batch"
-        self.batch_t, self.compiling = time.perf_counter(), False
-        self.during = f"training batch {len(self.report.batch_times)+1}" if training else 'validation'
+        self.batch_t, self.compiling, self.training = time.perf_counter(), False, training
 
     def batch_done(self, training:bool):
         "Record the batch's time if `training`, and what was compiled during it"
+        if self.compiling: self.collect(self.during) # Before the batch is counted, so it is named as it ran
         if training: self.report.batch_times.append((time.perf_counter() - self.batch_t, self.compiling))
-        if self.compiling: self.collect(self.during)

@@ -181,3 +181,16 @@ def test_torch_that_cannot_compile(digits, monkeypatch):
     with pytest.warns(UserWarning, match=r"Not compiling the model: torch.compile is not supported by this build of torch .* on Python 3\.\d+"):
         learn.fit(1)
     assert not is_compiled(learn.model)
+
+def test_explain_and_debug_compile_see_a_regional_model_eager_and_leave_it_compiled(digits):
+    from test_lifecycle import tower
+    learn = Learner(digits, tower()).compile(backend=BACKEND, regional=True)
+    learn.fit(1)
+    blocks = list(learn.model[2])
+    calls = [b._compiled_call_impl for b in blocks]
+    explain = DynamoExplainCallback(print_results=False)
+    learn.fit(1, cbs=explain)
+    out = explain.explain_output
+    assert (out.graph_count, out.graph_break_count) == (1, 0) # the whole model as one eager-traced graph
+    assert all(s.ok for s in learn.debug_compile(backend='aot_eager', show=False))
+    assert [b._compiled_call_impl for b in blocks] == calls
