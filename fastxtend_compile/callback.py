@@ -12,9 +12,9 @@ from fastcore.basics import store_attr
 from fastcore.meta import delegates
 from fastcore.basics import patch
 from fastai.callback.core import Callback
-from fastai.torch_core import get_model, rank_distrib
+from fastai.torch_core import get_model, rank_distrib, to_detach
 from fastcore.basics import noop
-from fastai.learner import Learner
+from fastai.learner import Learner, AvgSmoothLoss
 
 from .core import *
 from .report import *
@@ -24,6 +24,14 @@ from .optimizer import compile_optimizer
 __all__ = ['CompilerCallback']
 
 # %% ../nbs/02_callback.ipynb #59e8f7c7
+class _DeviceSmoothLoss(AvgSmoothLoss):
+    "fastai's `AvgSmoothLoss`, smoothed on the loss's device: the host never waits for a batch to end to smooth its loss"
+    def accumulate(self, learn):
+        self.count += 1
+        loss = to_detach(learn.loss.mean(), cpu=False)
+        self.val = torch.lerp(loss, self.val.to(loss.device), self.beta)
+
+# %% ../nbs/02_callback.ipynb #68817f12
 class CompilerCallback(Callback):
     "A callback for using `torch.compile` with fastai"
     order = 12 # After `DistributedTrainer` (11) wraps the model in DDP, so the module inside it is compiled
@@ -44,7 +52,7 @@ class CompilerCallback(Callback):
         self.matmul_precision = MatMulPrecision(matmul_precision).value
         store_attr('recompile,verbose,regional,compile_opt')
         self.compiled_model = None # Weak reference to the model this callback compiled
-        self.report, self.freeze_changed = CompileReport(), True
+        self.report, self.freeze_changed, self.fitting, self.host_smooth_loss = CompileReport(), True, False, None
         self.compile_recorder = CompileRecorder(self.report)
 
     def __getstate__(self): return {**self.__dict__, 'compiled_model': None} # A copy compiles its model afresh
@@ -59,16 +67,18 @@ class CompilerCallback(Callback):
             warnings.warn(f"Not compiling the model: {reason}. Training continues eagerly.")
             self.run = False
             return
+        self.fitting = True # From here on `restore` undoes what changes, after the fit or when it raises
+        self.compile_recorder.model_name = type(inner_model(model)).__name__
+        self.compile_recorder.show = print if rank_distrib() == 0 else noop
+        self.compile_recorder.start()
         self._set_matmul_precision(device)
+        self._smooth_loss_on_device(device)
         if self.compile_opt and self.learn.opt is not None: # `create_opt` makes an eager optimizer: check at every fit
             # Parameter shapes never change, and CUDA graphs don't suit a step that updates its inputs in place
             compile_optimizer(self.learn.opt, **{**self.settings, 'dynamic': False, 'mode': None, 'fullgraph': False})
         self.cudagraph_grads = device.type == 'cuda' and uses_cudagraphs(self.settings)
         if self.recompile and self.freeze_changed: self._compile()
         self.freeze_changed, self.trained = False, False
-        self.compile_recorder.model_name = type(inner_model(model)).__name__
-        self.compile_recorder.show = print if rank_distrib() == 0 else noop
-        self.compile_recorder.start()
 
     def after_freeze(self):
         "Called by `Learner.freeze_to`: the parameters' `requires_grad` changed"
@@ -85,6 +95,19 @@ class CompilerCallback(Callback):
         self.old_precision = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision(self.matmul_precision)
 
+    def _smooth_loss_on_device(self, device):
+        "Have the `Recorder` smooth the training loss on `device`, so no batch waits for the one before to end"
+        self.host_smooth_loss, self.losses_on_host = None, 0
+        rec = getattr(self.learn, 'recorder', None)
+        if rec is None or type(rec.smooth_loss) is not AvgSmoothLoss: return # On the CPU too: the same, and tested
+        self.host_smooth_loss, rec.smooth_loss = rec.smooth_loss, _DeviceSmoothLoss(rec.smooth_loss.beta)
+
+    def _losses_to_host(self):
+        "Move the smoothed losses the `Recorder` kept since the last call to the host, where fastai keeps them, in one copy"
+        losses = vars(self.learn.recorder).get('losses', []) # None yet if the fit was cancelled before the `Recorder` began
+        if len(losses) > self.losses_on_host: losses[self.losses_on_host:] = torch.stack(losses[self.losses_on_host:]).cpu().unbind()
+        self.losses_on_host = len(losses)
+
     def before_batch(self):
         # Compile here, not only before the fit, so a model swapped mid-fit is compiled too
         if self.compiled_model is None or self.compiled_model() is not get_model(self.learn.model): self._compile()
@@ -100,8 +123,11 @@ class CompilerCallback(Callback):
         self.compile_recorder.batch_done(self.training)
         self.trained |= self.training
 
+    def after_epoch(self): # Before the `Recorder` (and `ShowGraphCallback`) use this epoch's losses
+        if self.host_smooth_loss is not None: self._losses_to_host()
+
     def after_fit(self):
-        self._restore()
+        self.restore()
         if self.verbose and self.trained: print(self.report.summary())
 
     def _compile(self):
@@ -114,21 +140,29 @@ class CompilerCallback(Callback):
         elif compiled is not inner: model.module = compiled # `inner` was an `OptimizedModule`
         self.compiled_model = weakref.ref(compiled)
 
-    def _restore(self):
-        "Undo what `before_fit` changed outside the model"
+    def restore(self):
+        "Undo what `before_fit` changed outside the model, once, whether the fit ended or raised"
+        if not self.fitting: return
+        self.fitting = False
         self.compile_recorder.stop()
         if self.old_precision is not None: torch.set_float32_matmul_precision(self.old_precision)
+        if self.host_smooth_loss is not None:
+            self._losses_to_host()
+            rec, host = self.learn.recorder, self.host_smooth_loss
+            host.count, host.val = rec.smooth_loss.count, rec.smooth_loss.val.cpu()
+            rec.smooth_loss, self.host_smooth_loss = host, None
+            if host.count: self.learn.smooth_loss = host.value
 
     def _refused(self):
         "The compile was refused (`fullgraph=True` with a graph break): leave the Learner as it was without this callback"
-        self._restore()
+        self.restore()
         self.learn.remove_cb(self)
 
     def plot_batch_times(self, ax=None):
         "Plot the time of each training batch, compile spikes against the steady state"
         return self.report.plot(ax=ax)
 
-# %% ../nbs/02_callback.ipynb #3c632a47
+# %% ../nbs/02_callback.ipynb #b498dbea
 @patch
 @delegates(CompilerCallback)
 def compile(self:Learner, **kwargs):

@@ -30,11 +30,11 @@ def test_vision_no_graph_breaks(model):
     learn.fit(2)
     breaks, recompiles, fallbacks = compile_counts(learn)
     assert (breaks, fallbacks) == (0, 0)
-    # One graph for training and one for the optimizer step; validation recompiles once for no_grad and once for its
-    # smaller last batch, then never again
+    # One graph for training (fastai's `Adam` runs PyTorch's fused kernel, uncompiled); validation recompiles once for
+    # no_grad and once for its smaller last batch, then never again
     events = learn.compiler.report.events
-    assert [e.kind for e in events] == ['compile', 'compile', 'recompile', 'recompile'] and events[1].frame == 'optimizer step'
-    assert len({events[i].frame for i in (0, 2, 3)}) == 1 # the model: `Sequential`, or the `forward` of a model class
+    assert [e.kind for e in events] == ['compile', 'recompile', 'recompile']
+    assert len({e.frame for e in events}) == 1 # the model: `Sequential`, or the `forward` of a model class
 
 def test_tabular_no_graph_breaks(cancer):
     learn = tabular_learner(cancer, layers=[32, 16], metrics=accuracy).compile(backend='aot_eager')

@@ -2,7 +2,7 @@
 import numpy as np, pytest, torch
 from torch import nn, Tensor
 from fastcore.foundation import L
-from fastai.learner import Learner
+from fastai.learner import Learner, AvgSmoothLoss
 from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.channelslast import ChannelsLast
@@ -129,6 +129,42 @@ def test_losses_and_metrics_receive_what_they_get_eagerly(digits):
         learn.fit(1)
         return set(types)
     assert seen(True) == seen(False)
+
+def test_recorder_smooths_the_loss_as_fastai_does():
+    class Seen(Callback):
+        "What the `Recorder` uses while training, and the losses at each epoch's end"
+        order = 60 # After the `Recorder` and `CompilerCallback`
+        def before_fit(self): self.smoothers, self.epoch_losses = set(), []
+        def after_batch(self): self.smoothers.add(type(self.learn.recorder.smooth_loss).__name__)
+        def after_epoch(self): self.epoch_losses.append(list(self.learn.recorder.losses))
+    def train(compiled):
+        set_seed(0)
+        learn = Learner(digits_dls(), two_conv_cnn(), cbs=Seen()) # Fresh DataLoaders: the same shuffles
+        if compiled: learn.compile(backend='eager') # TorchDynamo's graph run by Python: the same losses as eager
+        learn.fit(2, 1e-3)
+        return learn
+    eager, compiled = train(False), train(True)
+    assert eager.seen.smoothers == {'AvgSmoothLoss'} and compiled.seen.smoothers == {'_DeviceSmoothLoss'}
+    assert type(compiled.recorder.smooth_loss) is AvgSmoothLoss and compiled.recorder.smooth_loss.count == eager.recorder.smooth_loss.count
+    for e,c in zip(eager.seen.epoch_losses + [eager.recorder.losses], compiled.seen.epoch_losses + [compiled.recorder.losses]):
+        assert len(e) == len(c) > 0 and all(type(x) is type(y) and x.ndim == 0 and x.device.type == 'cpu' for x,y in zip(c, e))
+        torch.testing.assert_close(torch.stack(c), torch.stack(e), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(compiled.smooth_loss, eager.smooth_loss, rtol=1e-5, atol=1e-6)
+    assert [v[0] for v in compiled.recorder.values] == pytest.approx([v[0] for v in eager.recorder.values], rel=1e-5)
+
+def test_a_fit_that_raises_leaves_nothing_changed(digits):
+    class Boom(Callback):
+        def after_batch(self):
+            if self.training and self.iter == 2: raise RuntimeError('boom') # Before the `Recorder` records batch 2
+    learn = Learner(digits, two_conv_cnn()).compile(backend=BACKEND)
+    dynamo_cbs = torch._dynamo.callback.callback_handler
+    n_start, n_end = len(dynamo_cbs.start_callbacks), len(dynamo_cbs.end_callbacks)
+    with pytest.raises(RuntimeError, match='boom'): learn.fit(1, cbs=Boom())
+    assert type(learn.recorder.smooth_loss) is AvgSmoothLoss and not learn.compiler.fitting
+    assert (len(dynamo_cbs.start_callbacks), len(dynamo_cbs.end_callbacks)) == (n_start, n_end)
+    assert all(x.device.type == 'cpu' for x in learn.recorder.losses) and len(learn.recorder.losses) == 2
+    learn.fit(1) # And the next fit runs as usual
+    assert len(learn.recorder.losses) == len(digits.train)
 
 def test_lr_find(digits):
     learn = Learner(digits, two_conv_cnn()).compile(backend=BACKEND)

@@ -5,7 +5,7 @@ import pytest, torch
 from torch import nn
 from torch._dynamo.utils import counters
 from fastai.optimizer import (Optimizer, OptimWrapper, SGD, RMSProp, Adam, RAdam, QHAdam, Larc, Lamb, ranger,
-                              weight_decay, momentum_step)
+                              weight_decay, momentum_step, average_grad, average_sqr_grad, step_stat, adam_step)
 from fastai.data.core import DataLoaders
 from fastai.learner import Learner
 from fastai.losses import MSELossFlat
@@ -27,13 +27,13 @@ def make_grads(ps, n, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [[torch.randn(p.shape, generator=g) for p in ps] for _ in range(n)]
 
-def run(opt_func, backend=None, n=10, none_at=(), schedule=True, **kwargs):
-    "`n` steps of `opt_func` on two parameter groups, eager or compiled with `backend`"
+def run(opt_func, backend=None, n=10, none_at=(), schedule=True, fused=False, **kwargs):
+    "`n` steps of `opt_func` on two parameter groups, eager or compiled with `backend` (fastai's `Adam` fused if `fused`)"
     ps = make_params()
     opt = opt_func([ps[:2], ps[2:]], lr=1e-2, **kwargs)
     opt.state[ps[1]]['do_wd'] = False # Like a bias with `wd_bn_bias=False`
     opt.state[ps[3]]['do_wd'] = False
-    if backend: compile_optimizer(opt, backend=backend)
+    if backend: compile_optimizer(opt, backend=backend, fused=fused)
     for i,gs in enumerate(make_grads(ps, n)):
         if schedule: # Like `fit_one_cycle`: new hyper-parameters every step, discriminative LRs
             opt.set_hyper('lr', slice(1e-3 * (1 + i), 1e-2 * (1 + i)))
@@ -75,6 +75,19 @@ def test_same_update_and_state_as_fastai(name):
     eager, compiled = run(opt_func, none_at={(0, 0)}), run(opt_func, 'eager', none_at={(0, 0)})
     assert_same(eager, compiled)
     if 'step' in eager.state[eager.param_lists[0][0]]: assert eager.state[eager.param_lists[0][0]]['step'] == 9
+
+@pytest.mark.parametrize('name', ['Adam', 'Adam-l2'])
+def test_adam_runs_as_pytorchs_fused_kernel(name):
+    before = graphs()
+    eager, fused = run(optimizers[name], none_at={(0, 0)}), run(optimizers[name], 'inductor', none_at={(0, 0)}, fused=True)
+    assert_same(eager, fused)
+    assert fused.step.fused is (torch._fused_adam_ if name == 'Adam-l2' else torch._fused_adamw_)
+    assert graphs() == before # Nothing to compile
+    # An Adam-like step without fastai's damped averages is a different update: compiled
+    undamped = partial(Optimizer, cbs=[weight_decay, average_grad, average_sqr_grad, step_stat, adam_step], mom=0.9,
+                       sqr_mom=0.99, eps=1e-5, wd=0.1)
+    assert_same(run(undamped), run(undamped, 'eager', fused=True))
+    assert graphs() == before + 1
 
 def test_radam_rectifies_within_the_run():
     # RAdam steps without its denominator until the variance is tractable (step 6 with sqr_mom=0.99): both paths run
@@ -118,13 +131,14 @@ def test_inductor():
         assert_same(run(optimizers[name]), run(optimizers[name], 'inductor'))
     assert graphs() - before == 2
 
-def test_state_dict_round_trips_between_eager_and_compiled():
+@pytest.mark.parametrize('fused', [True, False], ids=['fused', 'compiled'])
+def test_state_dict_round_trips_between_eager_and_compiled(fused):
     def steps(opt, ps, grads):
         for gs in grads:
             for p,g in zip(ps, gs): p.grad = g.clone()
             opt.step()
     ps, grads = make_params(), make_grads(make_params(), 6)
-    opt = compile_optimizer(Adam([ps[:2], ps[2:]], lr=1e-2, wd=0.1), backend='eager')
+    opt = compile_optimizer(Adam([ps[:2], ps[2:]], lr=1e-2, wd=0.1), backend='eager', fused=fused)
     steps(opt, ps, grads[:3])
     sd = copy.deepcopy(opt.state_dict())
     assert sd['state'][0]['step'] == 3 and set(sd['state'][0]) == {'grad_avg', 'sqr_avg', 'step'}
@@ -142,6 +156,17 @@ def test_state_dict_round_trips_between_eager_and_compiled():
     steps(opt, ps, grads[2:4]); steps(eager, ps2, grads[2:4])
     assert_same(eager, opt)
     assert opt.state[ps[0]]['step'] == 2
+
+def test_zero_grad_zeroes_in_place_as_fastai_does():
+    ps = make_params()
+    opt = compile_optimizer(Adam([ps[:2], ps[2:]], lr=1e-2), backend='eager')
+    assert opt.zero_grad == opt.step.zero_grad
+    for p in ps[:-1]: p.grad = torch.randn_like(p)
+    grads = [p.grad for p in ps[:-1]]
+    opt.zero_grad()
+    assert all(p.grad is g and not g.any() for p,g in zip(ps, grads)) and ps[-1].grad is None
+    uncompile_optimizer(opt)
+    assert 'zero_grad' not in opt.__dict__ and 'step' not in opt.__dict__
 
 def test_unknown_step_function_runs_eagerly_after_one_warning():
     def sign_step(p, lr, **kwargs): p.data.add_(p.grad.data.sign(), alpha=-lr)
@@ -169,6 +194,7 @@ def test_what_compiles_and_what_is_left_alone():
     opt = Adam(ps, lr=1e-3)
     step = compile_optimizer(opt, backend='eager').step
     assert compile_optimizer(opt, backend='eager').step is step
+    assert compile_optimizer(opt, backend='eager', fused=False).step is not step
     assert compile_optimizer(opt, backend='aot_eager').step is not step
     assert compiled_optimizer_settings(opt) == dict(fullgraph=False, dynamic=False, backend='aot_eager', mode=None, options=None)
     with pytest.raises(ValueError, match="Unknown torch.compile backend 'inductr'"): compile_optimizer(opt, backend='inductr')
@@ -179,8 +205,8 @@ def test_what_compiles_and_what_is_left_alone():
 
 class CompileOpt(Callback):
     "What `CompilerCallback` does for the optimizer"
-    def __init__(self, backend): self.backend = backend
-    def before_fit(self): compile_optimizer(self.learn.opt, backend=self.backend)
+    def __init__(self, backend, fused=True): self.backend,self.fused = backend,fused
+    def before_fit(self): compile_optimizer(self.learn.opt, backend=self.backend, fused=self.fused)
 
 def bn_model():
     torch.manual_seed(0)
@@ -192,9 +218,9 @@ def regression_dls():
     y = x @ torch.tensor([[1.], [-2.], [0.5], [3.]]) + 0.1 * torch.randn(96, 1, generator=g)
     return DataLoaders.from_dsets(list(zip(x[:64], y[:64])), list(zip(x[64:], y[64:])), bs=16, shuffle=False)
 
-def train(backend, opt_func):
+def train(backend, opt_func, fused=True):
     learn = Learner(regression_dls(), bn_model(), loss_func=MSELossFlat(), opt_func=opt_func,
-                    splitter=lambda m: [params(m[:3]), params(m[3:])], cbs=CompileOpt(backend) if backend else None)
+                    splitter=lambda m: [params(m[:3]), params(m[3:])], cbs=CompileOpt(backend, fused) if backend else None)
     with learn.no_logging(), learn.no_bar():
         learn.freeze()                          # Body frozen: only the head and the BatchNorm (`train_bn`) train
         learn.fit_one_cycle(1, 1e-2)
@@ -204,12 +230,14 @@ def train(backend, opt_func):
         learn.fit_one_cycle(1, 1e-2, wd=0.1)
     return learn
 
-@pytest.mark.parametrize('opt_func', [Adam, partial(SGD, mom=0.9)], ids=['Adam', 'SGD'])
-def test_learner_trains_the_same(opt_func):
+@pytest.mark.parametrize('opt_func,fused,n_graphs', [(Adam, True, 0), (Adam, False, 3), (partial(SGD, mom=0.9), True, 3)],
+                         ids=['Adam-fused', 'Adam-compiled', 'SGD'])
+def test_learner_trains_the_same(opt_func, fused, n_graphs):
     before = graphs()
-    eager, compiled = train(None, opt_func), train('aot_eager', opt_func)
+    eager, compiled = train(None, opt_func), train('aot_eager', opt_func, fused)
     assert compiled_optimizer_settings(compiled.opt) is not None
-    assert graphs() - before == 3 # One graph per freeze state: frozen with no body grads, unfrozen, frozen with zero body grads
+    # Compiled: one graph per freeze state (frozen with no body grads, unfrozen, frozen with zero body grads)
+    assert graphs() - before == n_graphs
     for pe,pc in zip(eager.model.parameters(), compiled.model.parameters()):
         torch.testing.assert_close(pe, pc, rtol=RTOL, atol=ATOL)
     assert_same(eager.opt, compiled.opt)
