@@ -19,6 +19,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                    'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback.CompilerCallback._smooth_loss_on_device': ( 'callback.html#compilercallback._smooth_loss_on_device',
                                                                                                                     'fastxtend_compile/callback.py'),
+                                            'fastxtend_compile.callback.CompilerCallback._zero_dropped_grads': ( 'callback.html#compilercallback._zero_dropped_grads',
+                                                                                                                 'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback.CompilerCallback.after_batch': ( 'callback.html#compilercallback.after_batch',
                                                                                                          'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback.CompilerCallback.after_epoch': ( 'callback.html#compilercallback.after_epoch',

@@ -67,7 +67,7 @@ class CompilerCallback(Callback):
             warnings.warn(f"Not compiling the model: {reason}. Training continues eagerly.")
             self.run = False
             return
-        self.fitting = True # From here on `restore` undoes what changes, after the fit or when it raises
+        self.fitting, self.dropped = True, [] # From here on `restore` undoes what changes, after the fit or when it raises
         self.compile_recorder.model_name = type(inner_model(model)).__name__
         self.compile_recorder.show = print if rank_distrib() == 0 else noop
         self.compile_recorder.start()
@@ -84,6 +84,7 @@ class CompilerCallback(Callback):
         "Called by `Learner.freeze_to`: the parameters' `requires_grad` changed"
         self.freeze_changed = True
         self.compile_recorder.note_freeze_change()
+        if self.fitting: self._zero_dropped_grads() # Newly frozen parameters keep zero gradients, as in fastai
 
     def _frozen(self): return self.learn.opt is not None and self.learn.opt.frozen_idx > 0
 
@@ -114,10 +115,18 @@ class CompilerCallback(Callback):
         self.compile_recorder.batch_start(self.training)
 
     def after_step(self):
-        # CUDA graphs hand out gradients in memory their next replay overwrites, and fastai's `zero_grad` zeroes
-        # gradients in place: let each backward allocate them afresh, as torch's `zero_grad(set_to_none=True)` does
-        if self.cudagraph_grads:
-            for p in self.learn.model.parameters(): p.grad = None
+        # Drop the gradients of the parameters that train, for the next backward to allocate afresh, as PyTorch's
+        # `zero_grad(set_to_none=True)` does: no kernel per parameter zeroes them, and none adds the next into them.
+        # CUDA graphs need it for every gradient: they hand out memory that their next replay overwrites
+        self.dropped = [p for ps in self.learn.opt.param_lists for p in ps
+                        if p.grad is not None and (p.requires_grad or self.cudagraph_grads)]
+        for p in self.dropped: p.grad = None
+
+    def _zero_dropped_grads(self):
+        "Give the gradients `after_step` dropped back as zeros, as fastai's `zero_grad` leaves them"
+        for p in self.dropped:
+            if p.grad is None: p.grad = torch.zeros_like(p)
+        self.dropped = []
 
     def after_batch(self):
         self.compile_recorder.batch_done(self.training)
@@ -145,6 +154,7 @@ class CompilerCallback(Callback):
         if not self.fitting: return
         self.fitting = False
         self.compile_recorder.stop()
+        self._zero_dropped_grads()
         if self.old_precision is not None: torch.set_float32_matmul_precision(self.old_precision)
         if self.host_smooth_loss is not None:
             self._losses_to_host()

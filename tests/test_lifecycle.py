@@ -56,6 +56,35 @@ def test_refreezing_trains_like_eager():
     eager, comp = _fit_pair(lambda dls: Learner(dls, bn_cnn(), splitter=body_head_splitter), run=run, compile_opt=False)
     for a,b in zip(eager.model.parameters(), comp.model.parameters()): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
+def test_gradients_between_steps_and_after_the_fit(digits):
+    class Grads(Callback):
+        "The gradients fastai's `zero_grad` has left, seen before each backward"
+        order = 60
+        def before_fit(self): self.seen = []
+        def before_backward(self): self.seen.append([p.grad for p in self.learn.model.parameters()])
+    def second_fit_frozen(learn):
+        learn.fit(1, 1e-2); learn.freeze(); learn.fit(1, 1e-2)
+        return learn
+    eager = second_fit_frozen(Learner(digits, bn_cnn(), splitter=body_head_splitter, cbs=Grads()))
+    compiled = second_fit_frozen(Learner(digits, bn_cnn(), splitter=body_head_splitter, cbs=Grads()).compile(backend=BACKEND))
+    frozen = [not p.requires_grad for p in compiled.model.parameters()]
+    assert any(frozen) and not all(frozen)
+    # Between steps: fastai leaves every gradient zeroed in place; compiled, those that train are `None`, frozen ones zeroed
+    for e,c in zip(eager.grads.seen[1:], compiled.grads.seen[1:]):
+        assert all(g is not None and not g.any() for g in e)
+        assert all((g is not None and not g.any()) if f else g is None for g,f in zip(c, frozen))
+    # After the fit, every gradient is a zero tensor again, as fastai leaves them
+    assert all(p.grad is not None and not p.grad.any() for p in compiled.model.parameters())
+
+def test_freezing_inside_a_fit_trains_like_eager():
+    "Parameters frozen in the middle of a fit keep zero gradients, so fastai's weight decay still moves them"
+    class FreezeAfterEpoch0(Callback):
+        def after_epoch(self):
+            if self.epoch == 0: self.learn.freeze()
+    make = lambda dls: Learner(dls, bn_cnn(), splitter=body_head_splitter, cbs=FreezeAfterEpoch0(), wd=0.5)
+    eager, comp = _fit_pair(make, epochs=2, lr=1e-2, compile_opt=False)
+    for a,b in zip(eager.model.parameters(), comp.model.parameters()): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
 def test_freeze_to_inside_fit(digits):
     class UnfreezeAfterEpoch0(Callback):
         def after_epoch(self):
