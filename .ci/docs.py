@@ -117,7 +117,7 @@ def public_api():
         for n in names: res.append((f'{mod.__name__}.{n}', getattr(mod, n)))
         for key in modidx.get(mod.__name__, {}):
             parts = key[len(mod.__name__)+1:].split('.')
-            if len(parts) != 2 or parts[0] in names or parts[1].startswith('_'): continue
+            if len(parts) != 2 or parts[0] in names or parts[0].startswith('_') or parts[1].startswith('_'): continue
             owner = getattr(mod, parts[0], None)
             if owner is not None and hasattr(owner, parts[1]): res.append((f'{mod.__name__}.{".".join(parts)}', getattr(owner, parts[1])))
     return res

@@ -46,7 +46,7 @@ class CompilerCallback(Callback):
         recompile:bool=False, # Force a compiled model to recompile. Use when freezing/unfreezing a compiled model.
         verbose:bool=False, # Verbose output
         regional:bool=False, # Compile only the model's repeated blocks (e.g. transformer layers): a faster cold compile
-        compile_opt:bool=True, # Compile the step of a fastai `Optimizer` too (see `compile_optimizer`)
+        compile_opt:bool=True, # Speed up the step of a fastai `Optimizer` too: fused or compiled (see `compile_optimizer`)
     ):
         self.settings = compile_settings(fullgraph, dynamic, backend, mode, options)
         self.matmul_precision = MatMulPrecision(matmul_precision).value
