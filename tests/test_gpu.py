@@ -6,6 +6,7 @@ from fastai.learner import Learner
 from fastai.optimizer import OptimWrapper
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.channelslast import ChannelsLast
+from fastai.callback.progress import ProgressCallback
 from fastai.torch_core import set_seed
 from fastai.metrics import accuracy
 import fastai.callback.schedule
@@ -61,3 +62,23 @@ def test_matmul_precision_set_and_restored():
     fit(dict(matmul_precision='high'), cbs=[Probe()], epochs=1)
     expected = 'high' if torch.cuda.get_device_capability() >= (8, 0) else 'highest'
     assert set(seen) == {expected} and torch.get_float32_matmul_precision() == 'highest'
+
+@pytest.mark.parametrize('mode', [None, 'reduce-overhead'], ids=['default', 'reduce-overhead'])
+def test_training_batches_never_wait_for_the_gpu(mode):
+    "After warm-up, a compiled training batch makes no synchronizing CUDA call: the host runs ahead of the GPU"
+    # Without the progress bar, which reads the loss at every batch (`.item()`): that one wait is fastai's to keep
+    from fastai.callback.core import Callback
+    class SyncsRaise(Callback):
+        order = -100 # Before every other callback's `before_batch`
+        def before_batch(self):
+            if self.learn.training and self.learn.iter >= 3: torch.cuda.set_sync_debug_mode('error')
+    class SyncsAllowed(Callback):
+        order = 1000 # After every other callback's `after_batch`
+        def after_batch(self): torch.cuda.set_sync_debug_mode('default')
+    learn = Learner(digits_dls().cuda(), bn_cnn(), splitter=body_head_splitter,
+                    cbs=[SyncsRaise(), SyncsAllowed(), MixedPrecision(amp_mode='bf16')])
+    learn.remove_cb(ProgressCallback)
+    learn.compile(mode=mode)
+    try: learn.fit(1, 1e-2) # Raises "called a synchronizing CUDA operation" if anything in a batch waits for the GPU
+    finally: torch.cuda.set_sync_debug_mode('default')
+    assert all(l.device.type == 'cpu' for l in learn.recorder.losses) and type(learn.recorder.smooth_loss).__name__ == 'AvgSmoothLoss'
