@@ -79,16 +79,8 @@ def fit(self, *args, **kwargs):
     try: return _fastai_fit(self, *args, **kwargs)
     finally:
         if hasattr(self, 'compiler'): self.compiler.restore() # Nothing left to undo after a fit that ended
-#
-# ## Freezing and unfreezing
-#
-# TorchDynamo guards every parameter's `requires_grad`: after `freeze`, `unfreeze` or `freeze_to`, the next batch
-# recompiles only the graphs that changed, and going back to an earlier freeze state reuses the graphs compiled for
-# it. No compiled graph ever trains the wrong parameters, and nothing needs throwing away (least of all with a global
-# `torch._dynamo.reset()`). `CompilerCallback(recompile=True)` still forces a fresh compile at the next fit after each
-# freeze change, in a compile region of its own.
 
-# %% ../nbs/03_patches.ipynb #d2aec651
+# %% ../nbs/03_patches.ipynb #cfcbdb5b
 _fastai_freeze_to = Learner.freeze_to
 
 @patch
@@ -97,7 +89,7 @@ def freeze_to(self:Learner, n:int):
     _fastai_freeze_to(self, n)
     if hasattr(self, 'compiler'): self.compiler.after_freeze()
 
-# %% ../nbs/03_patches.ipynb #547b70fe
+# %% ../nbs/03_patches.ipynb #18b4adec
 _fastai_fine_tune = Learner.fine_tune
 
 @patch
