@@ -9,7 +9,7 @@ Steps, each failing the run on a problem:
   readme   README.md has the home page's set-up commands, quick start and sections
   render   with Quarto installed: `nbdev-docs` renders the site, and every page has its HTML
 """
-import argparse, ast, fnmatch, hashlib, inspect, json, os, re, shutil, subprocess, sys, time, importlib
+import argparse, fnmatch, hashlib, inspect, json, os, re, shutil, subprocess, sys, time, importlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -92,7 +92,7 @@ def run_one(args, name, cfg, mode, device, rank, world):
     from fastai.losses import CrossEntropyLossFlat
     from fastai.optimizer import OptimWrapper
     import fastai.callback.fp16, fastai.distributed
-    from fastxtend_compile import CompilerCallback, is_compiled
+    from fastxtend_compile import is_compiled
 
     cuda = device.type == 'cuda'
     n_steps = args.warmup + args.steps

@@ -8,12 +8,10 @@ import warnings, weakref
 from typing import Callable, Dict, Union
 
 import torch
-from fastcore.basics import store_attr
+from fastcore.basics import store_attr, patch, noop
 from fastcore.meta import delegates
-from fastcore.basics import patch
 from fastai.callback.core import Callback
 from fastai.torch_core import get_model, rank_distrib, to_detach
-from fastcore.basics import noop
 from fastai.learner import Learner, AvgSmoothLoss
 
 from .core import *
@@ -72,7 +70,7 @@ class CompilerCallback(Callback):
         self.compile_recorder.show = print if rank_distrib() == 0 else noop
         self.compile_recorder.start()
         self._set_matmul_precision(device)
-        self._smooth_loss_on_device(device)
+        self._smooth_loss_on_device()
         if self.compile_opt and self.learn.opt is not None: # `create_opt` makes an eager optimizer: check at every fit
             # Parameter shapes never change, and CUDA graphs don't suit a step that updates its inputs in place
             compile_optimizer(self.learn.opt, **{**self.settings, 'dynamic': False, 'mode': None, 'fullgraph': False})
@@ -96,8 +94,8 @@ class CompilerCallback(Callback):
         self.old_precision = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision(self.matmul_precision)
 
-    def _smooth_loss_on_device(self, device):
-        "Have the `Recorder` smooth the training loss on `device`, so no batch waits for the one before to end"
+    def _smooth_loss_on_device(self):
+        "Have the `Recorder` smooth the training loss on the loss's device, so no batch waits for the one before to end"
         self.host_smooth_loss, self.losses_on_host = None, 0
         rec = getattr(self.learn, 'recorder', None)
         if rec is None or type(rec.smooth_loss) is not AvgSmoothLoss: return # On the CPU too: the same, and tested
@@ -129,7 +127,7 @@ class CompilerCallback(Callback):
         self.dropped = []
 
     def after_batch(self):
-        self.compile_recorder.batch_done(self.training)
+        self.compile_recorder.batch_done()
         self.trained |= self.training
 
     def after_epoch(self): # Before the `Recorder` (and `ShowGraphCallback`) use this epoch's losses

@@ -11,8 +11,7 @@ from typing import Callable, Dict, Union
 
 import torch
 from torch import nn, Tensor
-from torch.utils._pytree import tree_map_only, tree_leaves
-from fastcore.basics import store_attr
+from torch.utils._pytree import tree_map_only, tree_flatten, tree_unflatten
 from fastai.torch_core import TensorBase, get_model
 
 # %% auto #0
@@ -89,8 +88,12 @@ def cannot_compile_reason(
 # %% ../nbs/00_core.ipynb #233956e3
 def _plain(t:TensorBase)->Tensor: return t.as_subclass(Tensor)
 
-def _first_fastai_tensor(args, kwargs):
-    return next((o for o in tree_leaves((args, kwargs)) if isinstance(o, TensorBase)), None)
+def _stripped(args, kwargs):
+    "`args` and `kwargs` with fastai tensors made plain, and the first fastai tensor among them (or `None`)"
+    leaves, spec = tree_flatten((args, kwargs))
+    like = next((o for o in leaves if isinstance(o, TensorBase)), None)
+    if like is None: return args, kwargs, None
+    return *tree_unflatten([_plain(o) if isinstance(o, TensorBase) else o for o in leaves], spec), like
 
 def _retyped(t:Tensor, like:TensorBase)->Tensor:
     res = t.as_subclass(type(like))
@@ -138,8 +141,7 @@ class CompiledCall:
         self.compiled = torch.compile(module._call_impl, **settings, **extra)
 
     def __call__(self, *args, **kwargs):
-        like = _first_fastai_tensor(args, kwargs)
-        if like is not None: args,kwargs = tree_map_only(TensorBase, _plain, (args, kwargs))
+        args, kwargs, like = _stripped(args, kwargs)
         if self.cudagraphs: torch.compiler.cudagraph_mark_step_begin()
         try: out = self.compiled(*args, **kwargs)
         except torch._dynamo.exc.Unsupported as e:

@@ -18,6 +18,7 @@ from fastai.callback.core import Callback, CancelFitException
 from fastai.learner import Learner
 
 from .core import *
+from .core import _plain
 from .callback import CompilerCallback
 
 # %% auto #0
@@ -60,7 +61,7 @@ def one_plain_batch(learn:Learner):
     # fastai's `DistributedDL` deals each rank its share through a collective every rank must join: draw from the
     # DataLoader it wraps, so rank 0 alone can take a batch
     if type(dl).__name__ == 'DistributedDL': dl = dl.dl
-    b = tree_map_only(TensorBase, lambda t: t.as_subclass(Tensor), dl.one_batch())
+    b = tree_map_only(TensorBase, _plain, dl.one_batch())
     return b[:dl.n_inp], b[dl.n_inp:]
 
 # %% ../nbs/04_explain.ipynb #cdb3dead

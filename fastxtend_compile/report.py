@@ -31,8 +31,6 @@ _reasons = [
     (r"device mismatch", lambda m: "the model or its input moved to another device"),
     (r"\d+ <= .*size\(\)|size\(\).* <= \d+",
      lambda m: "an input size fell outside the range its dynamic graph was compiled for (sizes 0 and 1 are always specialised)"),
-    (r"\d+ <= .*size\(\)|size\(\).* <= \d+",
-     lambda m: "an input size fell outside the range its dynamic graph was compiled for (sizes 0 and 1 are always specialised)"),
     (r"(?:^|: )([\w.'\[\]]+) == (-?[\d.e+-]+)\b",
      lambda m: f"a guard on the Python value `{m[1]}` failed (it was {m[2]}): a number that changes, such as a "
                "hyperparameter, recompiles every time; make it a tensor"),
@@ -201,7 +199,7 @@ class CompileRecorder:
         "Start timing a batch"
         self.batch_t, self.compiling, self.training = time.perf_counter(), False, training
 
-    def batch_done(self, training:bool):
-        "Record the batch's time if `training`, and what was compiled during it"
+    def batch_done(self):
+        "Record what was compiled during the batch `batch_start` began, and its time if it trained"
         if self.compiling: self.collect(self.during) # Before the batch is counted, so it is named as it ran
-        if training: self.report.batch_times.append((time.perf_counter() - self.batch_t, self.compiling))
+        if self.training: self.report.batch_times.append((time.perf_counter() - self.batch_t, self.compiling))

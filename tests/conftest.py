@@ -1,6 +1,6 @@
 "Small real datasets (scikit-learn, no downloads) and models for the tests"
 import warnings
-import numpy as np, pytest, torch
+import numpy as np, pytest
 from torch import nn
 from fastai.vision.all import *
 from fastai.tabular.all import *

@@ -2,14 +2,11 @@
 import subprocess, sys, textwrap, cloudpickle
 import numpy as np, pandas as pd, pytest, torch
 from torch import nn
-from fastcore.foundation import L
 from fastai.learner import Learner
 from fastai.torch_core import set_seed, TensorBase
 from fastai.metrics import accuracy
 from fastai.tabular.learner import tabular_learner
 from fastai.text.data import TextDataLoaders
-from fastai.text.learner import text_classifier_learner
-from fastai.text.models.awdlstm import AWD_LSTM
 import fastai.callback.schedule
 from fastxtend_compile import *
 from conftest import two_conv_cnn, digits_dls, cancer_dls
@@ -62,8 +59,15 @@ def test_text_batches_are_plain_inside_the_model():
     learn = Learner(dls, Embed(), metrics=accuracy).compile(backend='aot_eager')
     learn.fit(1)
     assert learn.compiler.report.graph_breaks == 0 and not learn.compiler.report.fallbacks
-    preds = learn.get_preds()[0]
+    call = learn.model._compiled_call_impl # What the compiled code is called with, during inference
+    compiled = call.compiled
+    call.compiled = lambda *args, **kwargs: (seen.extend(map(type, args)), compiled(*args, **kwargs))[1]
+    preds = learn.get_preds()[0] # fastai's `CastToTensor` hands the model plain tensors in its loops...
     assert preds.shape[1] == 2
+    assert seen and set(seen) == {torch.Tensor}
+    seen.clear()
+    out = learn.model(xb) # ...and so does the compiled call when it's given a typed batch directly
+    assert set(seen) == {torch.Tensor} and type(out) is type(xb)
 
 def test_digits_compiled_accuracy_matches_eager():
     "Real data through a DataBlock: compiled training (inductor) reaches the eager accuracy within 1 point, same seed"

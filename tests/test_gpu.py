@@ -1,7 +1,6 @@
 "CUDA-only behaviour: CUDA graphs (`mode='reduce-overhead'`), mixed precision, matmul precision. Skipped without a GPU."
 from functools import partial
 import numpy as np, pytest, torch
-from torch import nn
 from fastai.learner import Learner
 from fastai.optimizer import OptimWrapper
 from fastai.callback.fp16 import MixedPrecision

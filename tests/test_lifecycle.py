@@ -1,7 +1,6 @@
 "A compiled Learner through the fastai lifecycle behaves as the eager one"
-import numpy as np, pytest, torch
+import pytest, torch
 from torch import nn, Tensor
-from fastcore.foundation import L
 from fastai.learner import Learner, AvgSmoothLoss
 from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision

@@ -1,11 +1,10 @@
 "What the compiler did is visible: report, warnings, explain, the crash ladder, clear errors"
-import re, shutil, warnings, pytest, torch
+import re, shutil, pytest, torch
 from functools import partial
 from torch import nn
 import matplotlib; matplotlib.use('Agg')
 from fastai.learner import Learner
 from fastai.optimizer import SGD
-from fastai.torch_core import TensorImage
 from fastai.test_utils import synth_learner
 from fastai.data.core import DataLoaders
 from fastai.data.load import DataLoader
