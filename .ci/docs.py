@@ -217,7 +217,8 @@ def step_render(require):
     head('render', 'Quarto renders the site')
     if not shutil.which('quarto'):
         msg = ('Quarto is not installed, so the site was not rendered. The `quarto-cli` package on PyPI downloads Quarto '
-               'from GitHub while it builds, which fails without access to GitHub.')
+               'from GitHub while it builds, which fails without access to GitHub. For a rough look at the pages, '
+               '`python .ci/preview.py` renders them with pandoc.')
         return fail('render', msg) if require else warn('render', msg)
     if run(['nbdev-docs']).returncode: return fail('render', 'nbdev-docs failed (see above)')
     from nbdev.config import get_config
