@@ -11,23 +11,30 @@ import torch
 from fastcore.basics import store_attr, patch, noop
 from fastcore.meta import delegates
 from fastai.callback.core import Callback
-from fastai.torch_core import get_model, rank_distrib, to_detach
-from fastai.learner import Learner, AvgSmoothLoss
+from fastai.torch_core import get_model, rank_distrib
+from fastai.learner import Learner
 
 from .core import *
 from .report import *
-from .optimizer import compile_optimizer
+from .optimizer import compile_optimizer, uncompile_optimizer
 
 # %% auto #0
 __all__ = ['CompilerCallback']
 
-# %% ../nbs/02_callback.ipynb #59e8f7c7
-class _DeviceSmoothLoss(AvgSmoothLoss):
-    "fastai's `AvgSmoothLoss`, smoothed on the loss's device: the host never waits for a batch to end to smooth its loss"
-    def accumulate(self, learn):
-        self.count += 1
-        loss = to_detach(learn.loss.mean(), cpu=False)
-        self.val = torch.lerp(loss, self.val.to(loss.device), self.beta)
+# %% ../nbs/02_callback.ipynb #new-precision
+class _MatMulPrecision:
+    "Set the float32 matmul precision for a fit where it has an effect, CUDA GPUs with TF32 tensor cores, and restore it"
+    def __init__(self, precision:str): self.precision, self.old = precision, None
+
+    def set(self, device:torch.device):
+        if device.type != 'cuda' or torch.cuda.get_device_capability(device) < (8, 0): return
+        if torch.get_float32_matmul_precision() == self.precision: return
+        self.old = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(self.precision)
+
+    def restore(self):
+        if self.old is not None: torch.set_float32_matmul_precision(self.old)
+        self.old = None
 
 # %% ../nbs/02_callback.ipynb #68817f12
 class CompilerCallback(Callback):
@@ -47,95 +54,82 @@ class CompilerCallback(Callback):
         compile_opt:bool=True, # Speed up the step of a fastai `Optimizer` too: fused or compiled (see `compile_optimizer`)
     ):
         self.settings = compile_settings(fullgraph, dynamic, backend, mode, options)
-        self.matmul_precision = MatMulPrecision(matmul_precision).value
+        self.precision = _MatMulPrecision(MatMulPrecision(matmul_precision).value)
         store_attr('recompile,verbose,regional,compile_opt')
-        self.compiled_model = None # Weak reference to the model this callback compiled
-        self.report, self.freeze_changed, self.fitting, self.host_smooth_loss = CompileReport(), True, False, None
+        self.report = CompileReport()
         self.compile_recorder = CompileRecorder(self.report)
+        self.compiled_model = None # Weak reference to the model this callback compiled
+        self.freeze_changed = True # Parameters were frozen or unfrozen since the last compile (`recompile=True`)
+        self.fits = 0 # Fits running: fastai runs `before_fit` again for a `validate` or `get_preds` inside a fit
+        self.active = False # Compiling during this fit; `restore` undoes the fit's changes while set
+        self.trained = False # This fit ran a training batch
+        self.cudagraph_grads = False # Gradients must be memory of their own, not the output of a CUDA graph
 
     def __getstate__(self): return {**self.__dict__, 'compiled_model': None} # A copy compiles its model afresh
 
+    @property
+    def matmul_precision(self)->str: return self.precision.precision
+
     def before_fit(self):
+        self.fits += 1
+        if self.fits > 1: return # A `validate` or `get_preds` inside the fit: it compiles as the fit does
         model = self.learn.model
         if not getattr(self.learn, 'compile_frozen', True) and self._frozen() and not is_compiled(inner_model(model)):
-            self.run = False # `fine_tune(compile_frozen=False)`: frozen epochs run eagerly
-            return
+            return # `fine_tune(compile_frozen=False)`: frozen epochs run eagerly
         device = model_device(model)
         if reason := cannot_compile_reason(self.settings['backend'], device):
             warnings.warn(f"Not compiling the model: {reason}. Training continues eagerly.")
-            self.run = False
             return
-        self.fitting, self.dropped = True, [] # From here on `restore` undoes what changes, after the fit or when it raises
+        self.active, self.trained = True, False # From here on `restore` undoes what changes, after the fit or when it raises
         self.compile_recorder.model_name = type(inner_model(model)).__name__
-        self.compile_recorder.show = print if rank_distrib() == 0 else noop
+        self.compile_recorder.show = self._show
         self.compile_recorder.start()
-        self._set_matmul_precision(device)
-        self._smooth_loss_on_device()
+        self.precision.set(device)
         if self.compile_opt and self.learn.opt is not None: # `create_opt` makes an eager optimizer: check at every fit
             # Parameter shapes never change, and CUDA graphs don't suit a step that updates its inputs in place
             compile_optimizer(self.learn.opt, **{**self.settings, 'dynamic': False, 'mode': None, 'fullgraph': False})
         self.cudagraph_grads = device.type == 'cuda' and uses_cudagraphs(self.settings)
         if self.recompile and self.freeze_changed: self._compile()
-        self.freeze_changed, self.trained = False, False
-
-    def after_freeze(self):
-        "Called by `Learner.freeze_to`: the parameters' `requires_grad` changed"
-        self.freeze_changed = True
-        self.compile_recorder.note_freeze_change()
-        if self.fitting: self._zero_dropped_grads() # Newly frozen parameters keep zero gradients, as in fastai
+        self.freeze_changed = False
 
     def _frozen(self): return self.learn.opt is not None and self.learn.opt.frozen_idx > 0
 
-    def _set_matmul_precision(self, device):
-        "Set the float32 matmul precision where it has an effect: CUDA GPUs with TF32 tensor cores"
-        self.old_precision = None
-        if device.type != 'cuda' or torch.cuda.get_device_capability(device) < (8, 0): return
-        if torch.get_float32_matmul_precision() == self.matmul_precision: return
-        self.old_precision = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision(self.matmul_precision)
-
-    def _smooth_loss_on_device(self):
-        "Have the `Recorder` smooth the training loss on the loss's device, so no batch waits for the one before to end"
-        self.host_smooth_loss, self.losses_on_host = None, 0
-        rec = getattr(self.learn, 'recorder', None)
-        if rec is None or type(rec.smooth_loss) is not AvgSmoothLoss: return # On the CPU too: the same, and tested
-        self.host_smooth_loss, rec.smooth_loss = rec.smooth_loss, _DeviceSmoothLoss(rec.smooth_loss.beta)
-
-    def _losses_to_host(self):
-        "Move the smoothed losses the `Recorder` kept since the last call to the host, where fastai keeps them, in one copy"
-        losses = vars(self.learn.recorder).get('losses', []) # None yet if the fit was cancelled before the `Recorder` began
-        if len(losses) > self.losses_on_host: losses[self.losses_on_host:] = torch.stack(losses[self.losses_on_host:]).cpu().unbind()
-        self.losses_on_host = len(losses)
+    def after_freeze(self):
+        "Called by `Learner.freeze_to` when parameters' `requires_grad` changed"
+        self.freeze_changed = True
+        self.compile_recorder.note_freeze_change()
 
     def before_batch(self):
+        if not self.active: return
         # Compile here, not only before the fit, so a model swapped mid-fit is compiled too
         if self.compiled_model is None or self.compiled_model() is not get_model(self.learn.model): self._compile()
-        self.compile_recorder.batch_start(self.training)
+        self.compile_recorder.batch_start(self.training, self.learn.xb)
 
-    def after_step(self):
-        # Drop the gradients of the parameters that train, for the next backward to allocate afresh, as PyTorch's
-        # `zero_grad(set_to_none=True)` does: no kernel per parameter zeroes them, and none adds the next into them.
-        # CUDA graphs need it for every gradient: they hand out memory that their next replay overwrites
-        self.dropped = [p for ps in self.learn.opt.param_lists for p in ps
-                        if p.grad is not None and (p.requires_grad or self.cudagraph_grads)]
-        for p in self.dropped: p.grad = None
-
-    def _zero_dropped_grads(self):
-        "Give the gradients `after_step` dropped back as zeros, as fastai's `zero_grad` leaves them"
-        for p in self.dropped:
-            if p.grad is None: p.grad = torch.zeros_like(p)
-        self.dropped = []
+    def before_backward(self):
+        # A CUDA graph's outputs are overwritten by its next replay: a gradient must never be one of them. The backward
+        # adds into gradients that exist, so they are memory of their own, which fastai's `zero_grad` zeroes in place
+        if not (self.active and self.cudagraph_grads): return
+        for p in self.learn.opt.all_params(with_grad=False).itemgot(0):
+            if p.requires_grad and p.grad is None: p.grad = torch.zeros_like(p)
 
     def after_batch(self):
+        if not self.active: return
         self.compile_recorder.batch_done()
         self.trained |= self.training
 
-    def after_epoch(self): # Before the `Recorder` (and `ShowGraphCallback`) use this epoch's losses
-        if self.host_smooth_loss is not None: self._losses_to_host()
-
     def after_fit(self):
+        self.fits -= 1
+        if self.fits: return
+        trained = self.active and self.trained
         self.restore()
-        if self.verbose and self.trained: print(self.report.summary())
+        if self.verbose and trained: self._show(self.report.summary())
+
+    def _show(self, msg:str):
+        "Print `msg` as fastai prints a fit's results: above the progress bar, on rank 0, not under `learn.no_logging()`"
+        if self.learn is None or self.learn.logger is noop or rank_distrib(): return
+        mbar = getattr(getattr(self.learn, 'progress', None), 'mbar', None)
+        if mbar is not None: mbar.write(msg)
+        else: print(msg)
 
     def _compile(self):
         # Under DistributedDataParallel, compile the module DDP runs rather than DDP, whose forward breaks the graph on
@@ -146,25 +140,27 @@ class CompilerCallback(Callback):
         if inner is model: self.learn.model = compiled
         elif compiled is not inner: model.module = compiled # `inner` was an `OptimizedModule`
         self.compiled_model = weakref.ref(compiled)
+        self.compile_recorder.phase_shapes = {}
 
     def restore(self):
         "Undo what `before_fit` changed outside the model, once, whether the fit ended or raised"
-        if not self.fitting: return
-        self.fitting = False
+        self.fits = 0
+        if not self.active: return
+        self.active = False
         self.compile_recorder.stop()
-        self._zero_dropped_grads()
-        if self.old_precision is not None: torch.set_float32_matmul_precision(self.old_precision)
-        if self.host_smooth_loss is not None:
-            self._losses_to_host()
-            rec, host = self.learn.recorder, self.host_smooth_loss
-            host.count, host.val = rec.smooth_loss.count, rec.smooth_loss.val.cpu()
-            rec.smooth_loss, self.host_smooth_loss = host, None
-            if host.count: self.learn.smooth_loss = host.value
+        self.precision.restore()
+
+    def uncompile(self):
+        "Return the Learner to eager: undo the fit's changes, and uncompile the model and the optimizer step"
+        self.restore()
+        model = None if self.compiled_model is None else self.compiled_model()
+        if model is not None: uncompile_model(model)
+        if self.learn is not None and self.learn.opt is not None: uncompile_optimizer(self.learn.opt)
+        self.compiled_model = None
 
     def _refused(self):
         "The compile was refused (`fullgraph=True` with a graph break): leave the Learner as it was without this callback"
-        self.restore()
-        self.learn.remove_cb(self)
+        if self.learn is not None: self.learn.remove_cb(self)
 
     def plot_batch_times(self, ax=None):
         "Plot the time of each training batch, compile spikes against the steady state"

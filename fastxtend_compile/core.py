@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #de0ba488
 from __future__ import annotations
-import inspect, shutil
+import shutil, sys, warnings
 from collections import Counter
 from enum import Enum
 from typing import Callable, Dict, Union
@@ -13,10 +13,13 @@ import torch
 from torch import nn, Tensor
 from torch.utils._pytree import tree_map_only, tree_flatten, tree_unflatten
 from fastai.torch_core import TensorBase, get_model
+from fastai.callback.hook import Hook
+
+from .internals import *
 
 # %% auto #0
 __all__ = ['CompileMode', 'MatMulPrecision', 'check_backend', 'compile_settings', 'cannot_compile_reason', 'graph_break_reason',
-           'GraphBreakError', 'uses_cudagraphs', 'CompiledCall', 'unwrap_model', 'inner_model', 'model_device',
+           'GraphBreakError', 'uses_cudagraphs', 'compiled_entry', 'CompiledCall', 'unwrap_model', 'inner_model', 'model_device',
            'compiled_settings', 'is_compiled', 'repeated_blocks', 'compile_model', 'uncompile_model']
 
 # %% ../nbs/00_core.ipynb #69462bf1
@@ -45,9 +48,9 @@ class MatMulPrecision(_CheckedEnum):
 # %% ../nbs/00_core.ipynb #f18814cd
 def check_backend(backend:str|Callable):
     "Raise a `ValueError` listing the registered backends if `backend` is not one of them"
-    if callable(backend) or backend in torch._dynamo.list_backends(exclude_tags=()): return backend
-    raise ValueError(f"Unknown torch.compile backend {backend!r}; choose one of: {', '.join(torch._dynamo.list_backends())} "
-                     "(or 'eager', 'aot_eager' to debug). See `torch._dynamo.list_backends()`.")
+    if callable(backend) or backend in torch.compiler.list_backends(exclude_tags=()): return backend
+    raise ValueError(f"Unknown torch.compile backend {backend!r}; choose one of: {', '.join(torch.compiler.list_backends())} "
+                     "(or 'eager', 'aot_eager' to debug). See `torch.compiler.list_backends()`.")
 
 # %% ../nbs/00_core.ipynb #1806912e
 def compile_settings(
@@ -58,10 +61,21 @@ def compile_settings(
     options:Dict[str,Union[str,int,bool]]|None=None, # Extra options to pass to compile backend
 )->dict:
     "Validated `torch.compile` keyword arguments"
+    if not isinstance(fullgraph, bool): raise TypeError(f"fullgraph must be True or False, not {fullgraph!r}")
+    if dynamic is not None and not isinstance(dynamic, bool): raise TypeError(f"dynamic must be True, False or None, not {dynamic!r}")
+    if options is not None: _check_options(options, backend)
     if mode is not None and options is not None:
         raise ValueError(f"Pass either `mode` or `options` to torch.compile, not both: got mode={str(mode)!r} and options={options!r}")
     return dict(fullgraph=fullgraph, dynamic=dynamic, backend=check_backend(backend),
                 mode=None if mode is None else CompileMode(mode).value, options=options)
+
+def _check_options(options, backend):
+    "Refuse `options` that aren't a dict, or that inductor doesn't know"
+    if not isinstance(options, dict): raise TypeError(f"options must be a dict of backend options, not {options!r}")
+    if backend != 'inductor': return
+    if unknown := [k for k in options if k not in inductor_options()]:
+        raise ValueError(f"Unknown inductor option(s) in options: {', '.join(map(repr, unknown))}. "
+                         "See `torch._inductor.list_options()` for the valid ones.")
 
 # %% ../nbs/00_core.ipynb #67ec1910
 def cannot_compile_reason(
@@ -69,14 +83,12 @@ def cannot_compile_reason(
     device:torch.device|str|None=None, # Device the model runs on
 )->str|None:
     "Why `backend` cannot compile on `device` here, or `None` when it can"
-    if not torch._dynamo.is_dynamo_supported():
-        import sys
+    if not dynamo_supported():
         return f"torch.compile is not supported by this build of torch {torch.__version__} on Python {sys.version.split()[0]}"
     if backend != 'inductor': return None
     device = torch.device(device or 'cpu')
     if device.type == 'cpu':
-        from torch._inductor import config as inductor_config
-        cxx = inductor_config.cpp.cxx[-1] or 'g++'
+        cxx = inductor_cxx() or 'g++'
         if not any(shutil.which(c) for c in (cxx, 'g++', 'clang++', 'c++')):
             return "inductor needs a C++ compiler to compile for the CPU and none was found (install g++ or clang)"
     elif device.type == 'cuda':
@@ -114,7 +126,7 @@ def graph_break_reason(reason:str)->str:
 class GraphBreakError(RuntimeError):
     "`fullgraph=True` was asked for, but the model has a graph break"
 
-def _graph_break_error(e:torch._dynamo.exc.Unsupported, removed:bool)->GraphBreakError:
+def _graph_break_error(e:Unsupported, removed:bool)->GraphBreakError:
     stack = getattr(e, 'real_stack', None)
     where = f" at {stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}: `{(stack[-1].line or '').strip()}`" if stack else ''
     why = graph_break_reason(str(e))
@@ -127,30 +139,89 @@ def uses_cudagraphs(settings:dict)->bool:
     "Whether `torch.compile` `settings` record CUDA graphs (on a CUDA device)"
     return settings.get('mode') in ('reduce-overhead', 'max-autotune') or bool((settings.get('options') or {}).get('triton.cudagraphs'))
 
-# %% ../nbs/00_core.ipynb #e939e865
-_can_isolate = 'isolate_recompiles' in inspect.signature(torch.compile).parameters
+# %% ../nbs/00_core.ipynb #new-entry
+def _call_module(module:nn.Module, *args, **kwargs): return module._call_impl(*args, **kwargs)
 
+def compiled_entry(
+    name:str, # Name of the compiled function, as TorchDynamo's logs and the report show it
+    **settings # `torch.compile` settings, from `compile_settings`
+)->Callable:
+    "`torch.compile` of a function of its own that calls the module it is given as `nn.Module.__call__` does"
+    # TorchDynamo traces a module called from a function of ours whole, `nn.Sequential` included. Compiled as
+    # `module._call_impl` (torch's `Module.compile`), its first frames are torch's, which some versions skip
+    return torch.compile(own_function(_call_module, f'{name}_call'), **settings)
+
+# %% ../nbs/00_core.ipynb #new-hooks
+def _observer(hook:Callable)->bool:
+    "Whether `hook` only reads values out of the model: a fastai `Hook` that detaches them"
+    owner = getattr(hook, '__self__', None)
+    return isinstance(owner, Hook) and owner.detach
+
+def _hook_owner(hook:Callable)->str:
+    "Who registered `hook`: the callback or function behind a fastai `Hook`, else the hook itself"
+    f = getattr(getattr(hook, '__self__', None), 'hook_func', hook)
+    return type(f.__self__).__name__ if hasattr(f, '__self__') else getattr(f, '__qualname__', repr(f))
+
+# %% ../nbs/00_core.ipynb #e939e865
 class CompiledCall:
     "The compiled `__call__` of a module: `torch.compile` on plain tensors, with outputs typed as fastai's eager ones"
-    def __init__(self, module:nn.Module, on_refused:Callable|None=None, isolate:bool=True, **settings):
+    def __init__(self,
+        module:nn.Module, # Module to compile
+        entry:Callable|None=None, # A `compiled_entry` to share with modules of the same class (regional compilation)
+        on_refused:Callable|None=None, # Called when a `fullgraph=True` compile is refused
+        **settings # `torch.compile` settings, from `compile_settings`
+    ):
         self.module, self.on_refused, self.settings = module, on_refused, settings
         # CUDA graphs overwrite their outputs at the next replay, and fastai keeps outputs around (Recorder, metrics, preds)
         self.cudagraphs = uses_cudagraphs(settings)
-        # Each model gets its own recompile region where torch supports it, so models don't share a recompile limit
-        extra = dict(isolate_recompiles=True) if isolate and _can_isolate else {}
-        self.compiled = torch.compile(module._call_impl, **settings, **extra)
+        self.hook_dicts = hook_dicts(module)
+        self.new_entry(entry)
+
+    def new_entry(self, entry:Callable|None=None):
+        "Compile afresh, with the hooks registered now (TorchDynamo doesn't notice hooks added or removed later)"
+        self.hooks, self.warned_hooks = self._hooks(), None
+        self.unchecked = entry is None # A new entry's first call must capture a graph, or the model runs eagerly
+        self.entry = entry or compiled_entry(type(self.module).__name__, **self.settings)
+
+    def _hooks(self)->tuple: return tuple(h for d in self.hook_dicts if d for h in d.values())
 
     def __call__(self, *args, **kwargs):
+        if self.hooks or any(self.hook_dicts): # The fast path has no hooks, before and now
+            hooks = self._hooks()
+            if observers := [h for h in hooks if _observer(h)]:
+                self._warn_eager(observers)
+                return self.module._call_impl(*args, **kwargs)
+            if hooks != self.hooks: self.new_entry()
         args, kwargs, like = _stripped(args, kwargs)
         if self.cudagraphs: torch.compiler.cudagraph_mark_step_begin()
-        try: out = self.compiled(*args, **kwargs)
-        except torch._dynamo.exc.Unsupported as e:
+        graphs = graphs_compiled()
+        try: out = self.entry(self.module, *args, **kwargs)
+        except Unsupported as e:
             if not self.settings.get('fullgraph'): raise
-            self.module._compiled_call_impl = None
+            set_compiled_call(self.module, None)
             if self.on_refused is not None: self.on_refused()
             raise _graph_break_error(e, removed=self.on_refused is not None) from e
+        if self.unchecked: self._check_captured(graphs)
         if self.cudagraphs: out = tree_map_only(Tensor, torch.clone, out)
         return out if like is None else tree_map_only(Tensor, lambda t: _retyped(t, like), out)
+
+    def _check_captured(self, graphs_before:int):
+        "Warn when the first call captured no graph: TorchDynamo skipped the model, which then runs eagerly"
+        self.unchecked = False
+        if graphs_compiled() > graphs_before: return
+        warnings.warn(f"torch.compile captured no graph of {type(self.module).__name__}: TorchDynamo skipped its code or broke "
+                      "the graph before any operation, so it runs eagerly. `DynamoExplainCallback` shows where it breaks; "
+                      "`TORCH_LOGS=graph_breaks` shows why a frame was skipped.", stacklevel=3)
+
+    def _warn_eager(self, observers:list):
+        "Say, once for each set of hooks, that the model runs eagerly while they look at its values"
+        if observers == self.warned_hooks: return
+        self.warned_hooks = observers
+        owners = ', '.join(dict.fromkeys(map(_hook_owner, observers)))
+        warnings.warn(f"{owners} registered hooks on {len(observers)} module(s) of {type(self.module).__name__} that read its "
+            "values out (fastai `Hook`s with `detach=True`). Compiled, each would break the graph and recompile at every "
+            "batch, so the model runs eagerly while they are registered and compiled once they are removed (HookCallbacks "
+            "such as ActivationStats remove theirs after the fit).", stacklevel=3)
 
 # %% ../nbs/00_core.ipynb #d74f1d6a
 def unwrap_model(model:nn.Module)->nn.Module:
@@ -167,8 +238,8 @@ def model_device(model:nn.Module)->torch.device:
 
 def compiled_settings(model:nn.Module)->dict|None:
     "The `torch.compile` settings `model` is compiled with: `{}` if unknown, `None` if it isn't compiled"
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule): return {}
-    call = getattr(model, '_compiled_call_impl', None)
+    if isinstance(model, OptimizedModule): return {}
+    call = compiled_call(model)
     if call is None: return None
     return getattr(call, 'settings', {})
 
@@ -193,15 +264,19 @@ def compile_model(
     "Compile `model` in place with `settings`, unwrapping an `OptimizedModule` first"
     model = uncompile_model(model)
     if not regional:
-        model._compiled_call_impl = CompiledCall(model, on_refused=on_refused, **settings)
+        set_compiled_call(model, CompiledCall(model, on_refused=on_refused, **settings))
         return model
     blocks = repeated_blocks(model)
     if not blocks: raise ValueError(f"regional=True, but {type(model).__name__} has no repeated blocks (children of a ModuleList or Sequential of the same class) to compile")
-    for b in blocks: b._compiled_call_impl = CompiledCall(b, on_refused=on_refused, isolate=False, **settings)
+    entries = {} # Blocks of a class share one compiled function, so each twin reuses the first one's graph
+    for b in blocks:
+        call = CompiledCall(b, entry=entries.get(type(b)), on_refused=on_refused, **settings)
+        entries.setdefault(type(b), call.entry)
+        set_compiled_call(b, call)
     return model
 
 def uncompile_model(model:nn.Module)->nn.Module:
     "`model` with its compiled state, and that of any compiled block inside it, dropped, so it runs eagerly"
     model = unwrap_model(model)
-    for m in model.modules(): m._compiled_call_impl = None
+    for m in model.modules(): set_compiled_call(m, None)
     return model

@@ -19,6 +19,7 @@ from fastai.learner import Learner
 
 from .core import *
 from .core import _plain
+from .internals import compiled_call, set_compiled_call, explain
 from .callback import CompilerCallback
 
 # %% auto #0
@@ -41,13 +42,13 @@ def untouched(learn:Learner):
     buffers = [b.clone() for b in model.buffers()]
     grads = [p.grad for p in model.parameters()]
     # The whole model and, with `regional=True`, its blocks
-    compiled = {m: m._compiled_call_impl for m in model.modules() if m._compiled_call_impl is not None}
+    compiled = {m: compiled_call(m) for m in model.modules() if compiled_call(m) is not None}
     training = model.training
     uncompile_model(model)
     model.train()
     try: yield model
     finally:
-        for m,call in compiled.items(): m._compiled_call_impl = call
+        for m,call in compiled.items(): set_compiled_call(m, call)
         model.train(training)
         with torch.no_grad():
             for b,old in zip(model.buffers(), buffers): b.copy_(old)
@@ -74,7 +75,7 @@ def _where(reason)->str:
 
 def explain_summary(out, guards:bool=False, ops:bool=False)->str:
     "A readable report of a `torch._dynamo.explain` output: each graph break with its place and reason"
-    lines = [f"Dynamo explain: {out.graph_count} graph(s), {out.graph_break_count} graph break(s), {out.op_count} op(s)"]
+    lines = [f"Dynamo explain: {out.graph_count} graph(s), {len(out.break_reasons)} graph break(s), {out.op_count} op(s)"]
     for i,r in enumerate(out.break_reasons):
         lines.append(f"  Graph break {i+1} at {_where(r)}\n      {graph_break_reason(r.reason)}")
     if ops and out.ops_per_graph:
@@ -103,10 +104,10 @@ class DynamoExplainCallback(Callback):
         raise CancelFitException() # On every rank, so none waits for the others
 
     def explain(self):
-        "Run `torch._dynamo.explain` on one batch, as training would compile it"
+        "Run `torch._dynamo.explain` on one batch, as training would compile it, leaving other compiled code alone"
         with untouched(self.learn) as model, learner_autocast(self.learn):
             xb,_ = one_plain_batch(self.learn)
-            self.explain_output = torch._dynamo.explain(model)(*xb)
+            self.explain_output = explain(model, *xb)
         if self.print_results: print(self.summary())
 
     def summary(self)->str:

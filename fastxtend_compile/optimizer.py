@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_optimizer.ipynb #2f37271a
 from __future__ import annotations
-import inspect, math, types, warnings
+import inspect, math, warnings
 from functools import partial
 from typing import Callable
 
@@ -17,6 +17,7 @@ from fastai.optimizer import (Optimizer, Lookahead, weight_decay, l2_reg, averag
     debias, sgd_step, momentum_step, rms_prop_step, adam_step, radam_step, qhadam_step, larc_layer_lr, larc_step, lamb_step)
 
 from .core import *
+from .internals import own_function, fused_kernel_devices
 
 # %% auto #0
 __all__ = ['step_rules', 'StepRule', 'CompiledOptimizerStep', 'compile_optimizer', 'compiled_optimizer_settings',
@@ -162,11 +163,7 @@ def _rule_of(cb):
     return rule, {**fixed, **kw}, getattr(fn, '__name__', repr(fn))
 
 # %% ../nbs/05_optimizer.ipynb #8a8c0182
-_fused_devices = set(torch.utils._foreach_utils._get_fused_kernels_supported_devices())
-
-def _own_copy(f:Callable)->Callable:
-    "`f` with a code object of its own: TorchDynamo keeps its compiled graphs, and their recompile limit, per code object"
-    return types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+_fused_devices = fused_kernel_devices()
 
 # fastai's `Adam` is the update of PyTorch's fused Adam kernels: with true weight decay `torch._fused_adamw_`, with L2 `torch._fused_adam_`
 _fused_adam = {(weight_decay, average_grad, average_sqr_grad, step_stat, adam_step): torch._fused_adamw_,
@@ -182,7 +179,7 @@ class CompiledOptimizerStep:
     def __init__(self, opt:Optimizer, fused:bool=True, **settings):
         self.opt, self.fused_ok, self.settings, self.cbs, self.warned, self.scalars = opt, fused, settings, None, False, {}
         # Each optimizer gets its own graphs, freed with it, and its own recompile limit, on every torch version
-        self.compiled = torch.compile(_own_copy(_foreach_step), **settings)
+        self.compiled = torch.compile(own_function(_foreach_step, '_foreach_step'), **settings)
 
     def __reduce__(self): return (partial(type(self), fused=self.fused_ok, **self.settings), (self.opt,)) # Compiled anew when unpickled or copied
 

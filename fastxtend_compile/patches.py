@@ -14,6 +14,7 @@ from fastai.learner import Learner
 import fastai.callback.schedule # Patches `Learner.fine_tune` and `fit_one_cycle`
 
 from .core import *
+from .internals import without_dynamo_marks
 from .callback import CompilerCallback
 
 # %% auto #0
@@ -44,7 +45,7 @@ def load(self:Learner, file, **kwargs):
     with plain_model(self): return _fastai_load(self, file, **kwargs)
 
 # %% ../nbs/03_patches.ipynb #42d8d795
-_fastai_export = Learner.export
+_fastai_export, _fastai_remove_cb = Learner.export, Learner.remove_cb
 
 def _compile_cbs(learn): return [cb for cb in learn.cbs if type(cb).__module__.startswith('fastxtend_compile.')]
 
@@ -52,12 +53,19 @@ def _compile_cbs(learn): return [cb for cb in learn.cbs if type(cb).__module__.s
 @delegates(_fastai_export)
 def export(self:Learner, fname='export.pkl', **kwargs):
     "Export the content of `self` without the items and the optimizer state for inference"
-    # The pickle holds the plain model and none of this library's callbacks, so it loads anywhere fastai does
+    # The pickle holds what plain fastai's holds: the plain model, without this library's callbacks or TorchDynamo's marks
     cbs = _compile_cbs(self)
-    self.remove_cbs(cbs)
+    for cb in cbs: _fastai_remove_cb(self, cb) # Set aside, not removed: the model stays compiled
     try:
-        with plain_model(self): _fastai_export(self, fname, **kwargs)
+        with plain_model(self) as model, without_dynamo_marks(model): _fastai_export(self, fname, **kwargs)
     finally: self.add_cbs(cbs)
+
+# %% ../nbs/03_patches.ipynb #new-remove
+@patch
+def remove_cb(self:Learner, cb):
+    "Remove `cb` from the list of `Callback`s; a removed `CompilerCallback` returns the `Learner` to eager"
+    if isinstance(cb, CompilerCallback) and cb.learn is self: cb.uncompile()
+    return _fastai_remove_cb(self, cb)
 
 # %% ../nbs/03_patches.ipynb #e993f1e6
 _fastai_load_learner = fastai.learner.load_learner
@@ -77,8 +85,9 @@ _fastai_fit = Learner.fit
 @wraps(_fastai_fit)
 def fit(self, *args, **kwargs):
     try: return _fastai_fit(self, *args, **kwargs)
-    finally:
-        if hasattr(self, 'compiler'): self.compiler.restore() # Nothing left to undo after a fit that ended
+    finally: # After a fit that raised; after one that ended there is nothing left to undo
+        for cb in self.cbs:
+            if isinstance(cb, CompilerCallback): cb.restore() # A fit's own `cbs` restore as they are removed
 
 # %% ../nbs/03_patches.ipynb #cfcbdb5b
 _fastai_freeze_to = Learner.freeze_to
@@ -86,8 +95,10 @@ _fastai_freeze_to = Learner.freeze_to
 @patch
 def freeze_to(self:Learner, n:int):
     "Freeze parameter groups up to `n`"
+    trains = lambda: [p.requires_grad for p in self.model.parameters()]
+    before = trains()
     _fastai_freeze_to(self, n)
-    if hasattr(self, 'compiler'): self.compiler.after_freeze()
+    if hasattr(self, 'compiler') and trains() != before: self.compiler.after_freeze()
 
 # %% ../nbs/03_patches.ipynb #18b4adec
 _fastai_fine_tune = Learner.fine_tune

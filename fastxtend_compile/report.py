@@ -4,14 +4,16 @@
 
 # %% ../nbs/01_report.ipynb #7c9aeb0e
 from __future__ import annotations
-import logging, re, time, threading, warnings
+import logging, re, time, warnings
 from pathlib import Path
 from typing import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch._dynamo.utils import get_compilation_metrics, counters
 from fastcore.basics import store_attr
+
+from . import core
+from .internals import *
 
 # %% auto #0
 __all__ = ['plain_reason', 'CompileEvent', 'CompileReport', 'CompileRecorder']
@@ -43,6 +45,8 @@ def plain_reason(reason:str|None)->str:
     for pat,msg in _reasons:
         if m := re.search(pat, first): return msg(m)
     return first
+
+_grad_mode_reason = plain_reason('GLOBAL_STATE changed: grad_mode')
 
 # %% ../nbs/01_report.ipynb #836f2742
 @dataclass
@@ -104,23 +108,31 @@ class CompileReport:
         return ax
 
 # %% ../nbs/01_report.ipynb #78afe0f8
-_fix = ("pass `dynamic=True` (or `drop_last=True` for a smaller last batch) so fewer shapes need their own graph, "
-        "or raise `torch._dynamo.config.recompile_limit`")
-_torch_dir = str(Path(torch.__file__).parent)
-_convert_frame_log = logging.getLogger('torch._dynamo.convert_frame')
+_shape_fix = ("pass `dynamic=True` (or `drop_last=True` for a smaller last batch) so fewer shapes need their own graph, "
+              "or raise `torch._dynamo.config.recompile_limit`")
+
+def _fix(reason:str)->str:
+    "What to do about a frame that recompiled for `reason` until it hit the limit"
+    if re.match(r"(batch|input) size|an input size", reason): return _shape_fix
+    return "keep what the guard checks from changing between calls, or raise `torch._dynamo.config.recompile_limit`"
+_torch_dir, _core_file = str(Path(torch.__file__).parent), core.__file__.removesuffix('c') # .pyc to .py
+
+def _shapes(xb)->tuple: return tuple(tuple(o.shape) for o in xb if isinstance(o, torch.Tensor))
 
 class CompileRecorder:
     "Fill a `CompileReport` from TorchDynamo's compilation metrics and compile callbacks while a fit runs"
     def __init__(self,
         report:CompileReport, # Report to add to
-        model_name:str='model', # Name for frames compiled from inside torch (the model's `__call__`)
-        notice_after:float=2., # Announce compiles that run longer than this many seconds
-        show:Callable=print, # Where announcements go
+        model_name:str='model', # Name for frames compiled from inside torch
+        notice_after:float=2., # Announce compiles that took longer than this many seconds
+        show:Callable|None=None, # Where announcements go; `None` keeps them quiet
     ):
         store_attr()
-        self.timer, self.log_handler, self.froze, self.training = None, None, False, None
+        self.log_handler, self.froze, self.training, self.shapes, self.compiling = None, False, None, (), False
+        self.seen, self.graph_breaks0, self.started, self.batch_t = set(), 0, 0., 0.
+        self.phase_shapes = {} # Input shapes compiled for, by phase (training or not): TorchDynamo names one guard
 
-    def __getstate__(self): return {**self.__dict__, 'timer': None, 'log_handler': None} # Locks can't be pickled or copied
+    def __getstate__(self): return {**self.__dict__, 'log_handler': None, 'show': None} # Handlers hold locks
 
     def note_freeze_change(self):
         "Note that parameters' `requires_grad` changed: TorchDynamo reports only the newest graph's failed guard"
@@ -128,66 +140,71 @@ class CompileRecorder:
 
     def start(self):
         "Start recording compiles"
-        self.compiling, self.batch_t = False, time.perf_counter()
-        self.seen = set(map(id, get_compilation_metrics())) # Those of earlier compiles, which are not this fit's
-        self.graph_breaks0 = sum(counters['graph_break'].values()) - self.report.graph_breaks
-        cbs = torch._dynamo.callback.callback_handler
-        cbs.register_start_callback(self._on_start); cbs.register_end_callback(self._on_end)
+        self.compiling, self.batch_t, self.training = False, time.perf_counter(), None
+        self.seen = set(map(id, compilation_metrics())) # Those of earlier compiles, which are not this fit's
+        self.graph_breaks0 = graph_break_count() - self.report.graph_breaks
+        add_compile_callbacks(self._on_start, self._on_end)
         # TorchDynamo records no compilation metric when a frame hits the recompile limit, only this log line
         self.log_handler = logging.Handler(logging.WARNING)
         self.log_handler.emit = self._on_log
-        _convert_frame_log.addHandler(self.log_handler)
+        recompile_limit_logger.addHandler(self.log_handler)
 
     def stop(self):
         "Stop recording and collect what is left"
-        cbs = torch._dynamo.callback.callback_handler
-        for lst,f in ((cbs.start_callbacks,self._on_start), (cbs.end_callbacks,self._on_end)):
-            if f in lst: lst.remove(f)
-        _convert_frame_log.removeHandler(self.log_handler)
-        if self.timer is not None: self.timer.cancel()
-        self.collect()
+        remove_compile_callbacks(self._on_start, self._on_end)
+        recompile_limit_logger.removeHandler(self.log_handler)
+        self.collect(self.during)
+        self.training = None
 
     def _on_log(self, record:logging.LogRecord):
         "Turn TorchDynamo's 'hit config.recompile_limit' warning into a fallback event and a Python warning"
-        if not str(record.msg).startswith('torch._dynamo hit config.'): return
-        limit_type, limit, func, reason = record.args[:4]
+        if (hit := recompile_limit_hit(record)) is None: return
+        limit_type, limit, func, reason = hit
         m = re.match(r"'(.*)' \((.*):(\d+)\)", func)
-        frame = self.model_name if not m or m[2].startswith(_torch_dir) else f"{m[1]} ({m[2]}:{m[3]})"
+        frame = self.model_name if not m else self._name(m[1], m[2], m[3])
         ev = CompileEvent('fallback', frame, 0., plain_reason(reason), reason, self.during)
         self.report.events.append(ev)
         warnings.warn(f"torch.compile gave up on {ev.frame} after {limit} recompiles ({limit_type}) and runs it eagerly "
-                      f"from now on. Last cause: {ev.reason or 'unknown'}. To fix: {_fix}.")
+                      f"from now on. Last cause: {ev.reason or 'unknown'}. To fix: {_fix(ev.reason)}.")
 
-    def _on_start(self, *args):
-        self.compiling, self.started = True, time.perf_counter()
-        self.timer = threading.Timer(self.notice_after, lambda: self.show(f"torch.compile is compiling ({self.during or 'first call'})..."))
-        self.timer.daemon = True
-        self.timer.start()
+    def _on_start(self, *args): self.compiling, self.started = True, time.perf_counter()
 
     def _on_end(self, *args):
         took = time.perf_counter() - self.started
         self.report.compile_seconds += took
-        self.timer.cancel()
-        if took >= self.notice_after: self.show(f"...compiled in {took:.1f}s")
+        if took >= self.notice_after and self.show is not None: self.show(f"torch.compile compiled {self.model_name} for {self.during or 'its first call'} in {took:.1f}s")
 
-    def _frame(self, m):
-        if m.co_filename.startswith(_torch_dir): return self.model_name
-        if m.co_name == '_foreach_step' and m.co_filename.endswith('optimizer.py'): return 'optimizer step'
-        return f"{m.co_name} ({m.co_filename}:{m.co_firstlineno})"
+    def _name(self, co_name:str, filename:str, line)->str:
+        "A compiled frame's name as the report shows it"
+        if filename == _core_file: return co_name.removesuffix('_call') # `compiled_entry`: named after the model's class
+        if filename.startswith(_torch_dir): return self.model_name
+        if co_name == '_foreach_step' and filename.endswith('optimizer.py'): return 'optimizer step'
+        return f"{co_name} ({filename}:{line})"
+
+    def _reason(self, raw:str, during:str)->str:
+        "The plain reason for a recompile during `during`, correcting what TorchDynamo can't see"
+        reason = plain_reason(raw)
+        if self.froze and during.startswith('training'): reason, self.froze = plain_reason('requires_grad mismatch'), False
+        elif reason == _grad_mode_reason and (old := self.phase_shapes.get(self.training)) is not None:
+            # This phase had its graph already: TorchDynamo named the newest graph's failed guard, of the other phase
+            new = self.shapes
+            reason = (plain_reason(f"size mismatch at index 0. expected {old[0][0]}, actual {new[0][0]}")
+                      if old and new and old[0][0] != new[0][0] else "the inputs changed (their shape, dtype or layout)")
+        return reason
 
     def collect(self, during:str=''):
         "Turn compilation metrics added since the last call into `CompileEvent`s"
-        metrics = get_compilation_metrics()
+        metrics = compilation_metrics()
         new = [m for m in metrics if id(m) not in self.seen]
         self.seen = set(map(id, metrics))
         for m in new:
             if m.fail_type or m.co_name is None: continue # Failed (see `_on_log`), or not a frame (a lazy backward graph)
-            ev = CompileEvent('recompile' if m.recompile_reason else 'compile', self._frame(m), m.entire_frame_compile_time_s or 0.,
-                              plain_reason(m.recompile_reason), m.recompile_reason or '', during)
-            if self.froze and ev.kind == 'recompile' and during.startswith('training'):
-                ev.reason, self.froze = plain_reason('requires_grad mismatch'), False
+            raw = m.recompile_reason or ''
+            ev = CompileEvent('recompile' if raw else 'compile', self._name(m.co_name, m.co_filename, m.co_firstlineno),
+                              m.entire_frame_compile_time_s or 0., self._reason(raw, during) if raw else '', raw, during)
             self.report.events.append(ev)
-        self.report.graph_breaks = sum(counters['graph_break'].values()) - self.graph_breaks0
+        if new and self.training is not None: self.phase_shapes[self.training] = self.shapes
+        self.report.graph_breaks = graph_break_count() - self.graph_breaks0
 
     @property
     def during(self)->str:
@@ -195,9 +212,9 @@ class CompileRecorder:
         if self.training is None: return ''
         return f"training batch {len(self.report.batch_times)+1}" if self.training else 'validation'
 
-    def batch_start(self, training:bool):
-        "Start timing a batch"
-        self.batch_t, self.compiling, self.training = time.perf_counter(), False, training
+    def batch_start(self, training:bool, xb:tuple=()):
+        "Start timing a batch of inputs `xb`"
+        self.batch_t, self.compiling, self.training, self.shapes = time.perf_counter(), False, training, _shapes(xb)
 
     def batch_done(self):
         "Record what was compiled during the batch `batch_start` began, and its time if it trained"

@@ -63,21 +63,20 @@ def test_matmul_precision_set_and_restored():
     assert set(seen) == {expected} and torch.get_float32_matmul_precision() == 'highest'
 
 @pytest.mark.parametrize('mode', [None, 'reduce-overhead'], ids=['default', 'reduce-overhead'])
-def test_training_batches_never_wait_for_the_gpu(mode):
-    "After warm-up, a compiled training batch makes no synchronizing CUDA call: the host runs ahead of the GPU"
-    # Without the progress bar, which reads the loss at every batch (`.item()`): that one wait is fastai's to keep
+def test_callbacks_see_fastai_gradients(mode):
+    "As fastai's: the step's gradients in `after_step`, zeros kept in place after it; with CUDA graphs too"
     from fastai.callback.core import Callback
-    class SyncsRaise(Callback):
-        order = -100 # Before every other callback's `before_batch`
-        def before_batch(self):
-            if self.learn.training and self.learn.iter >= 3: torch.cuda.set_sync_debug_mode('error')
-    class SyncsAllowed(Callback):
-        order = 1000 # After every other callback's `after_batch`
-        def after_batch(self): torch.cuda.set_sync_debug_mode('default')
-    learn = Learner(digits_dls().cuda(), bn_cnn(), splitter=body_head_splitter,
-                    cbs=[SyncsRaise(), SyncsAllowed(), MixedPrecision(amp_mode='bf16')])
-    learn.remove_cb(ProgressCallback)
-    learn.compile(mode=mode)
-    try: learn.fit(1, 1e-2) # Raises "called a synchronizing CUDA operation" if anything in a batch waits for the GPU
-    finally: torch.cuda.set_sync_debug_mode('default')
-    assert all(l.device.type == 'cpu' for l in learn.recorder.losses) and type(learn.recorder.smooth_loss).__name__ == 'AvgSmoothLoss'
+    class Grads(Callback):
+        order = 60 # After `CompilerCallback`
+        def before_fit(self): self.stepped, self.zeroed, self.ptrs = [], [], set()
+        def after_step(self): self.stepped.append(all(p.grad is not None and bool(p.grad.any()) for p in self.trainable()))
+        def after_batch(self):
+            if not self.training: return
+            self.zeroed.append(all(p.grad is not None and not p.grad.any() for p in self.trainable()))
+            if self.iter >= 2: self.ptrs.add(tuple(p.grad.data_ptr() for p in self.trainable())) # The same memory each step
+        def trainable(self): return [p for p in self.learn.model.parameters() if p.requires_grad]
+    learn = Learner(digits_dls().cuda(), bn_cnn(), splitter=body_head_splitter, cbs=Grads()).compile(mode=mode)
+    learn.fit(1, 1e-2)
+    g = learn.grads
+    assert g.stepped and all(g.stepped) and all(g.zeroed) and len(g.ptrs) == 1
+    assert float(learn.recorder.values[-1][0]) < float(learn.recorder.losses[0]) # It trained

@@ -1,0 +1,388 @@
+"""Build the documentation site from `nbs/` into `_site/` with MkDocs (Material), without Quarto. Called by `.ci/site`.
+
+Steps, each failing the run on a problem:
+  execute  every notebook runs on the CPU, each in a process of its own, as `nbdev-test` runs it (cells flagged with
+           `tst_flags`, `#| notest` and `#| cuda`, are skipped); the outputs go to a build directory, never to `nbs/`
+  process  nbdev's doc processing (the processors `nbdev-docs` uses) turns each executed notebook into a page notebook:
+           front matter, `show_doc` for every exported name, hidden cells removed, links to documented names
+  convert  each page notebook becomes a markdown page: code, outputs (text, markdown, HTML, images), Quarto's cell
+           options (`echo`, `output`, `include`, `code-fold`), and the API entries with signature and parameter table
+  mkdocs   `mkdocs build --strict` renders the pages; the navigation is `nbs/sidebar.yml`'s, the page titles are the
+           notebooks' title cells, the styles `nbs/styles.css` (Quarto's) and `.ci/site.css`
+
+The pages, their titles and their order come from `nbs/sidebar.yml` and the notebooks; the API from the code.
+"""
+import argparse, base64, inspect, json, os, re, shutil, subprocess, sys, tempfile, time
+from fnmatch import fnmatch
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NBS, CI = ROOT/'nbs', ROOT/'.ci'
+_ansi = re.compile(r'\x1B(?:[@-Z\\-_]|\[[0-?]*[ -/]*[@-~])')
+
+def notebooks(): return sorted(p for p in NBS.glob('*.ipynb') if not p.name.startswith(('_', '.')))
+
+# ---------------------------------------------------------------------------------------------------------------------
+# show_doc: nbdev's heading and docstring, a signature without the parameter comments, and a parameter table from them
+
+def _fmt_sig(name, parts, ret, width=92):
+    "`name(parts...)ret`, on one line if it fits, else one line per run of parameters that fits `width`"
+    one = f'{name}({", ".join(parts)}){ret}'
+    if len(one) <= width: return one
+    lines, cur = [], ''
+    for p in parts:
+        if cur and len(cur) + len(p) + 2 > width - 4: lines.append(cur + ','); cur = ''
+        cur = f'{cur}, {p}' if cur else p
+    if cur: lines.append(cur)
+    return f'{name}(\n' + '\n'.join('    ' + l for l in lines) + f'\n){ret}'
+
+def _cell(s):
+    "A table cell's text: one line, pipes escaped"
+    return ' '.join(str(s).split()).replace('|', '\\|')
+
+def api_markdown(sym, name=None, title_level=3):
+    "Markdown for `show_doc(sym)`: heading with nbdev's anchor, signature, docstring and the parameter table"
+    from fastcore.docments import ShowDocRenderer, DocmentText, docments, _type_str, _fmt_default, _ital_first, empty
+    from nbdev.doclinks import NbdevLookup
+    r = ShowDocRenderer(sym, name=name, title_level=title_level)
+    nm, sym = r.nm, r.sym
+    md = '---\n\n'
+    src = NbdevLookup().code(r.fn)
+    if src and src.startswith('http'): md += f'[source]({src}){{ .doc-source target="_blank" }}\n\n'
+    md += f'{"#"*title_level} {nm} {{ #{nm.lower()} .doc-heading }}\n\n'
+    dm = {}
+    if isinstance(r.dm, DocmentText):
+        dm = {k: v for k, v in r.dm.dm.items() if k != 'self'}
+        parts = [p for p, _ in r.dm.params]
+        ret = dm.get('return', {})
+        ret_s = f' -> {_type_str(ret["anno"])}' if ret.get('anno', empty) is not empty else ''
+        if r.sig is not None or parts: md += f'```python\n{_fmt_sig(nm, parts, ret_s)}\n```\n\n'
+    if r.docs: md += _ital_first(r.docs) + '\n\n'
+    params = {k: v for k, v in dm.items() if k != 'return'}
+    if params:
+        cols = {'anno': 'Type', 'default': 'Default', 'docment': 'Details'}
+        cols = {k: v for k, v in cols.items() if any(d.get(k, empty) not in (empty, None) for d in params.values())} or {'docment': 'Details'}
+        def val(d, k):
+            v = d.get(k, empty)
+            if v is empty or v is None and k == 'docment': return ''
+            if k == 'anno': return f'`{_cell(_type_str(v))}`'
+            if k == 'default': return f'`{_cell(_fmt_default(v))}`'
+            return _cell(v)
+        rows = ['| Parameter | ' + ' | '.join(cols.values()) + ' |', '|' + '---|' * (len(cols) + 1)]
+        for k, d in params.items():
+            pre = '\\*' if d.get('kind') == inspect.Parameter.VAR_POSITIONAL else '\\*\\*' if d.get('kind') == inspect.Parameter.VAR_KEYWORD else ''
+            rows.append(f'| `{pre}{k}` | ' + ' | '.join(val(d, c) for c in cols) + ' |')
+        if dm.get('return', {}).get('docment'):
+            rows.append('| **Returns** | ' + ' | '.join(val(dm['return'], c) if c != 'default' else '' for c in cols) + ' |')
+        md += '<div class="doc-params" markdown>\n\n' + '\n'.join(rows) + '\n\n</div>\n'
+    return md
+
+class SiteRenderer:
+    "Stands in for nbdev's `BasicMarkdownRenderer` in `show_doc`"
+    def __init__(self, sym, name=None, title_level=3): self.args = (sym, name, title_level)
+    def _repr_markdown_(self): return api_markdown(*self.args)
+    def __repr__(self): return f'show_doc({self.args[1] or getattr(self.args[0], "__qualname__", self.args[0])})'
+
+def use_site_renderer():
+    import nbdev.showdoc
+    nbdev.showdoc.BasicMarkdownRenderer = SiteRenderer # `show_doc` looks it up when called
+
+# ---------------------------------------------------------------------------------------------------------------------
+# execute and process one notebook (in a process of its own: 03_patches patches fastai, as nbdev-test's notes say)
+
+def execute_and_process(src:Path, dst:Path, reuse=False):
+    os.environ['IN_TEST'] = '1' # As nbdev-test and nbdev's doc processing set it
+    os.chdir(ROOT)
+    sys.path.insert(0, str(ROOT)) # The package of this checkout
+    from fastcore.nbio import write_nb, read_nb
+    from nbdev.config import get_config
+    from nbdev.processors import FilterDefaults
+    use_site_renderer()
+    cfg = get_config()
+    executed = dst.parent.parent/'executed'/dst.name # Named as in nbs/: nbdev names the page after the notebook
+    if not (reuse and executed.exists()): execute(src, executed, cfg)
+    os.chdir(src.parent) # nbdev processes a notebook from its own folder
+    nb = read_nb(executed)
+    FilterDefaults()(nb)
+    write_nb(nb, dst)
+
+def execute(src, executed, cfg):
+    from fastcore.nbio import write_nb
+    from fastcore.xtras import working_directory
+    from execnb.shell import CaptureShell
+    from nbdev.process import NBProcessor
+    from nbdev.test import _skip_cell
+    nb = NBProcessor(src, rm_directives=False, process=True).nb
+    skip = _skip_cell(nb, cfg.get('tst_flags', '').split())
+    k = CaptureShell(src, profile=bool(cfg.get('exec_profile')))
+    try:
+        with working_directory(src.parent): k.run_all(nb, exc_stop=True, preproc=skip, cell_timeout=600)
+    except Exception:
+        sys.stderr.write(k.prettytb(fname=src) or '')
+        raise
+    for c in nb.cells: # A skipped cell keeps no outputs saved in nbs/: the page shows what this run produced
+        if c.cell_type == 'code' and skip(c): c.outputs = []
+    executed.parent.mkdir(exist_ok=True)
+    write_nb(nb, executed)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# convert a processed notebook into a markdown page
+
+def _src(x): return ''.join(x) if isinstance(x, list) else (x or '')
+
+def _opts(src):
+    "Quarto cell options (`#| key: value`) at the top of `src`, and the source without them"
+    opts, lines = {}, src.splitlines()
+    while lines and re.match(r'^#\|', lines[0]):
+        m = re.match(r'^#\|\s*([\w-]+)\s*:\s*(.*?)\s*$', lines.pop(0))
+        if m: opts[m[1]] = m[2].strip('"\'')
+    return opts, '\n'.join(lines).strip('\n')
+
+def _fence(code, lang=''):
+    ticks = '`' * max(3, max((len(m) for m in re.findall(r'`{3,}', code)), default=0) + 1)
+    return f'{ticks}{lang}\n{code}\n{ticks}'
+
+_list_item = re.compile(r'^(\s*)([-*+]|\d+[.)])\s+\S')
+_fence_re = re.compile(r'^\s*(`{3,}|~{3,})')
+
+def fix_markdown(md):
+    """Python-Markdown wants a blank line before a list, table, fence or heading that follows a paragraph, and four
+    spaces of indent for a nested list; Quarto's pandoc doesn't. Adds the blank lines and the indent (outside fences)."""
+    out, fence, in_list, prev_blank, indents = [], None, False, True, []
+    for line in md.splitlines():
+        m = _fence_re.match(line)
+        if fence:
+            out.append(line)
+            if m and m[1][0] == fence[0] and len(m[1]) >= len(fence): fence = None
+            continue
+        blank = not line.strip()
+        li = _list_item.match(line)
+        if m: fence = m[1]
+        if li:
+            ind = len(li[1])
+            if not in_list: indents = []
+            while indents and indents[-1] > ind: indents.pop()
+            if not indents or indents[-1] < ind: indents.append(ind)
+            line = ' ' * (4 * (len(indents) - 1)) + line.lstrip() if ind else line
+        needs_blank = (m or li and not in_list or line.startswith('|') and out and not out[-1].startswith('|')
+                       or line.startswith('#') and not line.startswith('#|'))
+        if needs_blank and out and not prev_blank: out.append('')
+        if li: in_list = True
+        elif not blank and prev_blank and not line.startswith(' '): in_list = False
+        out.append(line)
+        prev_blank = blank
+    return '\n'.join(out)
+
+class Page:
+    def __init__(self, nb:Path, proc:Path):
+        self.nb, self.proc = nb, proc
+        self.cells = json.loads(proc.read_text())['cells']
+        self.fm = {}
+        if self.cells and self.cells[0]['cell_type'] == 'raw' and _src(self.cells[0]['source']).startswith('---'):
+            import yaml
+            self.fm = yaml.safe_load(_src(self.cells.pop(0)['source']).strip().strip('-')) or {}
+        self.html = self.fm.get('output-file', nb.with_suffix('.html').name)
+        self.md = Path(self.html).with_suffix('.md').name
+        self.title = str(self.fm.get('title', nb.stem))
+
+class Converter:
+    def __init__(self, pages, docs:Path):
+        self.pages, self.docs, self.problems = pages, docs, []
+        self.by_html = {p.html: p for p in pages} | {p.nb.name: p for p in pages}
+        from nbdev.config import get_config
+        self.git_url = str(get_config().get('git_url') or '')
+
+    def link(self, url, page):
+        "A page's link, for MkDocs: nbdev's `/page.html#anchor` and `page.html` become `page.md`; repo files are copied in"
+        if re.match(r'^([a-z][\w+.-]*:|#|//)', url, flags=re.I) or not url: return url
+        path, _, frag = url.partition('#')
+        path = path.lstrip('/')
+        frag = f'#{frag}' if frag else ''
+        if path in self.by_html: return self.by_html[path].md + frag
+        for base in (NBS, ROOT): # A link written for the README (nbs/index.ipynb is README.md) is relative to the root
+            f = (base/path).resolve()
+            if path and f.is_file() and f.is_relative_to(ROOT) and not any(s.startswith('.') for s in f.relative_to(ROOT).parts):
+                dst = self.docs/path
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, dst)
+                return path + frag
+        self.problems.append(f'{page.nb.name}: link to {url}, which is neither a page nor a file of the repository')
+        return url
+
+    def links(self, md, page):
+        md = re.sub(r'(\]\()([^)\s]+)((?:\s+"[^"]*")?\))', lambda m: m[1] + self.link(m[2], page) + m[3], md)
+        return re.sub(r'((?:href|src)=")([^"]+)(")', lambda m: m[1] + self.link(m[2], page) + m[3], md)
+
+    def output(self, o, page, asis):
+        t = o.get('output_type')
+        if t == 'stream':
+            txt = _ansi.sub('', _src(o.get('text'))).rstrip()
+            return txt and f'<div class="cell-output cell-output-{o.get("name", "stdout")}" markdown>\n\n{_fence(txt, "text")}\n\n</div>'
+        if t == 'error':
+            tb = _ansi.sub('', '\n'.join(o.get('traceback') or [f'{o.get("ename")}: {o.get("evalue")}']))
+            return f'<div class="cell-output cell-output-error" markdown>\n\n{_fence(tb, "text")}\n\n</div>'
+        data = o.get('data', {})
+        for mime, ext in (('image/png', 'png'), ('image/jpeg', 'jpg'), ('image/gif', 'gif')):
+            if mime in data:
+                self.n_img += 1
+                f = Path(f'{Path(page.md).stem}_files')/f'figure-{self.n_img}.{ext}'
+                (self.docs/f).parent.mkdir(exist_ok=True)
+                (self.docs/f).write_bytes(base64.b64decode(_src(data[mime])))
+                w = (o.get('metadata', {}).get(mime) or {}).get('width')
+                attrs = f'{{ width="{w}" }}' if w else ''
+                return f'<div class="cell-output cell-output-display" markdown>\n\n![]({f.as_posix()}){attrs}\n\n</div>'
+        if 'image/svg+xml' in data:
+            return f'<div class="cell-output cell-output-display">\n{_src(data["image/svg+xml"])}\n</div>'
+        if 'text/markdown' in data:
+            md = fix_markdown(self.links(_src(data['text/markdown']), page)).strip()
+            return md if asis else f'<div class="cell-output cell-output-display" markdown>\n\n{md}\n\n</div>'
+        if 'text/html' in data:
+            html = self.links(_src(data['text/html']), page).strip()
+            html = re.sub(r'\n\s*\n', '\n', html) # A blank line would end the raw HTML block
+            return f'<div class="cell-output cell-output-display">\n{html}\n</div>'
+        if 'text/plain' in data:
+            txt = _ansi.sub('', _src(data['text/plain'])).rstrip()
+            return txt and f'<div class="cell-output cell-output-display" markdown>\n\n{_fence(txt, "text")}\n\n</div>'
+        return ''
+
+    def code_cell(self, c, page):
+        opts, src = _opts(_src(c.get('source')))
+        if opts.get('include') == 'false': return ''
+        outs = [] if opts.get('output') == 'false' else c.get('outputs', [])
+        outs = [s for s in (self.output(o, page, opts.get('output') == 'asis') for o in outs) if s]
+        parts = []
+        if opts.get('echo') != 'false' and src.strip():
+            code = _fence(src, 'python')
+            fold = opts.get('code-fold')
+            if fold in ('true', 'show'):
+                summary = opts.get('code-summary', 'Code')
+                code = f'???{"+" if fold == "show" else ""} note "{summary}"\n\n' + '\n'.join('    ' + l for l in code.splitlines())
+            parts.append(code)
+        if not parts and not outs: return ''
+        if opts.get('output') == 'asis' and not parts: return '\n\n'.join(outs)
+        return '<div class="cell" markdown>\n\n' + '\n\n'.join(parts + outs) + '\n\n</div>'
+
+    def convert(self, page):
+        self.n_img = 0
+        md = [f'---\ntitle: {json.dumps(page.title)}\n' + (f'description: {json.dumps(str(page.fm["description"]))}\n'
+              if page.fm.get('description') else '') + '---', f'# {page.title}']
+        if page.fm.get('description'):
+            md.append(f'<div class="description" markdown>\n\n{self.links(str(page.fm["description"]), page)}\n\n</div>')
+        for c in page.cells:
+            src = _src(c.get('source'))
+            if c['cell_type'] == 'markdown':
+                if src.strip().startswith('<!-- WARNING: THIS FILE WAS AUTOGENERATED'): continue
+                md.append(fix_markdown(self.links(src, page)))
+            elif c['cell_type'] == 'code': md.append(self.code_cell(c, page))
+            elif c['cell_type'] == 'raw' and src.strip(): md.append(src) # Raw cells are markdown or HTML for Quarto
+        (self.docs/page.md).write_text('\n\n'.join(s for s in md if s.strip()) + '\n')
+
+# ---------------------------------------------------------------------------------------------------------------------
+# navigation from nbs/sidebar.yml, and the MkDocs configuration
+
+def nav_from_sidebar(pages, problems):
+    import yaml
+    sidebar = yaml.safe_load((NBS/'sidebar.yml').read_text())['website']['sidebar']['contents']
+    by_nb, listed = {p.nb.name: p for p in pages}, set()
+    def entries(items):
+        if isinstance(items, str): items = [items]
+        res = []
+        for it in items or []:
+            if isinstance(it, dict) and ('section' in it or 'contents' in it or 'auto' in it):
+                sub = entries(it.get('contents') or it.get('auto'))
+                if sub: res.append({str(it.get('section', it.get('text', ''))): sub})
+                continue
+            href, text = (it, None) if isinstance(it, str) else (it.get('href'), it.get('text'))
+            if not href: continue
+            names = sorted(n for n in by_nb if fnmatch(n, href.lstrip('/'))) if '*' in href else [href.lstrip('/')]
+            for n in names:
+                if n not in by_nb: problems.append(f'nbs/sidebar.yml lists {href}, which is not a notebook in nbs/'); continue
+                listed.add(n)
+                res.append({text: by_nb[n].md} if text else by_nb[n].md) # MkDocs takes the title from the page
+        return res
+    nav = entries(sidebar)
+    for n in sorted(set(by_nb) - listed): problems.append(f'nbs/{n} is not in nbs/sidebar.yml, so the site has no place for it')
+    return nav
+
+def mkdocs_config(pages, nav, docs:Path, out:Path):
+    from nbdev.config import get_config
+    import yaml
+    cfg = get_config()
+    quarto = yaml.safe_load((NBS/'_quarto.yml').read_text()) or {}
+    home = next((p for p in pages if p.md == 'index.md'), None)
+    css = []
+    for f in [*quarto.get('format', {}).get('html', {}).get('css', '').split(), CI/'site.css']:
+        f = NBS/f if not isinstance(f, Path) else f
+        shutil.copy2(f, docs/f.name); css.append(f.name)
+    conf = dict(
+        site_name=str(cfg.get('title') or cfg.lib_name),
+        site_description=str(home.fm.get('description', '')) if home else '',
+        docs_dir=str(docs), site_dir=str(out), use_directory_urls=False, strict=True, nav=nav,
+        theme=dict(name='material', font=False, # No fonts fetched from Google: system fonts
+                   features=['navigation.sections', 'navigation.top', 'toc.follow', 'search.highlight', 'content.code.copy'],
+                   palette=[dict(scheme='default', primary='blue', accent='blue')]),
+        plugins=['search'] if (quarto.get('website', {}).get('navbar', {}) or {}).get('search', True) else [],
+        extra_css=css,
+        markdown_extensions=['attr_list', 'md_in_html', 'tables', 'admonition', 'footnotes', 'pymdownx.details',
+                             'pymdownx.superfences', {'pymdownx.highlight': {'use_pygments': True}},
+                             {'toc': {'permalink': True, 'toc_depth': 3}}],
+        validation=dict(omitted_files='info', absolute_links='warn', unrecognized_links='warn', anchors='warn'),
+    )
+    if cfg.get('git_url', '').startswith('http'): conf['repo_url'] = cfg.git_url
+    p = docs.parent/'mkdocs.yml'
+    p.write_text(yaml.safe_dump(conf, sort_keys=False))
+    return p
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument('--out', default=str(ROOT/'_site'), help='where the site goes (default: _site/)')
+    ap.add_argument('--workers', type=int, default=2, help='notebooks executed in parallel')
+    ap.add_argument('--build-dir', help='keep the executed notebooks and the markdown here (default: a temporary directory)')
+    ap.add_argument('--reuse', action='store_true', help='with --build-dir: reuse the notebooks it executed before (for work on the site itself)')
+    ap.add_argument('--one', nargs=2, metavar=('NB', 'DST'), help=argparse.SUPPRESS) # A worker: execute and process NB
+    a = ap.parse_args()
+    if a.one: return execute_and_process(Path(a.one[0]).resolve(), Path(a.one[1]).resolve(), a.reuse)
+
+    t0 = time.time()
+    tmp = Path(a.build_dir).resolve() if a.build_dir else Path(tempfile.mkdtemp(prefix='site-'))
+    if a.reuse: shutil.rmtree(tmp/'docs', ignore_errors=True)
+    elif tmp.exists():
+        if any(tmp.iterdir()) and not (tmp/'proc').exists(): sys.exit(f'site: {tmp} is not empty and not a build directory')
+        shutil.rmtree(tmp)
+    (tmp/'proc').mkdir(parents=True, exist_ok=True); (tmp/'docs').mkdir()
+    out = Path(a.out).resolve()
+    from concurrent.futures import ThreadPoolExecutor
+    def work(nb):
+        t = time.time()
+        r = subprocess.run([sys.executable, __file__, '--one', str(nb), str(tmp/'proc'/nb.name), *(['--reuse'] if a.reuse else [])], cwd=ROOT,
+                           capture_output=True, text=True)
+        return nb, r, time.time() - t
+    print(f'== execute and process: {len(notebooks())} notebooks, {a.workers} at a time, into {tmp}', flush=True)
+    failed = []
+    with ThreadPoolExecutor(a.workers) as ex: # Longest first (by size), so the workers finish together
+        for nb, r, secs in ex.map(work, sorted(notebooks(), key=lambda p: -p.stat().st_size)):
+            print(f'  {nb.name}: {"ok" if r.returncode == 0 else "FAILED"} in {secs:.0f}s', flush=True)
+            if r.returncode:
+                print('\n'.join('    ' + l for l in (r.stdout + r.stderr).strip().splitlines()[-40:]), flush=True)
+                failed.append(nb.name)
+    if failed: sys.exit(f'site: executing or processing failed for {", ".join(failed)} (see above)')
+
+    print(f'== convert to markdown ({time.time()-t0:.0f}s)', flush=True)
+    pages = [Page(nb, tmp/'proc'/nb.name) for nb in notebooks()]
+    conv = Converter(pages, tmp/'docs')
+    for p in pages: conv.convert(p)
+    problems = conv.problems
+    nav = nav_from_sidebar(pages, problems)
+    if problems: sys.exit('site: ' + '\n  '.join(['problems with the pages:', *problems]))
+    conf = mkdocs_config(pages, nav, tmp/'docs', out)
+
+    print(f'== mkdocs build --strict into {out} ({time.time()-t0:.0f}s)', flush=True)
+    if out.exists(): shutil.rmtree(out)
+    r = subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '--strict', '-q', '-f', str(conf)], cwd=tmp)
+    if r.returncode: sys.exit(f'site: mkdocs build failed (the markdown it read is in {tmp}; pass --build-dir to keep it)')
+    if not a.build_dir: shutil.rmtree(tmp)
+    print(f'site: {len(pages)} pages in {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}, {time.time()-t0:.0f}s', flush=True)
+
+if __name__ == '__main__': main()
