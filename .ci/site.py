@@ -12,7 +12,7 @@ Steps, each failing the run on a problem:
 
 The pages, their titles and their order come from `nbs/sidebar.yml` and the notebooks; the API from the code.
 """
-import argparse, base64, inspect, json, os, re, shutil, subprocess, sys, tempfile, time
+import argparse, base64, enum, inspect, json, os, re, shutil, subprocess, sys, tempfile, time
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -51,6 +51,12 @@ def api_markdown(sym, name=None, title_level=3):
     if src and src.startswith('http'): md += f'[source]({src}){{ .doc-source target="_blank" }}\n\n'
     md += f'{"#"*title_level} {nm} {{ #{nm.lower()} .doc-heading }}\n\n'
     dm = {}
+    if inspect.isclass(sym) and issubclass(sym, enum.Enum): # Its members, rather than `Enum`'s constructor
+        bases = ', '.join(b.__name__ for b in sym.__bases__)
+        md += f'```python\nclass {nm}({bases})\n```\n\n'
+        if r.docs: md += _ital_first(r.docs) + '\n\n'
+        rows = ['| Member | Value |', '|---|---|'] + [f'| `{k}` | `{_cell(repr(v.value))}` |' for k, v in sym.__members__.items()]
+        return md + '<div class="doc-params" markdown>\n\n' + '\n'.join(rows) + '\n\n</div>\n'
     if isinstance(r.dm, DocmentText):
         dm = {k: v for k, v in r.dm.dm.items() if k != 'self'}
         parts = [p for p, _ in r.dm.params]
@@ -70,7 +76,7 @@ def api_markdown(sym, name=None, title_level=3):
             return _cell(v)
         rows = ['| Parameter | ' + ' | '.join(cols.values()) + ' |', '|' + '---|' * (len(cols) + 1)]
         for k, d in params.items():
-            pre = '\\*' if d.get('kind') == inspect.Parameter.VAR_POSITIONAL else '\\*\\*' if d.get('kind') == inspect.Parameter.VAR_KEYWORD else ''
+            pre = '*' if d.get('kind') == inspect.Parameter.VAR_POSITIONAL else '**' if d.get('kind') == inspect.Parameter.VAR_KEYWORD else ''
             rows.append(f'| `{pre}{k}` | ' + ' | '.join(val(d, c) for c in cols) + ' |')
         if dm.get('return', {}).get('docment'):
             rows.append('| **Returns** | ' + ' | '.join(val(dm['return'], c) if c != 'default' else '' for c in cols) + ' |')
@@ -91,30 +97,41 @@ def use_site_renderer():
 # execute and process one notebook (in a process of its own: 03_patches patches fastai, as nbdev-test's notes say)
 
 def execute_and_process(src:Path, dst:Path, reuse=False):
+    """Execute `src` with a `show_doc` cell after each exported definition (nbdev's `add_show_docs`), then process it
+    with the rest of nbdev's doc processors. Their `exec_show_docs`, which would run the notebook's exported and import
+    cells a second time for the `show_doc` outputs, has nothing left to do."""
     os.environ['IN_TEST'] = '1' # As nbdev-test and nbdev's doc processing set it
     os.chdir(ROOT)
     sys.path.insert(0, str(ROOT)) # The package of this checkout
     from fastcore.nbio import write_nb, read_nb
     from nbdev.config import get_config
-    from nbdev.processors import FilterDefaults
+    from nbdev.processors import FilterDefaults, add_show_docs, exec_show_docs
     use_site_renderer()
     cfg = get_config()
     executed = dst.parent.parent/'executed'/dst.name # Named as in nbs/: nbdev names the page after the notebook
     if not (reuse and executed.exists()): execute(src, executed, cfg)
+    class Procs(FilterDefaults): # With --reuse, `exec_show_docs` runs the `show_doc` cells again, for a changed renderer
+        def base_procs(self): return [p for p in super().base_procs() if reuse or p not in (add_show_docs, exec_show_docs)]
     os.chdir(src.parent) # nbdev processes a notebook from its own folder
     nb = read_nb(executed)
-    FilterDefaults()(nb)
+    if reuse: nb.cells = [c for c in nb.cells if not c.get('metadata', {}).get('site_show_doc')] # Added again below
+    Procs()(nb)
     write_nb(nb, dst)
 
 def execute(src, executed, cfg):
+    "Run `src` as `nbdev-test` does, with its `show_doc` cells added, and save it with its outputs to `executed`"
     from fastcore.nbio import write_nb
     from fastcore.xtras import working_directory
     from execnb.shell import CaptureShell
     from nbdev.process import NBProcessor
+    from nbdev.processors import add_show_docs
     from nbdev.test import _skip_cell
-    nb = NBProcessor(src, rm_directives=False, process=True).nb
+    nb = NBProcessor(src, procs=[add_show_docs], rm_directives=False, process=True).nb
+    for c in nb.cells:
+        if getattr(c, 'has_sd', False): c.metadata['site_show_doc'] = True
     skip = _skip_cell(nb, cfg.get('tst_flags', '').split())
     k = CaptureShell(src, profile=bool(cfg.get('exec_profile')))
+    k.run('from nbdev.showdoc import show_doc')
     try:
         with working_directory(src.parent): k.run_all(nb, exc_stop=True, preproc=skip, cell_timeout=600)
     except Exception:
@@ -173,6 +190,18 @@ def fix_markdown(md):
         prev_blank = blank
     return '\n'.join(out)
 
+def demote_headings(md):
+    "`md` with every `#` heading outside code fences one level lower"
+    out, fence = [], None
+    for line in md.splitlines():
+        m = _fence_re.match(line)
+        if fence:
+            if m and m[1][0] == fence[0] and len(m[1]) >= len(fence): fence = None
+        elif m: fence = m[1]
+        elif re.match(r'^#{1,5} ', line): line = '#' + line
+        out.append(line)
+    return '\n'.join(out)
+
 class Page:
     def __init__(self, nb:Path, proc:Path):
         self.nb, self.proc = nb, proc
@@ -189,8 +218,9 @@ class Converter:
     def __init__(self, pages, docs:Path):
         self.pages, self.docs, self.problems = pages, docs, []
         self.by_html = {p.html: p for p in pages} | {p.nb.name: p for p in pages}
-        from nbdev.config import get_config
-        self.git_url = str(get_config().get('git_url') or '')
+        self.api = {p.md: {m for c in p.cells for o in c.get('outputs', [])
+                           for m in re.findall(r'\{ #(\S+) \.doc-heading \}', _src(o.get('data', {}).get('text/markdown')))}
+                    for p in pages} # The anchors of the `show_doc` sections of each page
 
     def link(self, url, page):
         "A page's link, for MkDocs: nbdev's `/page.html#anchor` and `page.html` become `page.md`; repo files are copied in"
@@ -198,7 +228,14 @@ class Converter:
         path, _, frag = url.partition('#')
         path = path.lstrip('/')
         frag = f'#{frag}' if frag else ''
-        if path in self.by_html: return self.by_html[path].md + frag
+        if path in self.by_html:
+            md = self.by_html[path].md
+            # nbdev links every `Class.method` it knows to `#class.method`; without a `show_doc` of its own, to `#class`
+            f = frag[1:]
+            if '.' in f and f not in self.api[md]:
+                while '.' in f and f not in self.api[md]: f = f.rpartition('.')[0]
+                if f in self.api[md]: frag = '#' + f
+            return md + frag
         for base in (NBS, ROOT): # A link written for the README (nbs/index.ipynb is README.md) is relative to the root
             f = (base/path).resolve()
             if path and f.is_file() and f.is_relative_to(ROOT) and not any(s.startswith('.') for s in f.relative_to(ROOT).parts):
@@ -235,6 +272,8 @@ class Converter:
             return f'<div class="cell-output cell-output-display">\n{_src(data["image/svg+xml"])}\n</div>'
         if 'text/markdown' in data:
             md = fix_markdown(self.links(_src(data['text/markdown']), page)).strip()
+            if not asis and re.search(r'^# ', md, flags=re.M): # A page has one title: a displayed document's go a level down
+                md = demote_headings(md)
             return md if asis else f'<div class="cell-output cell-output-display" markdown>\n\n{md}\n\n</div>'
         if 'text/html' in data:
             html = self.links(_src(data['text/html']), page).strip()
@@ -319,7 +358,7 @@ def mkdocs_config(pages, nav, docs:Path, out:Path):
         site_description=str(home.fm.get('description', '')) if home else '',
         docs_dir=str(docs), site_dir=str(out), use_directory_urls=False, strict=True, nav=nav,
         theme=dict(name='material', font=False, # No fonts fetched from Google: system fonts
-                   features=['navigation.sections', 'navigation.top', 'toc.follow', 'search.highlight', 'content.code.copy'],
+                   features=['navigation.sections', 'navigation.top', 'toc.integrate', 'search.highlight', 'content.code.copy'],
                    palette=[dict(scheme='default', primary='blue', accent='blue')]),
         plugins=['search'] if (quarto.get('website', {}).get('navbar', {}) or {}).get('search', True) else [],
         extra_css=css,
@@ -380,7 +419,8 @@ def main():
 
     print(f'== mkdocs build --strict into {out} ({time.time()-t0:.0f}s)', flush=True)
     if out.exists(): shutil.rmtree(out)
-    r = subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '--strict', '-q', '-f', str(conf)], cwd=tmp)
+    r = subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '--strict', '-q', '-f', str(conf)], cwd=tmp,
+                       env=os.environ | {'NO_MKDOCS_2_WARNING': '1'})
     if r.returncode: sys.exit(f'site: mkdocs build failed (the markdown it read is in {tmp}; pass --build-dir to keep it)')
     if not a.build_dir: shutil.rmtree(tmp)
     print(f'site: {len(pages)} pages in {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}, {time.time()-t0:.0f}s', flush=True)

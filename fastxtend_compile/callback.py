@@ -21,7 +21,7 @@ from .optimizer import compile_optimizer, uncompile_optimizer
 # %% auto #0
 __all__ = ['CompilerCallback']
 
-# %% ../nbs/02_callback.ipynb #new-precision
+# %% ../nbs/02_callback.ipynb #e595b152
 class _MatMulPrecision:
     "Set the float32 matmul precision for a fit where it has an effect, CUDA GPUs with TF32 tensor cores, and restore it"
     def __init__(self, precision:str): self.precision, self.old = precision, None
@@ -68,7 +68,9 @@ class CompilerCallback(Callback):
     def __getstate__(self): return {**self.__dict__, 'compiled_model': None} # A copy compiles its model afresh
 
     @property
-    def matmul_precision(self)->str: return self.precision.precision
+    def matmul_precision(self)->str:
+        "The float32 matmul precision set during a fit"
+        return self.precision.precision
 
     def before_fit(self):
         self.fits += 1

@@ -19,8 +19,8 @@ from .internals import *
 
 # %% auto #0
 __all__ = ['CompileMode', 'MatMulPrecision', 'check_backend', 'compile_settings', 'cannot_compile_reason', 'graph_break_reason',
-           'GraphBreakError', 'uses_cudagraphs', 'compiled_entry', 'CompiledCall', 'unwrap_model', 'inner_model', 'model_device',
-           'compiled_settings', 'is_compiled', 'repeated_blocks', 'compile_model', 'uncompile_model']
+           'GraphBreakError', 'uses_cudagraphs', 'compiled_entry', 'CompiledCall', 'unwrap_model', 'inner_model',
+           'model_device', 'compiled_settings', 'is_compiled', 'repeated_blocks', 'compile_model', 'uncompile_model']
 
 # %% ../nbs/00_core.ipynb #69462bf1
 class _CheckedEnum(str, Enum):
@@ -126,7 +126,7 @@ def graph_break_reason(reason:str)->str:
 class GraphBreakError(RuntimeError):
     "`fullgraph=True` was asked for, but the model has a graph break"
 
-def _graph_break_error(e:Unsupported, removed:bool)->GraphBreakError:
+def _graph_break_error(e:Exception, removed:bool)->GraphBreakError:
     stack = getattr(e, 'real_stack', None)
     where = f" at {stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}: `{(stack[-1].line or '').strip()}`" if stack else ''
     why = graph_break_reason(str(e))
@@ -139,7 +139,7 @@ def uses_cudagraphs(settings:dict)->bool:
     "Whether `torch.compile` `settings` record CUDA graphs (on a CUDA device)"
     return settings.get('mode') in ('reduce-overhead', 'max-autotune') or bool((settings.get('options') or {}).get('triton.cudagraphs'))
 
-# %% ../nbs/00_core.ipynb #new-entry
+# %% ../nbs/00_core.ipynb #c2b37ec6
 def _call_module(module:nn.Module, *args, **kwargs): return module._call_impl(*args, **kwargs)
 
 def compiled_entry(
@@ -151,7 +151,7 @@ def compiled_entry(
     # `module._call_impl` (torch's `Module.compile`), its first frames are torch's, which some versions skip
     return torch.compile(own_function(_call_module, f'{name}_call'), **settings)
 
-# %% ../nbs/00_core.ipynb #new-hooks
+# %% ../nbs/00_core.ipynb #99a028bd
 def _observer(hook:Callable)->bool:
     "Whether `hook` only reads values out of the model: a fastai `Hook` that detaches them"
     owner = getattr(hook, '__self__', None)
@@ -196,7 +196,7 @@ class CompiledCall:
         if self.cudagraphs: torch.compiler.cudagraph_mark_step_begin()
         graphs = graphs_compiled()
         try: out = self.entry(self.module, *args, **kwargs)
-        except Unsupported as e:
+        except graph_break_error() as e:
             if not self.settings.get('fullgraph'): raise
             set_compiled_call(self.module, None)
             if self.on_refused is not None: self.on_refused()
@@ -238,7 +238,7 @@ def model_device(model:nn.Module)->torch.device:
 
 def compiled_settings(model:nn.Module)->dict|None:
     "The `torch.compile` settings `model` is compiled with: `{}` if unknown, `None` if it isn't compiled"
-    if isinstance(model, OptimizedModule): return {}
+    if is_optimized_module(model): return {}
     call = compiled_call(model)
     if call is None: return None
     return getattr(call, 'settings', {})

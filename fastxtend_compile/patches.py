@@ -60,7 +60,7 @@ def export(self:Learner, fname='export.pkl', **kwargs):
         with plain_model(self) as model, without_dynamo_marks(model): _fastai_export(self, fname, **kwargs)
     finally: self.add_cbs(cbs)
 
-# %% ../nbs/03_patches.ipynb #new-remove
+# %% ../nbs/03_patches.ipynb #22369670
 @patch
 def remove_cb(self:Learner, cb):
     "Remove `cb` from the list of `Callback`s; a removed `CompilerCallback` returns the `Learner` to eager"
@@ -86,8 +86,7 @@ _fastai_fit = Learner.fit
 def fit(self, *args, **kwargs):
     try: return _fastai_fit(self, *args, **kwargs)
     finally: # After a fit that raised; after one that ended there is nothing left to undo
-        for cb in self.cbs:
-            if isinstance(cb, CompilerCallback): cb.restore() # A fit's own `cbs` restore as they are removed
+        if hasattr(self, 'compiler'): self.compiler.restore() # A fit's own `cbs` restore as they are removed
 
 # %% ../nbs/03_patches.ipynb #cfcbdb5b
 _fastai_freeze_to = Learner.freeze_to

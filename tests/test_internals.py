@@ -1,0 +1,110 @@
+"Each use of PyTorch's private API, one test each: a torch upgrade that changes one fails here, by name"
+import logging, pickle, pytest, torch
+from torch import nn
+from fastxtend_compile.internals import *
+from fastxtend_compile.core import compiled_entry
+
+def _fresh_compiled(f): return torch.compile(own_function(f, 'internals_test_call'), backend='eager')
+
+def test_own_function_gets_its_own_dynamo_cache():
+    def f(x): return x + 1
+    a, b = own_function(f, 'a_call'), own_function(f, 'b_call')
+    assert a.__code__ is not b.__code__ and a.__name__ == 'a_call' and a(1) == f(1) == 2
+    before = graphs_compiled()
+    for g in (a, b): torch.compile(g, backend='eager')(torch.ones(2)) # A copy shares no cache with its twin
+    assert graphs_compiled() - before == 2
+
+def test_compiled_call_is_what_module_call_runs():
+    m = nn.Linear(2, 2)
+    assert compiled_call(m) is None
+    set_compiled_call(m, lambda *a, **k: 'compiled')
+    assert m(torch.ones(2)) == 'compiled' and compiled_call(m) is not None
+    assert '_compiled_call_impl' not in m.__getstate__() # Not pickled with the module
+    set_compiled_call(m, None)
+    assert m(torch.ones(2)).shape == (2,)
+
+def test_optimized_module_and_unsupported():
+    assert is_optimized_module(torch.compile(nn.Linear(1, 1), backend='eager')) and not is_optimized_module(nn.Linear(1, 1))
+    def f(x):
+        if x.sum() > 0: return x
+        return -x
+    with pytest.raises(graph_break_error()): torch.compile(f, backend='eager', fullgraph=True)(torch.ones(1))
+
+def test_compile_callbacks_run_around_each_compile():
+    seen = []
+    start, end = (lambda *a: seen.append('start')), (lambda *a: seen.append('end'))
+    add_compile_callbacks(start, end)
+    try: _fresh_compiled(lambda x: x * 2)(torch.ones(1))
+    finally: remove_compile_callbacks(start, end)
+    assert seen == ['start', 'end']
+    _fresh_compiled(lambda x: x * 3)(torch.ones(1))
+    assert seen == ['start', 'end'] # Removed
+    remove_compile_callbacks(start, end) # Twice is harmless
+
+def test_recompile_limit_record_is_recognised():
+    records = []
+    h = logging.Handler(logging.WARNING); h.emit = records.append
+    recompile_limit_logger.addHandler(h)
+    f = _fresh_compiled(lambda x, n: x * n)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            for n in range(3): f(torch.ones(1), n)
+    finally: recompile_limit_logger.removeHandler(h)
+    hits = [r for r in map(recompile_limit_hit, records) if r]
+    assert hits and hits[0][0] == 'recompile_limit' and int(hits[0][1]) == 1 and 'internals_test_call' in hits[0][2]
+
+def test_compilation_metrics_describe_each_frame():
+    n = len(compilation_metrics())
+    f = _fresh_compiled(lambda x: x.sin())
+    f(torch.ones(2)); f(torch.ones(3))
+    new = compilation_metrics()[n:]
+    assert [m.co_name for m in new] == ['internals_test_call'] * 2
+    assert new[0].recompile_reason is None and new[1].recompile_reason and new[1].fail_type is None
+    assert new[0].entire_frame_compile_time_s >= 0 and new[0].co_filename == __file__ and new[0].co_firstlineno > 0
+
+def test_graph_and_graph_break_counters():
+    graphs, breaks = graphs_compiled(), graph_break_count()
+    def f(x):
+        x = x + 1
+        print('break')
+        return x * 2
+    _fresh_compiled(f)(torch.ones(1))
+    assert graphs_compiled() - graphs == 2 and graph_break_count() - breaks == 1
+
+def test_hook_dicts_see_every_kind_of_hook():
+    m = nn.Sequential(nn.Linear(1, 1))
+    dicts = hook_dicts(m)
+    assert not any(dicts)
+    hs = [m[0].register_forward_hook(lambda *a: None), m.register_forward_pre_hook(lambda *a: None),
+          m[0].register_full_backward_hook(lambda *a: None), torch.nn.modules.module.register_module_forward_hook(lambda *a: None)]
+    assert sum(len(d) for d in dicts) == 4
+    for h in hs: h.remove()
+    assert not any(dicts)
+
+def test_dynamo_marks_are_set_on_traced_parameters_and_stripped():
+    m = nn.Linear(2, 2)
+    compiled_entry('Linear', backend='eager')(m, torch.ones(2))
+    p = m.weight
+    assert '_dynamo_static_input_type' in p.__dict__ # What TorchDynamo leaves on parameters, and would be pickled
+    with without_dynamo_marks(m): assert b'_dynamo' not in pickle.dumps(m)
+    assert '_dynamo_static_input_type' in p.__dict__
+
+def test_kernels_options_and_support():
+    assert 'cpu' in fused_kernel_devices() and hasattr(torch, '_fused_adam_') and hasattr(torch, '_fused_adamw_')
+    assert 'max_autotune' in inductor_options() and 'triton.cudagraphs' in inductor_options()
+    assert dynamo_supported() is True
+    assert inductor_cxx() is None or isinstance(inductor_cxx(), str)
+
+def test_explain_leaves_other_compiled_code_alone():
+    f = _fresh_compiled(lambda x: x.cos())
+    f(torch.ones(2))
+    graphs = graphs_compiled()
+    def g(x):
+        x = x + 1
+        print('break')
+        return x * 2
+    out = explain(g, torch.ones(2))
+    assert (out.graph_count, out.graph_break_count, len(out.break_reasons)) == (2, 1, 1) and out.op_count == 2
+    before = len(compilation_metrics())
+    f(torch.ones(2)) # Still compiled: no new compile, as there would be after `torch._dynamo.reset()`
+    assert len(compilation_metrics()) == before
