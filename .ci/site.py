@@ -36,9 +36,11 @@ def _fmt_sig(name, parts, ret, width=92):
     if cur: lines.append(cur)
     return f'{name}(\n' + '\n'.join('    ' + l for l in lines) + f'\n){ret}'
 
-def _cell(s):
-    "A table cell's text: one line, pipes escaped"
-    return ' '.join(str(s).split()).replace('|', '\\|')
+def _cell(s, code=False):
+    "A table cell's text on one line, as code or with the pipes outside code spans escaped (Python-Markdown's tables)"
+    s = ' '.join(str(s).split())
+    if code: return f'`{s}`'
+    return ''.join(p if i % 2 else p.replace('|', '\\|') for i, p in enumerate(re.split(r'(`[^`]*`)', s)))
 
 def api_markdown(sym, name=None, title_level=3):
     "Markdown for `show_doc(sym)`: heading with nbdev's anchor, signature, docstring and the parameter table"
@@ -55,7 +57,7 @@ def api_markdown(sym, name=None, title_level=3):
         bases = ', '.join(b.__name__ for b in sym.__bases__)
         md += f'```python\nclass {nm}({bases})\n```\n\n'
         if r.docs: md += _ital_first(r.docs) + '\n\n'
-        rows = ['| Member | Value |', '|---|---|'] + [f'| `{k}` | `{_cell(repr(v.value))}` |' for k, v in sym.__members__.items()]
+        rows = ['| Member | Value |', '|---|---|'] + [f'| `{k}` | {_cell(repr(v.value), code=True)} |' for k, v in sym.__members__.items()]
         return md + '<div class="doc-params" markdown>\n\n' + '\n'.join(rows) + '\n\n</div>\n'
     if isinstance(r.dm, DocmentText):
         dm = {k: v for k, v in r.dm.dm.items() if k != 'self'}
@@ -71,8 +73,8 @@ def api_markdown(sym, name=None, title_level=3):
         def val(d, k):
             v = d.get(k, empty)
             if v is empty or v is None and k == 'docment': return ''
-            if k == 'anno': return f'`{_cell(_type_str(v))}`'
-            if k == 'default': return f'`{_cell(_fmt_default(v))}`'
+            if k == 'anno': return _cell(_type_str(v), code=True)
+            if k == 'default': return _cell(_fmt_default(v), code=True)
             return _cell(v)
         rows = ['| Parameter | ' + ' | '.join(cols.values()) + ' |', '|' + '---|' * (len(cols) + 1)]
         for k, d in params.items():

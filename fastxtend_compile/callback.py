@@ -8,11 +8,12 @@ import warnings, weakref
 from typing import Callable, Dict, Union
 
 import torch
-from fastcore.basics import store_attr, patch, noop
+from fastcore.basics import store_attr, patch
 from fastcore.meta import delegates
 from fastai.callback.core import Callback
 from fastai.torch_core import get_model, rank_distrib
 from fastai.learner import Learner
+from fastai.imports import noop # What `Learner.no_logging` sets `learn.logger` to
 
 from .core import *
 from .report import *
