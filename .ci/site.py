@@ -54,7 +54,7 @@ def api_markdown(sym, name=None, title_level=3):
     md += f'{"#"*title_level} {nm} {{ #{nm.lower()} .doc-heading }}\n\n'
     dm = {}
     if inspect.isclass(sym) and issubclass(sym, enum.Enum): # Its members, rather than `Enum`'s constructor
-        bases = ', '.join(b.__name__ for b in sym.__bases__)
+        bases = ', '.join(b.__name__ for b in sym.__mro__[1:] if b is not object and not b.__name__.startswith('_'))
         md += f'```python\nclass {nm}({bases})\n```\n\n'
         if r.docs: md += _ital_first(r.docs) + '\n\n'
         rows = ['| Member | Value |', '|---|---|'] + [f'| `{k}` | {_cell(repr(v.value), code=True)} |' for k, v in sym.__members__.items()]
@@ -63,7 +63,7 @@ def api_markdown(sym, name=None, title_level=3):
         dm = {k: v for k, v in r.dm.dm.items() if k != 'self'}
         parts = [p for p, _ in r.dm.params]
         ret = dm.get('return', {})
-        ret_s = f' -> {_type_str(ret["anno"])}' if ret.get('anno', empty) is not empty else ''
+        ret_s = f' -> {_type_str(ret["anno"])}' if ret.get('anno', empty) is not empty and not inspect.isclass(sym) else ''
         if r.sig is not None or parts: md += f'```python\n{_fmt_sig(nm, parts, ret_s)}\n```\n\n'
     if r.docs: md += _ital_first(r.docs) + '\n\n'
     params = {k: v for k, v in dm.items() if k != 'return'}
@@ -241,10 +241,10 @@ class Converter:
         for base in (NBS, ROOT): # A link written for the README (nbs/index.ipynb is README.md) is relative to the root
             f = (base/path).resolve()
             if path and f.is_file() and f.is_relative_to(ROOT) and not any(s.startswith('.') for s in f.relative_to(ROOT).parts):
-                dst = self.docs/path
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(f, dst)
-                return path + frag
+                rel = f.relative_to(ROOT).as_posix() # Where it is in the repository is where it is in the site
+                (self.docs/rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, self.docs/rel)
+                return rel + frag
         self.problems.append(f'{page.nb.name}: link to {url}, which is neither a page nor a file of the repository')
         return url
 
@@ -290,6 +290,7 @@ class Converter:
         opts, src = _opts(_src(c.get('source')))
         if opts.get('include') == 'false': return ''
         outs = [] if opts.get('output') == 'false' else c.get('outputs', [])
+        if re.match(r'\s*show_doc\(', src): outs = [o for o in outs if o.get('output_type') != 'stream'] # Warnings of imports
         outs = [s for s in (self.output(o, page, opts.get('output') == 'asis') for o in outs) if s]
         parts = []
         if opts.get('echo') != 'false' and src.strip():
