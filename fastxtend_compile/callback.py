@@ -92,6 +92,7 @@ class CompilerCallback(Callback):
             # Parameter shapes never change, and CUDA graphs don't suit a step that updates its inputs in place
             compile_optimizer(self.learn.opt, **{**self.settings, 'dynamic': False, 'mode': None, 'fullgraph': False})
         self.cudagraph_grads = device.type == 'cuda' and uses_cudagraphs(self.settings)
+        self._own_grads()
         if self.recompile and self.freeze_changed: self._compile()
         self.freeze_changed = False
 
@@ -101,6 +102,7 @@ class CompilerCallback(Callback):
         "Called by `Learner.freeze_to` when parameters' `requires_grad` changed"
         self.freeze_changed = True
         self.compile_recorder.note_freeze_change()
+        if self.active: self._own_grads() # Parameters unfrozen during the fit
 
     def before_batch(self):
         if not self.active: return
@@ -108,10 +110,11 @@ class CompilerCallback(Callback):
         if self.compiled_model is None or self.compiled_model() is not get_model(self.learn.model): self._compile()
         self.compile_recorder.batch_start(self.training, self.learn.xb)
 
-    def before_backward(self):
+    def _own_grads(self):
+        "With CUDA graphs, give each parameter that trains a zero gradient of its own if it has none"
         # A CUDA graph's outputs are overwritten by its next replay: a gradient must never be one of them. The backward
-        # adds into gradients that exist, so they are memory of their own, which fastai's `zero_grad` zeroes in place
-        if not (self.active and self.cudagraph_grads): return
+        # adds into gradients that exist, so they stay memory of their own, which fastai's `zero_grad` zeroes in place
+        if not self.cudagraph_grads or self.learn.opt is None: return
         for p in self.learn.opt.all_params(with_grad=False).itemgot(0):
             if p.requires_grad and p.grad is None: p.grad = torch.zeros_like(p)
 

@@ -194,7 +194,7 @@ class CompiledCall:
             if hooks != self.hooks: self.new_entry()
         args, kwargs, like = _stripped(args, kwargs)
         if self.cudagraphs: torch.compiler.cudagraph_mark_step_begin()
-        graphs = graphs_compiled()
+        graphs = graphs_compiled() if self.unchecked else 0
         try: out = self.entry(self.module, *args, **kwargs)
         except graph_break_error() as e:
             if not self.settings.get('fullgraph'): raise

@@ -42,7 +42,7 @@ def untouched(learn:Learner):
     buffers = [b.clone() for b in model.buffers()]
     grads = [p.grad for p in model.parameters()]
     # The whole model and, with `regional=True`, its blocks
-    compiled = {m: compiled_call(m) for m in model.modules() if compiled_call(m) is not None}
+    compiled = {m: c for m in model.modules() if (c := compiled_call(m)) is not None}
     training = model.training
     uncompile_model(model)
     model.train()

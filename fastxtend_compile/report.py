@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from fastcore.basics import store_attr
 
-from . import core
+from .core import _call_module
 from .internals import *
 
 # %% auto #0
@@ -115,7 +115,8 @@ def _fix(reason:str)->str:
     "What to do about a frame that recompiled for `reason` until it hit the limit"
     if re.match(r"(batch|input) size|an input size", reason): return _shape_fix
     return "keep what the guard checks from changing between calls, or raise `torch._dynamo.config.recompile_limit`"
-_torch_dir, _core_file = str(Path(torch.__file__).parent), core.__file__.removesuffix('c') # .pyc to .py
+
+_torch_dir, _entry_file = str(Path(torch.__file__).parent), _call_module.__code__.co_filename # Where `compiled_entry`s live
 
 def _shapes(xb)->tuple: return tuple(tuple(o.shape) for o in xb if isinstance(o, torch.Tensor))
 
@@ -176,7 +177,7 @@ class CompileRecorder:
 
     def _name(self, co_name:str, filename:str, line)->str:
         "A compiled frame's name as the report shows it"
-        if filename == _core_file: return co_name.removesuffix('_call') # `compiled_entry`: named after the model's class
+        if filename == _entry_file: return co_name.removesuffix('_call') # A `compiled_entry`, named after the model's class
         if filename.startswith(_torch_dir): return self.model_name
         if co_name == '_foreach_step' and filename.endswith('optimizer.py'): return 'optimizer step'
         return f"{co_name} ({filename}:{line})"

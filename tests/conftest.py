@@ -27,6 +27,15 @@ def cancer_dls(bs=64, seed=42):
                                       y_names='target', y_block=CategoryBlock(), valid_idx=list(range(0, len(df), 5)),
                                       bs=bs, num_workers=0)
 
+def text_dls():
+    "A tiny synthetic sentiment task through fastai's `TextDataLoaders`"
+    from fastai.text.data import TextDataLoaders
+    rng = np.random.default_rng(0)
+    good, bad = ['great', 'good', 'fine', 'lovely'], ['awful', 'bad', 'poor', 'sad']
+    texts = [' '.join(rng.choice(good if i%2 else bad, 6)) for i in range(96)]
+    df = pd.DataFrame(dict(text=texts, label=['pos' if i%2 else 'neg' for i in range(96)]))
+    return TextDataLoaders.from_df(df, text_col='text', label_col='label', valid_pct=0.25, seed=0, bs=16, seq_len=16, num_workers=0)
+
 def two_conv_cnn(n_out=10):
     "The issue's plain two-conv CNN for 1×8×8 images"
     return nn.Sequential(nn.Conv2d(1,16,3,padding=1), nn.ReLU(), nn.Conv2d(16,16,3,padding=1), nn.ReLU(),

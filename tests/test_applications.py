@@ -1,16 +1,15 @@
 "Every fastai application's batches reach the compiled model as plain tensors; real data trains as well as eager"
 import subprocess, sys, textwrap, cloudpickle
-import numpy as np, pandas as pd, pytest, torch
+import numpy as np, pytest, torch
 from torch import nn
 from fastai.learner import Learner
 from fastai.torch_core import set_seed, TensorBase
 from fastai.metrics import accuracy
 from fastai.tabular.learner import tabular_learner
-from fastai.text.data import TextDataLoaders
 import fastai.callback.schedule
 from fastxtend_compile import *
 from fastxtend_compile.internals import compiled_call
-from conftest import two_conv_cnn, digits_dls, cancer_dls
+from conftest import two_conv_cnn, digits_dls, cancer_dls, text_dls
 
 def compile_counts(learn):
     r = learn.compiler.report
@@ -42,15 +41,8 @@ def test_tabular_no_graph_breaks(cancer):
     breaks, recompiles, fallbacks = compile_counts(learn)
     assert (breaks, fallbacks) == (0, 0) and recompiles <= 2
 
-def _text_dls():
-    rng = np.random.default_rng(0)
-    good, bad = ['great', 'good', 'fine', 'lovely'], ['awful', 'bad', 'poor', 'sad']
-    texts = [' '.join(rng.choice(good if i%2 else bad, 6)) for i in range(96)]
-    df = pd.DataFrame(dict(text=texts, label=['pos' if i%2 else 'neg' for i in range(96)]))
-    return TextDataLoaders.from_df(df, text_col='text', label_col='label', valid_pct=0.25, seed=0, bs=16, seq_len=16, num_workers=0)
-
 def test_text_batches_are_plain_inside_the_model():
-    dls = _text_dls()
+    dls = text_dls()
     xb,_ = dls.one_batch()
     assert isinstance(xb, TensorBase) # fastai's TensorText
     seen = []

@@ -1,7 +1,7 @@
 "A compiled Learner is faithful to fastai: one graph per model, the gradients, output, hooks, exports and reports fastai users expect"
 import logging, re, subprocess, sys, textwrap, threading, warnings
 from pathlib import Path
-import numpy as np, pandas as pd, pytest, torch
+import numpy as np, pytest, torch
 from torch import nn
 from fastai.learner import Learner
 from fastai.callback.core import Callback
@@ -9,7 +9,6 @@ from fastai.callback.hook import ActivationStats
 from fastai.optimizer import SGD
 from fastai.torch_core import set_seed
 from fastai.tabular.learner import tabular_learner
-from fastai.text.data import TextDataLoaders
 from fastai.vision.data import ImageDataLoaders
 from fastai.vision.learner import vision_learner
 from fastai.vision.models import resnet18
@@ -17,7 +16,7 @@ import fastai.callback.schedule # fine_tune, fit_one_cycle
 import fastxtend_compile
 from fastxtend_compile import *
 from fastxtend_compile.internals import graphs_compiled
-from conftest import two_conv_cnn, bn_cnn, body_head_splitter, digits_dls
+from conftest import two_conv_cnn, bn_cnn, body_head_splitter, digits_dls, text_dls
 
 BACKEND = 'aot_eager' # Traces forward and backward like inductor, without its C++ compile time
 _library_dir = str(Path(fastxtend_compile.__file__).resolve().parent)
@@ -46,13 +45,6 @@ class TokenBag(nn.Module):
     def __init__(self, vocab_sz, n_out=2): super().__init__(); self.emb, self.lin = nn.Embedding(vocab_sz, 16), nn.Linear(16, n_out)
     def forward(self, x): return self.lin(self.emb(x).mean(1))
 
-def _text_dls():
-    rng = np.random.default_rng(0)
-    good, bad = ['great', 'good', 'fine', 'lovely'], ['awful', 'bad', 'poor', 'sad']
-    texts = [' '.join(rng.choice(good if i%2 else bad, 6)) for i in range(96)]
-    df = pd.DataFrame(dict(text=texts, label=['pos' if i%2 else 'neg' for i in range(96)]))
-    return TextDataLoaders.from_df(df, text_col='text', label_col='label', valid_pct=0.25, seed=0, bs=16, seq_len=16, num_workers=0)
-
 def _image_dls(path:Path):
     "Small 3-channel 32px images in two class folders, written with PIL"
     from PIL import Image
@@ -69,7 +61,7 @@ def _learner(kind, tmp_path, digits, cancer):
     if kind == 'sequential': return Learner(digits, two_conv_cnn())
     if kind == 'vision': return vision_learner(_image_dls(tmp_path/'images'), resnet18, pretrained=False)
     if kind == 'tabular': return tabular_learner(cancer, layers=[32, 16])
-    dls = _text_dls()
+    dls = text_dls()
     return Learner(dls, TokenBag(len(dls.vocab[0])))
 
 @pytest.mark.parametrize('kind', ['sequential', 'vision', 'tabular', 'text'])
