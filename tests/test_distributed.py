@@ -65,13 +65,13 @@ def test_every_rank_trains_the_same_model(runs):
     for k in r0['params']: assert torch.equal(r0['params'][k], r1['params'][k]), k
 
 def test_two_processes_match_one_on_the_same_global_batch(runs):
-    (r0, _), single = runs
+    (r0, r1), single = runs
     for k,v in single['params'].items(): torch.testing.assert_close(r0['params'][k], v, rtol=1e-5, atol=1e-5, msg=k)
-    # fastai records rank 0's loss on its half batch; the halves' mean is the 1-process loss, so compare the trend only:
-    # both fall, and rank 0's smoothed loss follows the 1-process one
-    r, one = torch.tensor(r0['losses']), torch.tensor(single['losses'])
-    assert len(r) == len(one) > 2 and r[-1] < r[0] and one[-1] < one[0]
-    assert torch.corrcoef(torch.stack([r, one]))[0, 1] > 0.9, (r, one)
+    # Each rank's Recorder smooths the MSE of its half batch; both halves are the same size and fastai's smoothing is
+    # linear, so the ranks' mean is the 1-process smoothed loss on the whole batch, batch by batch
+    r, one = (torch.tensor(r0['losses']) + torch.tensor(r1['losses']))/2, torch.tensor(single['losses'])
+    assert len(one) == 8 # 2 epochs of 4 global batches
+    torch.testing.assert_close(r, one, rtol=1e-4, atol=1e-5)
 
 def test_ddp_optimizer_splits_the_compiled_graph_at_bucket_boundaries(runs):
     ranks, single = runs
