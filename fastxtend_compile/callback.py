@@ -5,6 +5,7 @@
 # %% ../nbs/02_callback.ipynb #a89011f9
 from __future__ import annotations
 import warnings, weakref
+from functools import partial
 from typing import Callable, Dict, Union
 
 import torch
@@ -17,6 +18,7 @@ from fastai.imports import noop # What `Learner.no_logging` sets `learn.logger` 
 
 from .core import *
 from .report import *
+from .internals import compiled_call
 from .optimizer import compile_optimizer, uncompile_optimizer
 
 # %% auto #0
@@ -41,6 +43,7 @@ class _MatMulPrecision:
 class CompilerCallback(Callback):
     "A callback for using `torch.compile` with fastai"
     order = 12 # After `DistributedTrainer` (11) wraps the model in DDP, so the module inside it is compiled
+    eager_batches = 3 # Training batches run eagerly once, after the first compiled one, to measure what compiling gains
 
     def __init__(self,
         fullgraph:bool=False, # Prevent breaking model into subgraphs
@@ -65,6 +68,7 @@ class CompilerCallback(Callback):
         self.active = False # Compiling during this fit; `restore` undoes the fit's changes while set
         self.trained = False # This fit ran a training batch
         self.cudagraph_grads = False # Gradients must be memory of their own, not the output of a CUDA graph
+        self.marked = False # The model's compiled calls were told to run this batch eagerly, or that it is a one-off
 
     def __getstate__(self): return {**self.__dict__, 'compiled_model': None} # A copy compiles its model afresh
 
@@ -86,7 +90,8 @@ class CompilerCallback(Callback):
         self.active, self.trained = True, False # From here on `restore` undoes what changes, after the fit or when it raises
         self.compile_recorder.model_name = type(inner_model(model)).__name__
         self.compile_recorder.show = self._show
-        self.compile_recorder.start()
+        self.compile_recorder.start(sync=partial(torch.cuda.synchronize, device) if device.type == 'cuda' else None)
+        self.report.epoch_steps, self.report.num_workers = len(self.learn.dls.train), getattr(self.learn.dls.train, 'num_workers', None)
         self.precision.set(device)
         if self.compile_opt and self.learn.opt is not None: # `create_opt` makes an eager optimizer: check at every fit
             # Parameter shapes never change, and CUDA graphs don't suit a step that updates its inputs in place
@@ -102,13 +107,34 @@ class CompilerCallback(Callback):
         "Called by `Learner.freeze_to` when parameters' `requires_grad` changed"
         self.freeze_changed = True
         self.compile_recorder.note_freeze_change()
+        self.report.eager_times = [] # The step changed: measure it again
         if self.active: self._own_grads() # Parameters unfrozen during the fit
 
     def before_batch(self):
         if not self.active: return
         # Compile here, not only before the fit, so a model swapped mid-fit is compiled too
         if self.compiled_model is None or self.compiled_model() is not get_model(self.learn.model): self._compile()
-        self.compile_recorder.batch_start(self.training, self.learn.xb)
+        eager = self.training and self._measures_eager()
+        one_off = self.learn.iter == self.learn.n_iter - 1 # The last batch, often smaller: not worth a graph of its own
+        if eager or one_off: self._mark_calls(eager, one_off)
+        self.compile_recorder.batch_start(self.training, self.learn.xb, eager)
+
+    def _measures_eager(self)->bool:
+        "Whether this training batch runs eagerly to measure the eager step: 3 batches after the first compiled one"
+        # Once per freeze state, in a fit long enough to hide them, after the first compiled batch (not delaying the compile)
+        r = self.report
+        if len(r.eager_times) >= self.eager_batches or not r.batch_times or self.learn.n_iter < 8: return False
+        if not r.eager_times: r.measured_from = len(r.batch_times)
+        return True
+
+    def _compiled_calls(self)->list:
+        model = None if self.compiled_model is None else self.compiled_model()
+        return [] if model is None else [c for m in model.modules() if isinstance(c := compiled_call(m), CompiledCall)]
+
+    def _mark_calls(self, eager:bool, one_off:bool):
+        "Tell the model's compiled calls that this batch runs eagerly, or is a one-off not worth a graph of its own"
+        for c in self._compiled_calls(): c.eager, c.one_off = eager, one_off
+        self.marked = eager or one_off
 
     def _own_grads(self):
         "With CUDA graphs, give each parameter that trains a zero gradient of its own if it has none"
@@ -122,6 +148,7 @@ class CompilerCallback(Callback):
         if not self.active: return
         self.compile_recorder.batch_done()
         self.trained |= self.training
+        if self.marked: self._mark_calls(False, False)
 
     def after_fit(self):
         self.fits -= 1
@@ -155,6 +182,9 @@ class CompilerCallback(Callback):
         self.active = False
         self.compile_recorder.stop()
         self.precision.restore()
+        if self.marked: self._mark_calls(False, False)
+        for c in self._compiled_calls(): # What ran eagerly rather than compile a graph for a shape seen once
+            for k,n in c.eager_calls.items(): self.report.eager_calls[k] = max(self.report.eager_calls.get(k, 0), n)
 
     def uncompile(self):
         "Return the Learner to eager: undo the fit's changes, and uncompile the model and the optimizer step"

@@ -100,11 +100,10 @@ def cannot_compile_reason(
 # %% ../nbs/00_core.ipynb #233956e3
 def _plain(t:TensorBase)->Tensor: return t.as_subclass(Tensor)
 
-def _stripped(args, kwargs):
-    "`args` and `kwargs` with fastai tensors made plain, and the first fastai tensor among them (or `None`)"
-    leaves, spec = tree_flatten((args, kwargs))
+def _stripped(leaves:list, spec):
+    "The `(args, kwargs)` flattened as `leaves` and `spec`, fastai tensors made plain, and the first fastai tensor (or `None`)"
     like = next((o for o in leaves if isinstance(o, TensorBase)), None)
-    if like is None: return args, kwargs, None
+    if like is None: return *tree_unflatten(leaves, spec), None
     return *tree_unflatten([_plain(o) if isinstance(o, TensorBase) else o for o in leaves], spec), like
 
 def _retyped(t:Tensor, like:TensorBase)->Tensor:
@@ -163,6 +162,8 @@ def _hook_owner(hook:Callable)->str:
     return type(f.__self__).__name__ if hasattr(f, '__self__') else getattr(f, '__qualname__', repr(f))
 
 # %% ../nbs/00_core.ipynb #e939e865
+def _shapes(leaves:list)->tuple: return tuple(tuple(o.shape) for o in leaves if isinstance(o, Tensor))
+
 class CompiledCall:
     "The compiled `__call__` of a module: `torch.compile` on plain tensors, with outputs typed as fastai's eager ones"
     def __init__(self,
@@ -175,6 +176,9 @@ class CompiledCall:
         # CUDA graphs overwrite their outputs at the next replay, and fastai keeps outputs around (Recorder, metrics, preds)
         self.cudagraphs = uses_cudagraphs(settings)
         self.hook_dicts = hook_dicts(module)
+        self.eager = False # Set by `CompilerCallback` for a batch that runs eagerly, to measure what compiling gains
+        self.one_off = False # Set by `CompilerCallback` for a batch it knows is a one-off: the last, often smaller, one
+        self.eager_calls = Counter() # Calls run eagerly rather than compiled for a shape seen once, by (phase, shapes)
         self.new_entry(entry)
 
     def new_entry(self, entry:Callable|None=None):
@@ -182,6 +186,7 @@ class CompiledCall:
         self.hooks, self.warned_hooks = self._hooks(), None
         self.unchecked = entry is None # A new entry's first call must capture a graph, or the model runs eagerly
         self.entry = entry or compiled_entry(type(self.module).__name__, **self.settings)
+        self.shapes = {} # Input shapes compiled for, by phase: (gradients on, training mode)
 
     def _hooks(self)->tuple: return tuple(h for d in self.hook_dicts if d for h in d.values())
 
@@ -192,7 +197,9 @@ class CompiledCall:
                 self._warn_eager(observers)
                 return self.module._call_impl(*args, **kwargs)
             if hooks != self.hooks: self.new_entry()
-        args, kwargs, like = _stripped(args, kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        if self._runs_eagerly(leaves): return self.module._call_impl(*args, **kwargs)
+        args, kwargs, like = _stripped(leaves, spec)
         if self.cudagraphs: torch.compiler.cudagraph_mark_step_begin()
         graphs = graphs_compiled() if self.unchecked else 0
         try: out = self.entry(self.module, *args, **kwargs)
@@ -204,6 +211,20 @@ class CompiledCall:
         if self.unchecked: self._check_captured(graphs)
         if self.cudagraphs: out = tree_map_only(Tensor, torch.clone, out)
         return out if like is None else tree_map_only(Tensor, lambda t: _retyped(t, like), out)
+
+    def _runs_eagerly(self, leaves:list)->bool:
+        "Whether this call's input shapes are new to a phase that has its graph, and seen once or marked `one_off`"
+        # A new shape costs a graph of its own (with `dynamic=False`), which a one-off call would use once: the smaller
+        # last batch of a validation set, a `predict` on one item. It runs eagerly; a shape seen again is compiled
+        if self.eager: return True
+        if self.settings.get('dynamic'): return False # Dynamic graphs take new shapes without recompiling
+        phase, shapes = (torch.is_grad_enabled(), self.module.training), _shapes(leaves)
+        known = self.shapes.setdefault(phase, set())
+        if known and shapes not in known and (self.one_off or not self.eager_calls[phase, shapes]):
+            self.eager_calls[phase, shapes] += 1
+            return True
+        known.add(shapes)
+        return False
 
     def _check_captured(self, graphs_before:int):
         "Warn when the first call captured no graph: TorchDynamo skipped the model, which then runs eagerly"

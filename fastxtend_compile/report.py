@@ -65,13 +65,23 @@ class CompileEvent:
         return f"{self.kind} of {self.frame}{when}, {self.seconds:.2f}s{why}"
 
 # %% ../nbs/01_report.ipynb #77cd4273
+def _ms(s:float)->str: return f"{s*1e3:.1f} ms"
+
+def _shape_text(shapes:tuple)->str: return ', '.join('×'.join(map(str, s)) for s in shapes) or 'no tensors'
+
 @dataclass
 class CompileReport:
-    "What the compiler did during a fit"
+    "What the compiler did during a fit, and whether it paid"
     events:list = field(default_factory=list) # Every `CompileEvent`, in order
     compile_seconds:float = 0. # Wall-clock time spent compiling, backward graphs included
     graph_breaks:int = 0 # Graph breaks TorchDynamo hit
-    batch_times:list = field(default_factory=list) # (seconds, compiled during this batch) for each training batch
+    batch_times:list = field(default_factory=list) # (seconds, compiled during this batch) for each compiled training batch
+    eager_times:list = field(default_factory=list) # Seconds of each training batch run eagerly to measure the eager step
+    measured_from:int = 0 # Index of the first compiled batch in `batch_times` the eager step is compared with
+    data_waits:list = field(default_factory=list) # Seconds sampled training batches waited for the DataLoader
+    epoch_steps:int = 0 # Training batches in an epoch
+    num_workers:int|None = None # The training DataLoader's worker processes
+    eager_calls:dict = field(default_factory=dict) # Calls run eagerly, not compiled for a shape seen once: {(phase, shapes): count}
 
     @property
     def graphs(self)->int:
@@ -85,12 +95,50 @@ class CompileReport:
     def fallbacks(self)->list:
         "The frames that hit the recompile limit and run eagerly"
         return [e for e in self.events if e.kind == 'fallback']
+    @property
+    def compiled_step(self)->float|None:
+        "Median seconds of a compiled training batch that compiled nothing, since the eager step was measured"
+        steady = sorted(s for s,c in self.batch_times[self.measured_from:] if not c)
+        return steady[len(steady)//2] if steady else None
+    @property
+    def eager_step(self)->float|None:
+        "Median seconds of an eager training batch, its first (warm-up) one left out"
+        times = sorted(self.eager_times[1:])
+        return times[len(times)//2] if times else None
+    @property
+    def data_share(self)->float|None:
+        "The share of a training step spent waiting for the DataLoader"
+        step = self.compiled_step or self.eager_step
+        if not self.data_waits or step is None: return None
+        wait = sum(self.data_waits) / len(self.data_waits)
+        return wait / (wait + step)
+
+    def payoff(self)->str:
+        "Whether compiling paid: the compiled step against the eager one, and the epochs that pay back the compile"
+        comp, eager = self.compiled_step, self.eager_step
+        if comp is None or eager is None: return "payoff: not measured (the fit ran too few compiled training batches)"
+        line = f"compiled step {_ms(comp)} against {_ms(eager)} eager"
+        if comp >= eager: return f"did not pay: {line}: the compiled model is not faster here"
+        epochs = self.compile_seconds / ((eager - comp) * max(self.epoch_steps, 1))
+        return f"paid: {line} ({eager/comp:.2f}×); the {self.compile_seconds:.1f}s of compiling pay back after {epochs:.1f} epoch(s)"
+
+    def data_advice(self, threshold:float=0.25)->str|None:
+        "What to do when the model waits for the DataLoader for more than `threshold` of training time, else `None`"
+        share = self.data_share
+        if share is None or share < threshold: return None
+        return (f"the DataLoader: {share:.0%} of training time waiting for batches (num_workers={self.num_workers}), so a faster "
+                "step helps little. More `num_workers`, augmentations in `batch_tfms` (on the GPU) rather than `item_tfms`, or "
+                "images cached at their training size would help more")
 
     def summary(self)->str:
         "The report as a few readable lines"
         lines = [f"torch.compile: {self.graphs} graph(s) compiled in {self.compile_seconds:.1f}s, "
                  f"{self.graph_breaks} graph break(s), {len(self.recompiles)} recompile(s), {len(self.fallbacks)} eager fallback(s)"]
         lines += [f"  {e}" for e in self.events if e.kind != 'compile']
+        lines += [f"  ran eagerly, a shape seen once and not worth a graph: {n} {'training' if grad else 'validation or inference'}"
+                  f" call(s) with input {_shape_text(shapes)}" for ((grad, train), shapes), n in self.eager_calls.items()]
+        if self.batch_times: lines.append(f"  {self.payoff()}")
+        if advice := self.data_advice(): lines.append(f"  {advice}")
         return '\n'.join(lines)
 
     def __repr__(self): return self.summary()
@@ -102,8 +150,8 @@ class CompileReport:
         ax.plot([s for s,_ in self.batch_times], label='batch time')
         hot = [(i,s) for i,(s,c) in enumerate(self.batch_times) if c]
         if hot: ax.scatter(*zip(*hot), color='red', zorder=3, label='compiling')
-        steady = sorted(s for s,c in self.batch_times if not c)
-        if steady: ax.axhline(steady[len(steady)//2], color='gray', ls='--', label=f'median {steady[len(steady)//2]*1e3:.1f} ms')
+        if (steady := self.compiled_step) is not None: ax.axhline(steady, color='gray', ls='--', label=f'median {_ms(steady)}')
+        if (eager := self.eager_step) is not None: ax.axhline(eager, color='orange', ls=':', label=f'eager {_ms(eager)}')
         ax.set_yscale('log'); ax.set_xlabel('training batch'); ax.set_ylabel('seconds'); ax.legend()
         return ax
 
@@ -129,19 +177,22 @@ class CompileRecorder:
         show:Callable|None=None, # Where announcements go; `None` keeps them quiet
     ):
         store_attr()
-        self.log_handler, self.froze, self.training, self.shapes, self.compiling = None, False, None, (), False
+        self.log_handler, self.froze, self.training, self.shapes, self.compiling = None, set(), None, (), False
         self.seen, self.graph_breaks0, self.started, self.batch_t = set(), 0, 0., 0.
+        self.eager = False # The batch running now runs eagerly, to measure the eager step
+        self.sync = None # Waits for the device to finish its work (`torch.cuda.synchronize`), where work is asynchronous
+        self.batch_end = None # When the last sampled training batch ended, to time the wait for the next one
         self.phase_shapes = {} # Input shapes compiled for, by phase (training or not): TorchDynamo names one guard
 
     def __getstate__(self): return {**self.__dict__, 'log_handler': None, 'show': None} # Handlers hold locks
 
     def note_freeze_change(self):
         "Note that parameters' `requires_grad` changed: TorchDynamo reports only the newest graph's failed guard"
-        self.froze = True
+        self.froze = set(self.phase_shapes) # The phases with a graph, training or evaluation: each recompiles for it
 
-    def start(self):
-        "Start recording compiles"
-        self.compiling, self.batch_t, self.training = False, time.perf_counter(), None
+    def start(self, sync:Callable|None=None):
+        "Start recording compiles, with `sync` waiting for the device where its work is asynchronous"
+        self.compiling, self.batch_t, self.training, self.sync, self.batch_end = False, time.perf_counter(), None, sync, None
         self.seen = set(map(id, compilation_metrics())) # Those of earlier compiles, which are not this fit's
         self.graph_breaks0 = graph_break_count() - self.report.graph_breaks
         add_compile_callbacks(self._on_start, self._on_end)
@@ -185,7 +236,7 @@ class CompileRecorder:
     def _reason(self, raw:str, during:str)->str:
         "The plain reason for a recompile during `during`, correcting what TorchDynamo can't see"
         reason = plain_reason(raw)
-        if self.froze and during.startswith('training'): reason, self.froze = plain_reason('requires_grad mismatch'), False
+        if self.training in self.froze: reason = plain_reason('requires_grad mismatch'); self.froze.discard(self.training)
         elif reason == _grad_mode_reason and (old := self.phase_shapes.get(self.training)) is not None:
             # This phase had its graph already: TorchDynamo named the newest graph's failed guard, of the other phase
             new = self.shapes
@@ -211,13 +262,24 @@ class CompileRecorder:
     def during(self)->str:
         "The batch running now, for the events compiled during it"
         if self.training is None: return ''
-        return f"training batch {len(self.report.batch_times)+1}" if self.training else 'validation'
+        return f"training batch {len(self.report.batch_times)+len(self.report.eager_times)+1}" if self.training else 'validation'
 
-    def batch_start(self, training:bool, xb:tuple=()):
-        "Start timing a batch of inputs `xb`"
-        self.batch_t, self.compiling, self.training, self.shapes = time.perf_counter(), False, training, _shapes(xb)
+    def batch_start(self, training:bool, xb:tuple=(), eager:bool=False):
+        "Start timing a batch of inputs `xb`, one that runs eagerly to measure the eager step if `eager`"
+        if eager and self.sync is not None: self.sync() # Time the eager step alone, not the work queued before it
+        now = time.perf_counter()
+        if training and self.batch_end is not None: self.report.data_waits.append(now - self.batch_end)
+        self.batch_t, self.compiling, self.training, self.shapes, self.eager, self.batch_end = now, False, training, _shapes(xb), eager, None
 
     def batch_done(self):
         "Record what was compiled during the batch `batch_start` began, and its time if it trained"
         if self.compiling: self.collect(self.during) # Before the batch is counted, so it is named as it ran
-        if self.training: self.report.batch_times.append((time.perf_counter() - self.batch_t, self.compiling))
+        if not self.training: return
+        # Where the device works asynchronously, wait for it at the end of one batch in 16 (and of each eager one): the
+        # time from there to the next batch is the device waiting for the DataLoader, not for queued work
+        sample = self.sync is None or self.eager or len(self.report.batch_times) % 16 == 0
+        if sample and self.sync is not None: self.sync()
+        took = time.perf_counter() - self.batch_t
+        if self.eager: self.report.eager_times.append(took)
+        else: self.report.batch_times.append((took, self.compiling))
+        if sample: self.batch_end = time.perf_counter()

@@ -1,0 +1,106 @@
+"""Compile only what pays, and say whether it paid: one-off shapes run eagerly, the eager step is measured, the
+DataLoader's share of a step is shown"""
+from functools import partial
+import numpy as np, pytest, torch
+from PIL import Image
+from torch._dynamo.utils import counters
+import fastcore.test as fct
+from fastai.learner import Learner
+from fastai.torch_core import set_seed
+from fastai.optimizer import SGD
+from fastai.metrics import accuracy
+from fastai.test_utils import synth_learner
+from fastai.vision.data import ImageDataLoaders
+from fastai.vision.augment import Resize, aug_transforms
+from fastai.vision.learner import vision_learner
+from torchvision.models import resnet18
+import fastai.callback.schedule
+from fastxtend_compile import *
+from conftest import two_conv_cnn, digits_dls
+
+def image_folder(path, n=200, size=40, seed=0):
+    "Two classes of JPEG files, one brighter than the other"
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        label = ('dark', 'bright')[i % 2]
+        (path/label).mkdir(exist_ok=True)
+        Image.fromarray((rng.integers(0, 128, (size, size, 3)) + 96*(i % 2)).astype(np.uint8)).save(path/label/f'{i}.jpg')
+    return path
+
+@pytest.fixture(scope='module')
+def images(tmp_path_factory): return image_folder(tmp_path_factory.mktemp('images'))
+
+def image_learner(path, **kwargs):
+    dls = ImageDataLoaders.from_folder(path, valid_pct=0.2, seed=0, item_tfms=Resize(32), batch_tfms=aug_transforms(),
+                                       bs=16, num_workers=0)
+    return vision_learner(dls, resnet18, pretrained=False, metrics=accuracy).compile(backend='aot_eager', **kwargs)
+
+@pytest.mark.parametrize('compile_frozen', [False, True])
+def test_fine_tune_compiles_a_graph_per_phase_and_freeze_state(images, compile_frozen):
+    learn = image_learner(images)
+    n_valid, bs = len(learn.dls.valid_ds), learn.dls.valid.bs
+    assert n_valid % bs # The last validation batch is smaller
+    with learn.no_bar(), learn.no_logging(): learn.fine_tune(2, compile_frozen=compile_frozen)
+    r = learn.compiler.report
+    model = [e for e in r.events if e.frame == 'Sequential']
+    states = 2 if compile_frozen else 1 # Frozen epochs run eagerly unless `compile_frozen`
+    assert len(model) == r.graphs == 2*states and not r.fallbacks, r # One training and one evaluation graph per state
+    assert [e.during.startswith('training') for e in model] == [True, False]*states
+    if compile_frozen: assert [e.reason for e in model[2:]] == [plain_reason('requires_grad mismatch')]*2
+    epochs = 2 + compile_frozen # The smaller last batch ran eagerly in each compiled validation
+    assert r.eager_calls == {((False, False), ((n_valid % bs, 3, 32, 32),)): epochs}
+
+def test_a_one_off_shape_runs_eagerly_and_compiles_when_seen_again(images):
+    learn = image_learner(images)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    graphs = lambda: counters['stats']['unique_graphs']
+    g, item = graphs(), learn.dls.valid_ds.items[0]
+    with learn.no_bar(): preds = [learn.predict(item) for _ in range(2)] # A batch of one, the last of its DataLoader
+    assert graphs() == g and learn.compiler.report.eager_calls[(False, False), ((1, 3, 32, 32),)] == 2
+    fct.test_close(preds[0][2], preds[1][2])
+    x, m = torch.randn(3, 3, 32, 32), learn.model.eval()
+    with torch.no_grad():
+        out = m(x) # Called directly with a new shape: eager the first time...
+        assert graphs() == g
+        fct.test_close(m(x), out, eps=1e-4) # ...compiled when seen again
+    assert graphs() == g + 1
+
+def test_dynamic_shapes_never_run_eagerly(images):
+    learn = image_learner(images, dynamic=True)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    assert learn.compiler.report.eager_calls == {}
+
+def test_eager_step_measured_once_per_freeze_state_without_changing_training():
+    learners = []
+    for compiled in (False, True):
+        set_seed(0, reproducible=True) # The same weights, and DataLoaders shuffling the same
+        l = Learner(digits_dls(), two_conv_cnn(), opt_func=partial(SGD, mom=0.9))
+        if compiled: l.compile(backend='aot_eager')
+        with l.no_bar(), l.no_logging(): l.fit(1, 0.05)
+        learners.append(l)
+    eager, learn = learners
+    r = learn.compiler.report
+    assert len(r.eager_times) == 3 and r.measured_from == 1 and r.eager_step is not None and r.compiled_step is not None
+    for a,b in zip(eager.model.parameters(), learn.model.parameters()): fct.test_close(a, b, eps=1e-4)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    assert len(r.eager_times) == 3 # Not measured again...
+    learn.compiler.after_freeze()
+    assert r.eager_times == [] # ...until the step changes
+
+def test_short_fits_are_not_measured():
+    learn = synth_learner(n_trn=5).compile(backend='aot_eager') # 5 batches an epoch: too few to hide 3 eager ones
+    with learn.no_bar(), learn.no_logging(): learn.fit(2)
+    r = learn.compiler.report
+    assert r.eager_times == [] and r.payoff() == "payoff: not measured (the fit ran too few compiled training batches)"
+
+def test_payoff_and_data_advice_read_the_measurements():
+    r = CompileReport(compile_seconds=10., batch_times=[(5., True)] + [(0.01, False)]*9, eager_times=[1., 0.02, 0.02],
+                      epoch_steps=100, num_workers=0)
+    assert r.payoff() == "paid: compiled step 10.0 ms against 20.0 ms eager (2.00×); the 10.0s of compiling pay back after 10.0 epoch(s)"
+    assert r.data_advice() is None # Nothing waited for data
+    r.data_waits = [0.03]*4
+    assert r.data_share == pytest.approx(0.75)
+    assert r.data_advice().startswith("the DataLoader: 75% of training time waiting for batches (num_workers=0), so a faster step helps little")
+    r.eager_times = [1., 0.009]
+    assert r.payoff() == "did not pay: compiled step 10.0 ms against 9.0 ms eager: the compiled model is not faster here"
+    assert r.payoff() in r.summary() and r.data_advice() in r.summary()
