@@ -91,7 +91,8 @@ class CompilerCallback(Callback):
         self.compile_recorder.model_name = type(inner_model(model)).__name__
         self.compile_recorder.show = self._show
         self.compile_recorder.start(sync=partial(torch.cuda.synchronize, device) if device.type == 'cuda' else None)
-        self.report.epoch_steps, self.report.num_workers = len(self.learn.dls.train), getattr(self.learn.dls.train, 'num_workers', None)
+        train = self.learn.dls.train # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
+        self.report.epoch_steps, self.report.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)
         self.precision.set(device)
         if self.compile_opt and self.learn.opt is not None: # `create_opt` makes an eager optimizer: check at every fit
             # Parameter shapes never change, and CUDA graphs don't suit a step that updates its inputs in place

@@ -168,7 +168,7 @@ class CompiledCall:
     "The compiled `__call__` of a module: `torch.compile` on plain tensors, with outputs typed as fastai's eager ones"
     def __init__(self,
         module:nn.Module, # Module to compile
-        entry:Callable|None=None, # A `compiled_entry` to share with modules of the same class (regional compilation)
+        entries:dict|None=None, # `compiled_entry`s by freeze state, to share with modules of the same class (regional compilation)
         on_refused:Callable|None=None, # Called when a `fullgraph=True` compile is refused
         **settings # `torch.compile` settings, from `compile_settings`
     ):
@@ -179,14 +179,25 @@ class CompiledCall:
         self.eager = False # Set by `CompilerCallback` for a batch that runs eagerly, to measure what compiling gains
         self.one_off = False # Set by `CompilerCallback` for a batch it knows is a one-off: the last, often smaller, one
         self.eager_calls = Counter() # Calls run eagerly rather than compiled for a shape seen once, by (phase, shapes)
-        self.new_entry(entry)
+        self.new_entry(entries)
 
-    def new_entry(self, entry:Callable|None=None):
+    def new_entry(self, entries:dict|None=None):
         "Compile afresh, with the hooks registered now (TorchDynamo doesn't notice hooks added or removed later)"
         self.hooks, self.warned_hooks = self._hooks(), None
-        self.unchecked = entry is None # A new entry's first call must capture a graph, or the model runs eagerly
-        self.entry = entry or compiled_entry(type(self.module).__name__, **self.settings)
-        self.shapes = {} # Input shapes compiled for, by phase: (gradients on, training mode)
+        self.entries = {} if entries is None else entries
+        self.params = list(self.module.parameters())
+        self._use_entry(self._trains())
+
+    def _trains(self)->tuple: return tuple([p.requires_grad for p in self.params])
+
+    def _use_entry(self, trains:tuple):
+        "Run the compiled function for the freeze state `trains` (which parameters train), compiled afresh if new"
+        # Some torch versions (2.11) don't guard on a parameter's `requires_grad` when the module is an argument: a graph
+        # traced frozen would keep its parameters frozen. One function per freeze state compiles each once, on any torch
+        self.trains, self.shapes = trains, {} # `shapes`: input shapes compiled for, by phase (gradients on, training mode)
+        self.unchecked = trains not in self.entries # A new entry's first call must capture a graph, or the model runs eagerly
+        if self.unchecked: self.entries[trains] = compiled_entry(type(self.module).__name__, **self.settings)
+        self.entry = self.entries[trains]
 
     def _hooks(self)->tuple: return tuple(h for d in self.hook_dicts if d for h in d.values())
 
@@ -197,6 +208,7 @@ class CompiledCall:
                 self._warn_eager(observers)
                 return self.module._call_impl(*args, **kwargs)
             if hooks != self.hooks: self.new_entry()
+        if (trains := self._trains()) != self.trains: self._use_entry(trains) # Frozen or unfrozen since the last call
         leaves, spec = tree_flatten((args, kwargs))
         if self._runs_eagerly(leaves): return self.module._call_impl(*args, **kwargs)
         args, kwargs, like = _stripped(leaves, spec)
@@ -289,11 +301,8 @@ def compile_model(
         return model
     blocks = repeated_blocks(model)
     if not blocks: raise ValueError(f"regional=True, but {type(model).__name__} has no repeated blocks (children of a ModuleList or Sequential of the same class) to compile")
-    entries = {} # Blocks of a class share one compiled function, so each twin reuses the first one's graph
-    for b in blocks:
-        call = CompiledCall(b, entry=entries.get(type(b)), on_refused=on_refused, **settings)
-        entries.setdefault(type(b), call.entry)
-        set_compiled_call(b, call)
+    entries = {} # Blocks of a class share their compiled functions, so each twin reuses the first one's graphs
+    for b in blocks: set_compiled_call(b, CompiledCall(b, entries.setdefault(type(b), {}), on_refused=on_refused, **settings))
     return model
 
 def uncompile_model(model:nn.Module)->nn.Module:

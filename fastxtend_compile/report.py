@@ -251,9 +251,11 @@ class CompileRecorder:
         self.seen = set(map(id, metrics))
         for m in new:
             if m.fail_type or m.co_name is None: continue # Failed (see `_on_log`), or not a frame (a lazy backward graph)
-            raw = m.recompile_reason or ''
-            ev = CompileEvent('recompile' if raw else 'compile', self._name(m.co_name, m.co_filename, m.co_firstlineno),
-                              m.entire_frame_compile_time_s or 0., self._reason(raw, during) if raw else '', raw, during)
+            raw, name = m.recompile_reason or '', self._name(m.co_name, m.co_filename, m.co_firstlineno)
+            # A model compiles afresh for a new freeze state (see `CompiledCall`): a recompile, with no reason from TorchDynamo
+            again = bool(raw) or (name != 'optimizer step' and self.training in self.froze)
+            ev = CompileEvent('recompile' if again else 'compile', name, m.entire_frame_compile_time_s or 0.,
+                              self._reason(raw, during) if again else '', raw, during)
             self.report.events.append(ev)
         if new and self.training is not None: self.phase_shapes[self.training] = self.shapes
         self.report.graph_breaks = graph_break_count() - self.graph_breaks0

@@ -423,3 +423,23 @@ def test_validate_and_get_preds_inside_a_fit(digits):
     assert any(e.kind == 'compile' and e.frame == 'Sequential' and e.during == 'training batch 1' for e in r.events), r.events
     assert len(cb.compiled) == 2 * len(digits.train) and all(a and c for a,c in cb.compiled), cb.compiled
     assert len(r.batch_times) + len(r.eager_times) == 2 * len(digits.train) # The report timed every training batch
+
+@pytest.mark.parametrize('regional', [False, True])
+def test_unfreezing_a_compiled_model_trains_what_it_unfroze(regional):
+    "torch 2.11 doesn't guard a parameter's `requires_grad` for a module passed as an argument: one graph per freeze state"
+    class Block(nn.Module):
+        def __init__(self): super().__init__(); self.lin = nn.Linear(4, 4)
+        def forward(self, x): return self.lin(x).relu()
+    m = nn.Sequential(Block(), Block(), nn.Linear(4, 2))
+    compile_model(m, regional=regional, backend='aot_eager')
+    x, graphs = torch.randn(3, 4), graphs_compiled
+    g0 = graphs()
+    def step(): m.zero_grad(set_to_none=True); m(x).sum().backward(); return [p.grad is not None for p in m[0].parameters()]
+    for p in m[0].parameters(): p.requires_grad_(False)
+    assert step() == [False, False]
+    for p in m[0].parameters(): p.requires_grad_(True)
+    assert step() == [True, True] # The unfrozen block gets its gradients
+    for p in m[0].parameters(): p.requires_grad_(False)
+    assert step() == [False, False]
+    # Frozen, unfrozen: two graphs (each state once; regional: the frozen block, its trained twin, and the unfrozen one)
+    assert graphs() - g0 == (3 if regional else 2)

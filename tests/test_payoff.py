@@ -48,6 +48,7 @@ def test_fine_tune_compiles_a_graph_per_phase_and_freeze_state(images, compile_f
     assert [e.during.startswith('training') for e in model] == [True, False]*states
     if compile_frozen: assert [e.reason for e in model[2:]] == [plain_reason('requires_grad mismatch')]*2
     epochs = 2 + compile_frozen # The smaller last batch ran eagerly in each compiled validation
+    assert r.num_workers == 0 and r.epoch_steps == len(learn.dls.train) # What the payoff and the DataLoader advice read
     assert r.eager_calls == {((False, False), ((n_valid % bs, 3, 32, 32),)): epochs}
 
 def test_a_one_off_shape_runs_eagerly_and_compiles_when_seen_again(images):
@@ -58,7 +59,7 @@ def test_a_one_off_shape_runs_eagerly_and_compiles_when_seen_again(images):
     with learn.no_bar(): preds = [learn.predict(item) for _ in range(2)] # A batch of one, the last of its DataLoader
     assert graphs() == g and learn.compiler.report.eager_calls[(False, False), ((1, 3, 32, 32),)] == 2
     fct.test_close(preds[0][2], preds[1][2])
-    x, m = torch.randn(3, 3, 32, 32), learn.model.eval()
+    x, m = torch.randn(3, 3, 32, 32, device=learn.dls.device), learn.model.eval()
     with torch.no_grad():
         out = m(x) # Called directly with a new shape: eager the first time...
         assert graphs() == g
@@ -74,7 +75,7 @@ def test_eager_step_measured_once_per_freeze_state_without_changing_training():
     learners = []
     for compiled in (False, True):
         set_seed(0, reproducible=True) # The same weights, and DataLoaders shuffling the same
-        l = Learner(digits_dls(), two_conv_cnn(), opt_func=partial(SGD, mom=0.9))
+        l = Learner(digits_dls().cpu(), two_conv_cnn(), opt_func=partial(SGD, mom=0.9)) # On the CPU: deterministic
         if compiled: l.compile(backend='aot_eager')
         with l.no_bar(), l.no_logging(): l.fit(1, 0.05)
         learners.append(l)
