@@ -136,12 +136,17 @@ def run_one(args, name, cfg, mode, device, rank, world):
                     cbs=TimeSteps())
     learn.remove_cb(ProgressCallback)
     if cuda: learn.to_bf16()
-    if mode == 'compile': learn.compile(backend=args.backend)
+    if mode.startswith('compile'): learn.compile(backend=args.backend)
+    # `compile-nosplit`: TorchDynamo's DDPOptimizer off, so the compiled graph isn't split at DDP's gradient buckets
+    split = torch._dynamo.config.optimize_ddp
+    torch._dynamo.config.optimize_ddp = mode != 'compile-nosplit'
     if cuda: torch.cuda.reset_peak_memory_stats(device)
     _ddp_buckets.clear()
     ctx = dict(sync_bn=args.sync_bn) if cuda else dict(sync_bn=False, cpu=True) # SyncBatchNorm needs a GPU
     t0 = time.perf_counter()
-    with learn.no_logging(), learn.distrib_ctx(**ctx): learn.fit(1)
+    try:
+        with learn.no_logging(), learn.distrib_ctx(**ctx): learn.fit(1)
+    finally: torch._dynamo.config.optimize_ddp = split
     fit_s = time.perf_counter() - t0
     ts = learn.time_steps
     res = dict(workload=name, mode=mode, world=world, desc=describe(cfg), fit_s=fit_s, first_step_s=ts.warm[0],
@@ -149,7 +154,7 @@ def run_one(args, name, cfg, mode, device, rank, world):
                peak_gib=torch.cuda.max_memory_allocated(device)/2**30 if cuda else None,
                model_after_fit=type(learn.model).__name__, compiled_after_fit=is_compiled(learn.model),
                ddp_buckets=list(_ddp_buckets))
-    if mode == 'compile':
+    if mode.startswith('compile'):
         r = learn.compiler.report
         res.update(graphs=r.graphs, graph_breaks=r.graph_breaks, recompiles=len(r.recompiles), fallbacks=len(r.fallbacks),
                    compile_s=r.compile_seconds, events=[str(e) for e in r.events])
@@ -235,6 +240,26 @@ def launch(args, world:int, result:Path, timeout:float)->tuple:
     shutil.rmtree(env['TORCHINDUCTOR_CACHE_DIR'], ignore_errors=True)
     return rc, time.time() - t0
 
+MODE_NAMES = {'eager': 'eager', 'compile': 'learn.compile()', 'compile-nosplit': 'learn.compile(), DDPOptimizer off'}
+
+def medians(results:list)->str:
+    "Median step of each workload and mode over the multi-GPU launches, with its spread, against eager and 1 GPU"
+    import statistics
+    one = {(r['workload'], r['mode']): r for r in results if r['world'] == 1 and 'error' not in r}
+    lines = ['| workload | mode | GPUs | launches | median step (ms) | min–max | median of per-launch eager/mode | '
+             'scaling efficiency vs 1 GPU (median) |', '|---|---|---|---|---|---|---|---|']
+    keys = dict.fromkeys((r['workload'], r['mode'], r['world']) for r in results if r['world'] > 1 and 'error' not in r)
+    for w, m, world in keys:
+        rs = [r for r in results if (r['workload'], r['mode'], r['world']) == (w, m, world) and 'error' not in r]
+        steps = [r['step_ms'] for r in rs]
+        ratios = [e['step_ms']/r['step_ms'] for r in rs for e in results if e['workload'] == w and e['mode'] == 'eager'
+                  and e.get('launch') == r.get('launch') and 'error' not in e]
+        base = one.get((w, m))
+        eff = f"{statistics.median(r['samples_per_s'] for r in rs)/base['samples_per_s']/world:.0%}" if base else '–'
+        lines.append(f"| {rs[0]['desc']} | {MODE_NAMES.get(m, m)} | {world} | {len(rs)} | {statistics.median(steps):.1f} | "
+                     f"{min(steps):.1f}–{max(steps):.1f} | {statistics.median(ratios):.2f}× | {eff} |")
+    return '\n'.join(lines)
+
 def table(results:list, gpus:int)->str:
     one = {(r['workload'], r['mode']): r for r in results if r['world'] == 1 and 'error' not in r}
     lines = ['| workload | mode | GPUs | first step (s) | step (ms) | samples/s | vs eager | scaling vs 1 GPU | '
@@ -242,11 +267,11 @@ def table(results:list, gpus:int)->str:
              '|---|---|---|---|---|---|---|---|---|---|---|---|']
     order = sorted(results, key=lambda r: (list(WORKLOADS).index(r['workload']), r['mode'] != 'eager', r['world']))
     for r in order:
-        head = f"| {r['desc']} | {'learn.compile()' if r['mode'] == 'compile' else 'eager'} | {r['world']} |"
+        head = f"| {r['desc']} | {MODE_NAMES.get(r['mode'], r['mode'])} | {r['world']} |"
         if 'error' in r:
             lines.append(head + f" failed: {r['error'][:120]} |" + ' |'*8)
             continue
-        eager = next((e for e in results if e['workload'] == r['workload'] and e['world'] == r['world']
+        eager = next((e for e in results if e['workload'] == r['workload'] and e.get('launch') == r.get('launch')
                       and e['mode'] == 'eager' and 'error' not in e), None)
         vs_eager = f"{eager['step_ms']/r['step_ms']:.2f}×" if eager and r['mode'] != 'eager' else '–'
         base = one.get((r['workload'], r['mode']))
@@ -267,7 +292,7 @@ def report(args, results, env, launches, total_s)->str:
            f"{datetime.date.today()}, {gpu}; torch {env.get('torch')}, fastai {env.get('fastai')}, "
            f"accelerate {env.get('accelerate')}, Python {env.get('python')}. "
            f"`{' '.join(['python', 'bench/ddp_bench.py'] + sys.argv[1:])}`, {total_s/60:.1f} min in all.", '',
-           table(results, args.gpus), '',
+           medians(results), '', 'Each launch:', '', table(results, args.gpus), '',
            f"- bf16 mixed precision (`learn.to_bf16()`), fused AdamW, synthetic batches already on the GPU, no validation; "
            f"{args.warmup} warm-up steps, then {args.steps} timed steps (synchronized at both ends, slowest rank). "
            f"`sync_bn={args.sync_bn}`." if args.device == 'cuda' else
@@ -286,17 +311,17 @@ def driver(args):
     out.mkdir(parents=True, exist_ok=True)
     t0, results, launches, env = time.time(), [], [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        for world in (1, args.gpus):
+        for i, world in enumerate([1] + [args.gpus]*args.repeat):
             left = args.budget - (time.time() - t0)
             if left < 30:
                 print(f"Skipping the {world}-process launch: the {args.budget}s budget is spent", flush=True)
                 continue
-            result = Path(tmp)/f'world{world}.json'
+            result = Path(tmp)/f'launch{i}.json'
             rc, secs = launch(args, world, result, timeout=min(args.timeout, left))
             launches.append(dict(world=world, rc=rc, seconds=secs))
             if result.exists():
                 d = json.loads(result.read_text())
-                results += d['results']
+                results += [dict(r, launch=i) for r in d['results']]
                 env = d['env']
             if rc != 0: print(f"The {world}-process launch ended with {rc}", flush=True)
     total = time.time() - t0
@@ -304,7 +329,7 @@ def driver(args):
     md = report(args, results, env, launches, total)
     (out/'ddp.md').write_text(md)
     print(md)
-    ok = all(l['rc'] == 0 for l in launches) and len(launches) == 2 and results and not any('error' in r for r in results)
+    ok = all(l['rc'] == 0 for l in launches) and len(launches) == 1 + args.repeat and results and not any('error' in r for r in results)
     ok = ok and all(r.get('ranks_identical', True) for r in results)
     return 0 if ok else 1
 
@@ -312,8 +337,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--out', default=str(ROOT/'bench'/'results'), help='Folder for ddp.md and ddp.json')
     p.add_argument('--gpus', type=int, default=2, help='Processes of the multi-GPU launch')
+    p.add_argument('--repeat', type=int, default=1, help='Multi-GPU launches, each running every mode in turn: medians and spread')
     p.add_argument('--workloads', default='resnet18,gpt')
-    p.add_argument('--modes', default='eager,compile')
+    p.add_argument('--modes', default='eager,compile', help="eager, compile, compile-nosplit (DDPOptimizer off)")
     p.add_argument('--device', default=None, help='cuda (default with a GPU) or cpu')
     p.add_argument('--backend', default=None, help="torch.compile backend (default: inductor; aot_eager with --smoke)")
     p.add_argument('--steps', type=int, default=None, help='Timed steps per rank (default 40; 3 with --smoke)')
