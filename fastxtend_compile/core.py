@@ -100,10 +100,10 @@ def cannot_compile_reason(
 # %% ../nbs/00_core.ipynb #233956e3
 def _plain(t:TensorBase)->Tensor: return t.as_subclass(Tensor)
 
-def _stripped(leaves:list, spec):
-    "The `(args, kwargs)` flattened as `leaves` and `spec`, fastai tensors made plain, and the first fastai tensor (or `None`)"
+def _stripped(args:tuple, kwargs:dict, leaves:list, spec):
+    "`args` and `kwargs` (flattened: `leaves` and `spec`) with fastai tensors made plain, and the first fastai tensor (or `None`)"
     like = next((o for o in leaves if isinstance(o, TensorBase)), None)
-    if like is None: return *tree_unflatten(leaves, spec), None
+    if like is None: return args, kwargs, None
     return *tree_unflatten([_plain(o) if isinstance(o, TensorBase) else o for o in leaves], spec), like
 
 def _retyped(t:Tensor, like:TensorBase)->Tensor:
@@ -211,7 +211,7 @@ class CompiledCall:
         if (trains := self._trains()) != self.trains: self._use_entry(trains) # Frozen or unfrozen since the last call
         leaves, spec = tree_flatten((args, kwargs))
         if self._runs_eagerly(leaves): return self.module._call_impl(*args, **kwargs)
-        args, kwargs, like = _stripped(leaves, spec)
+        args, kwargs, like = _stripped(args, kwargs, leaves, spec)
         if self.cudagraphs: torch.compiler.cudagraph_mark_step_begin()
         graphs = graphs_compiled() if self.unchecked else 0
         try: out = self.entry(self.module, *args, **kwargs)
