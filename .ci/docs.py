@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 NBS, LIB, LIB_NAME = ROOT/'nbs', ROOT/'fastxtend_compile', 'fastxtend_compile'
 GUIDES = ['index', '10_guide', '11_troubleshooting', '12_benchmarks'] # Pages that aren't a library module
-README_MUST = ['pip install -e ".[dev]"', 'pytest -q tests', 'load_digits', '.compile()']
+README_MUST = ['pip install -e ".[dev]"', 'pytest -q tests', 'load_digits', '.compile()', 'bash .ci/site', '_site/index.html']
 CALLBACK_EVENTS = {'after_create', 'before_fit', 'before_epoch', 'before_train', 'before_batch', 'after_pred', 'after_loss',
                    'before_backward', 'after_cancel_backward', 'after_backward', 'before_step', 'after_cancel_step',
                    'after_step', 'after_cancel_batch', 'after_batch', 'after_cancel_train', 'after_train', 'before_validate',
