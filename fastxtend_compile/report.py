@@ -118,7 +118,7 @@ class CompileReport:
         comp, eager = self.compiled_step, self.eager_step
         if comp is None or eager is None: return "payoff: not measured (the fit ran too few compiled training batches)"
         line = f"compiled step {_ms(comp)} against {_ms(eager)} eager"
-        if comp >= eager: return f"did not pay: {line}: the compiled model is not faster here"
+        if comp > 0.95*eager: return f"did not pay: {line}: the compiled model is not measurably faster here"
         epochs = self.compile_seconds / ((eager - comp) * max(self.epoch_steps, 1))
         return f"paid: {line} ({eager/comp:.2f}×); the {self.compile_seconds:.1f}s of compiling pay back after {epochs:.1f} epoch(s)"
 
