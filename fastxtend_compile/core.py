@@ -46,7 +46,9 @@ class MatMulPrecision(_CheckedEnum):
     medium  = 'medium'
 
 # %% ../nbs/00_core.ipynb #f18814cd
-def check_backend(backend:str|Callable):
+def check_backend(
+    backend:str|Callable, # A backend's registered name, or a backend function
+):
     "Raise a `ValueError` listing the registered backends if `backend` is not one of them"
     if callable(backend) or backend in torch.compiler.list_backends(exclude_tags=()): return backend
     raise ValueError(f"Unknown torch.compile backend {backend!r}; choose one of: {', '.join(torch.compiler.list_backends())} "
@@ -112,7 +114,9 @@ def _retyped(t:Tensor, like:TensorBase)->Tensor:
     return res
 
 # %% ../nbs/00_core.ipynb #b74ed760
-def graph_break_reason(reason:str)->str:
+def graph_break_reason(
+    reason:str, # TorchDynamo's reason for a graph break, as its exception or `explain` gives it
+)->str:
     "TorchDynamo's graph break `reason` as a readable line, with its first hint"
     lines = [l.strip() for l in reason.strip().splitlines() if l.strip()]
     if lines[0].startswith('generic_jump'):
@@ -134,7 +138,9 @@ def _graph_break_error(e:Exception, removed:bool)->GraphBreakError:
         f"Remove the break, or compile with fullgraph=False (`DynamoExplainCallback` lists every break). {now}.")
 
 # %% ../nbs/00_core.ipynb #5f279e17
-def uses_cudagraphs(settings:dict)->bool:
+def uses_cudagraphs(
+    settings:dict, # `torch.compile` settings, from `compile_settings`
+)->bool:
     "Whether `torch.compile` `settings` record CUDA graphs (on a CUDA device)"
     return settings.get('mode') in ('reduce-overhead', 'max-autotune') or bool((settings.get('options') or {}).get('triton.cudagraphs'))
 
@@ -257,30 +263,42 @@ class CompiledCall:
             "such as ActivationStats remove theirs after the fit).", stacklevel=3)
 
 # %% ../nbs/00_core.ipynb #d74f1d6a
-def unwrap_model(model:nn.Module)->nn.Module:
+def unwrap_model(
+    model:nn.Module, # A model, perhaps wrapped by `torch.compile`
+)->nn.Module:
     "`model` without a `torch.compile` wrapper (`OptimizedModule`)"
     return getattr(model, '_orig_mod', model)
 
-def inner_model(model:nn.Module)->nn.Module:
+def inner_model(
+    model:nn.Module, # A model, perhaps wrapped by DDP and `torch.compile`
+)->nn.Module:
     "The module doing the work: `model` without its DDP (`get_model`) and `torch.compile` wrappers"
     return unwrap_model(get_model(model))
 
-def model_device(model:nn.Module)->torch.device:
+def model_device(
+    model:nn.Module, # Model whose device to tell
+)->torch.device:
     "The device of `model`'s parameters (the CPU for a model without any)"
     return next(model.parameters(), torch.empty(0)).device
 
-def compiled_settings(model:nn.Module)->dict|None:
+def compiled_settings(
+    model:nn.Module, # Model, compiled in place, wrapped by `torch.compile` or neither
+)->dict|None:
     "The `torch.compile` settings `model` is compiled with: `{}` if unknown, `None` if it isn't compiled"
     if is_optimized_module(model): return {}
     call = compiled_call(model)
     if call is None: return None
     return getattr(call, 'settings', {})
 
-def is_compiled(model:nn.Module)->bool:
+def is_compiled(
+    model:nn.Module, # Model, compiled in place, wrapped by `torch.compile` or neither
+)->bool:
     "Whether `model` is compiled, in place or wrapped by `torch.compile`"
     return compiled_settings(model) is not None
 
-def repeated_blocks(model:nn.Module)->list:
+def repeated_blocks(
+    model:nn.Module, # Model to search for blocks of the same class
+)->list:
     "The largest blocks that repeat among the children of a `ModuleList` or `Sequential`, such as a transformer's layers"
     kids = list(model.children())
     if isinstance(model, (nn.ModuleList, nn.Sequential)):
@@ -305,7 +323,9 @@ def compile_model(
     for b in blocks: set_compiled_call(b, CompiledCall(b, entries.setdefault(type(b), {}), on_refused=on_refused, **settings))
     return model
 
-def uncompile_model(model:nn.Module)->nn.Module:
+def uncompile_model(
+    model:nn.Module, # Model compiled in place (blocks included) or wrapped by `torch.compile`
+)->nn.Module:
     "`model` with its compiled state, and that of any compiled block inside it, dropped, so it runs eagerly"
     model = unwrap_model(model)
     for m in model.modules(): set_compiled_call(m, None)

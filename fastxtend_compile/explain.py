@@ -26,7 +26,9 @@ from .callback import CompilerCallback
 __all__ = ['learner_autocast', 'untouched', 'one_plain_batch', 'explain_summary', 'DynamoExplainCallback', 'CompileStage']
 
 # %% ../nbs/04_explain.ipynb #049826d9
-def learner_autocast(learn:Learner):
+def learner_autocast(
+    learn:Learner, # Learner, perhaps with a `MixedPrecision` callback
+):
     "The autocast `learn`'s `MixedPrecision` callback trains under, or a no-op context without one"
     mp = getattr(learn, 'mixed_precision', None)
     if mp is None: return nullcontext()
@@ -34,7 +36,9 @@ def learner_autocast(learn:Learner):
     return torch.autocast(model_device(learn.model).type, dtype=dtype)
 
 @contextmanager
-def untouched(learn:Learner):
+def untouched(
+    learn:Learner, # Learner whose model and state the body may change
+):
     "Run the body with `learn.model` eager and in training mode, then restore RNG states, buffers, gradients and compilation"
     model = inner_model(learn.model)
     rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
@@ -56,7 +60,9 @@ def untouched(learn:Learner):
         random.setstate(rng[0]); np.random.set_state(rng[1]); torch.set_rng_state(rng[2])
         if cuda_rng is not None: torch.cuda.set_rng_state_all(cuda_rng)
 
-def one_plain_batch(learn:Learner):
+def one_plain_batch(
+    learn:Learner, # Learner to draw the batch from
+):
     "One batch from the validation set (training set if there is none), as plain tensors split into inputs and targets"
     dl = learn.dls.valid if len(learn.dls.valid) else learn.dls.train
     # fastai's `DistributedDL` deals each rank its share through a collective every rank must join: draw from the
@@ -73,7 +79,11 @@ def _where(reason)->str:
     name = re.sub(r'^torch_dynamo_resume_in_(\w+)_at_\d+$', r'\1', f.name) # Code after an earlier break
     return f"{f.filename}:{f.lineno} in {name}" + (f": `{f.line.strip()}`" if f.line else '')
 
-def explain_summary(out, guards:bool=False, ops:bool=False)->str:
+def explain_summary(
+    out, # What `torch._dynamo.explain` returned
+    guards:bool=False, # List the guards too
+    ops:bool=False, # List the operations of each graph too
+)->str:
     "A readable report of a `torch._dynamo.explain` output: each graph break with its place and reason"
     lines = [f"Dynamo explain: {out.graph_count} graph(s), {len(out.break_reasons)} graph break(s), {out.op_count} op(s)"]
     for i,r in enumerate(out.break_reasons):
@@ -121,7 +131,7 @@ class DynamoExplainCallback(Callback):
 @dataclass
 class CompileStage:
     "How one backend did on one batch, compared with eager PyTorch"
-    backend:str
+    backend:str # The backend tried: 'eager', 'aot_eager', 'inductor'...
     error:BaseException|None = None # The exception it raised, if any
     outputs_match:bool|None = None # Outputs equal to eager's within tolerance
     grads_match:bool|None = None # Gradients equal to eager's within tolerance

@@ -176,7 +176,11 @@ def _fused_kernel(cbs, rules)->Callable|None:
 
 class CompiledOptimizerStep:
     "The step of fastai `Optimizer` `opt` as PyTorch's fused Adam kernel (fastai's `Adam`) or one `torch.compile`d function"
-    def __init__(self, opt:Optimizer, fused:bool=True, **settings):
+    def __init__(self,
+        opt:Optimizer, # The fastai `Optimizer` whose step this is
+        fused:bool=True, # Run fastai's `Adam` as PyTorch's fused kernel, where the device has it
+        **settings # `torch.compile` settings, from `compile_settings`
+    ):
         self.opt, self.fused_ok, self.settings, self.cbs, self.warned, self.scalars = opt, fused, settings, None, False, {}
         # Each optimizer gets its own graphs, freed with it, and its own recompile limit, on every torch version
         self.compiled = torch.compile(own_function(_foreach_step, '_foreach_step'), **settings)
@@ -288,12 +292,16 @@ def compile_optimizer(
         if type(inner).zero_grad is Optimizer.zero_grad: inner.zero_grad = step.zero_grad
     return opt
 
-def compiled_optimizer_settings(opt:Optimizer)->dict|None:
+def compiled_optimizer_settings(
+    opt:Optimizer, # A fastai `Optimizer`, perhaps in fastai's DDP or mixed precision wrapper
+)->dict|None:
     "The `torch.compile` settings `opt`'s step is compiled with, or `None` if it runs eagerly"
     step = _inner(opt).__dict__.get('step')
     return step.settings if isinstance(step, CompiledOptimizerStep) else None
 
-def uncompile_optimizer(opt:Optimizer)->Optimizer:
+def uncompile_optimizer(
+    opt:Optimizer, # A fastai `Optimizer` whose step `compile_optimizer` replaced
+)->Optimizer:
     "Make `opt.step()` run fastai's eager step again"
     if compiled_optimizer_settings(opt) is not None:
         inner = _inner(opt)

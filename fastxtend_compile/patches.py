@@ -22,7 +22,9 @@ __all__ = ['plain_model', 'load_learner']
 
 # %% ../nbs/03_patches.ipynb #a98f7f14
 @contextmanager
-def plain_model(learn:Learner):
+def plain_model(
+    learn:Learner, # Learner whose model may be wrapped by `torch.compile`
+):
     "Within this context `learn.model` is the module inside any `torch.compile` wrapper"
     model = learn.model
     learn.model = unwrap_model(model)
@@ -62,7 +64,9 @@ def export(self:Learner, fname='export.pkl', **kwargs):
 
 # %% ../nbs/03_patches.ipynb #22369670
 @patch
-def remove_cb(self:Learner, cb):
+def remove_cb(self:Learner,
+    cb, # A `Callback` of the Learner, or its class
+):
     "Remove `cb` from the list of `Callback`s; a removed `CompilerCallback` returns the `Learner` to eager"
     if isinstance(cb, CompilerCallback) and cb.learn is self: cb.uncompile()
     return _fastai_remove_cb(self, cb)
@@ -92,7 +96,9 @@ def fit(self, *args, **kwargs):
 _fastai_freeze_to = Learner.freeze_to
 
 @patch
-def freeze_to(self:Learner, n:int):
+def freeze_to(self:Learner,
+    n:int, # Freeze the parameter groups before this one, train the rest
+):
     "Freeze parameter groups up to `n`"
     trains = lambda: [p.requires_grad for p in self.model.parameters()]
     before = trains()

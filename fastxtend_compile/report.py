@@ -38,7 +38,9 @@ _reasons = [
                "hyperparameter, recompiles every time; make it a tensor"),
 ]
 
-def plain_reason(reason:str|None)->str:
+def plain_reason(
+    reason:str|None, # TorchDynamo's reason for a recompile (a failed guard)
+)->str:
     "A TorchDynamo guard failure `reason` in plain words"
     if not reason: return ''
     first = reason.split('\n')[0]
