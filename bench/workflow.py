@@ -1,0 +1,558 @@
+"""Workflow benchmarks: fastai used as its users use it, eager against `learn.compile()`.
+
+Each workflow builds its data and `Learner` the way a fastai user does and runs the usual fit (`fine_tune` or
+`fit_one_cycle`), once per *arm*, each arm in a process of its own:
+
+    vision      JPEG files on disk -> ImageDataLoaders.from_folder(Resize, aug_transforms) -> vision_learner(resnet34,
+                pretrained=False) (.to_bf16() on CUDA) -> fine_tune
+    vision-big  the same with larger images already at their training size and resnet50: the GPU, not the DataLoader,
+                bounds it
+    tabular     a synthetic DataFrame -> TabularDataLoaders.from_df(Categorify, FillMissing, Normalize) ->
+                tabular_learner(layers=[200,100]) -> fit_one_cycle
+    text        synthetic token sequences -> fastai Datasets/DataLoaders -> a transformer encoder classifier
+                (nn.TransformerEncoder) (.to_bf16() on CUDA) -> fit_one_cycle
+
+    eager         no compiling
+    compile-cold  learn.compile(), fresh TORCHINDUCTOR_CACHE_DIR
+    compile-warm  learn.compile() in a new process reusing compile-cold's cache dir (inductor's on-disk caches warm)
+    compile-ro    learn.compile(mode='reduce-overhead') (CUDA graphs), fresh cache dir; CUDA only
+
+    python bench/workflow.py --workflows vision,vision-big,tabular,text --arms eager,compile-cold,compile-warm,compile-ro --out DIR
+    python bench/workflow.py --smoke --out /tmp/wf-smoke     # CI: every workflow, tiny, on the CPU
+
+Writes DIR/workflow.json (every number), DIR/workflow.md (a table per workflow) and DIR/arms.log (each process's
+command and the end of its output), rewriting them after every arm. Exits with status 1 when an arm failed.
+"""
+from __future__ import annotations
+import argparse, datetime, json, math, os, platform, shutil, signal, statistics, subprocess, sys, tempfile, time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+ARMS = ('eager', 'compile-cold', 'compile-warm', 'compile-ro')
+ARM_MODE = {'eager': None, 'compile-cold': 'default', 'compile-warm': 'default', 'compile-ro': 'reduce-overhead'}
+
+# Sizes: `gpu` is the default, `smoke` a tiny CPU check of the same code paths. `--config` overrides either.
+WORKFLOWS = {
+    'vision': dict(
+        gpu=dict(n=6000, size=128, bs=64, epochs=3, arch='resnet34', classes=5, valid_pct=0.2, stored=160),
+        smoke=dict(n=48, size=32, bs=8, epochs=1, arch='resnet34', classes=3, valid_pct=0.2, stored=40)),
+    'vision-big': dict(
+        gpu=dict(n=4000, size=224, bs=64, epochs=2, arch='resnet50', classes=5, valid_pct=0.2, stored=224),
+        smoke=dict(n=40, size=32, bs=8, epochs=1, arch='resnet50', classes=3, valid_pct=0.2, stored=32)),
+    'tabular': dict(
+        gpu=dict(rows=200_000, bs=1024, epochs=3, layers=[200, 100], valid_pct=0.2),
+        smoke=dict(rows=3000, bs=256, epochs=2, layers=[200, 100], valid_pct=0.2)),
+    'text': dict(
+        gpu=dict(n=40_000, seq=256, vocab=8000, d=384, layers=6, heads=6, classes=4, bs=64, epochs=3, valid_pct=0.2),
+        smoke=dict(n=400, seq=32, vocab=200, d=32, layers=2, heads=2, classes=4, bs=16, epochs=2, valid_pct=0.2)),
+}
+
+def describe(w:str, c:dict)->str:
+    "A workflow's sizes in a few words"
+    if w.startswith('vision'):
+        return (f"{c['n']} JPEGs stored at {c['stored']} px, {c['classes']} classes, Resize({c['size']}) + aug_transforms, "
+                f"{c['arch']} (pretrained=False), bs {c['bs']}, fine_tune({c['epochs']})")
+    if w == 'tabular':
+        return f"{c['rows']:,} rows, 4 categorical + 6 continuous columns, tabular_learner(layers={c['layers']}), bs {c['bs']}, fit_one_cycle({c['epochs']})"
+    return (f"{c['n']:,} sequences of {c['seq']} tokens, vocab {c['vocab']}, nn.TransformerEncoder {c['layers']} layers, "
+            f"d={c['d']}, {c['heads']} heads, {c['classes']} classes, bs {c['bs']}, fit_one_cycle({c['epochs']})")
+
+def n_valid(n:int, pct:float, bs:int)->int:
+    "Validation items: about `pct` of `n`, never a multiple of `bs`, so the last validation batch is smaller, as on real data"
+    v = max(1, round(n*pct))
+    return v - 1 if v % bs == 0 and v > 1 else v
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data written once per workflow by the driver, shared by its arms
+
+def _pattern(kind:int, size:int, rng):
+    "An image of class `kind`: stripes of one of several orientations, a checkerboard or rings, tinted and noisy"
+    import numpy as np
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
+    f, ph = rng.uniform(3, 7) * 2 * np.pi, rng.uniform(0, 2 * np.pi)
+    k = kind % 5
+    if k == 0: v = np.sin(f*yy + ph)
+    elif k == 1: v = np.sin(f*xx + ph)
+    elif k == 2: v = np.sin(f*(xx + yy)/1.4 + ph)
+    elif k == 3: v = np.sign(np.sin(f*xx + ph) * np.sin(f*yy + ph))
+    else: v = np.sin(f*np.hypot(xx - rng.uniform(.3, .7), yy - rng.uniform(.3, .7)) + ph)
+    color = rng.uniform(0.3, 1.0, 3) * (1 + kind // 5) # Classes past 5 repeat the patterns at another brightness
+    img = (v[..., None] * 0.5 + 0.5) * color * 200 + rng.normal(0, 20, (size, size, 3))
+    return img.clip(0, 255).astype(np.uint8)
+
+def _write_images(args):
+    root, items, size, seed = args
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    for split, cls, i in items:
+        d = Path(root)/split/f'c{cls}'
+        d.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(_pattern(cls, size, rng)).save(d/f'{i}.jpg', quality=90)
+
+def write_images(root:Path, c:dict)->dict:
+    "JPEG files in `root/train/<class>` and `root/valid/<class>`, written in parallel"
+    from concurrent.futures import ProcessPoolExecutor
+    nv = n_valid(c['n'], c['valid_pct'], c['bs'])
+    items = [('valid' if i < nv else 'train', i % c['classes'], i) for i in range(c['n'])]
+    workers = max(1, min(8, os.cpu_count() or 1))
+    chunks = [(str(root), items[j::workers*4], c['stored'], j) for j in range(workers*4)]
+    t = time.perf_counter()
+    if workers == 1 or c['n'] < 200:
+        for ch in chunks: _write_images(ch)
+    else:
+        with ProcessPoolExecutor(workers) as ex: list(ex.map(_write_images, chunks))
+    return dict(train=c['n'] - nv, valid=nv, write_s=time.perf_counter() - t)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One arm, in this process (`--child`)
+
+def env_info(device:str)->dict:
+    import torch, fastai
+    try: import triton; triton_v = triton.__version__
+    except Exception: triton_v = None
+    try: import torchvision; tv = torchvision.__version__
+    except Exception: tv = None
+    try: import fastxtend_compile; fxc = getattr(fastxtend_compile, '__version__', None)
+    except Exception: fxc = None
+    cuda = device == 'cuda'
+    return dict(device=torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
+                torch=torch.__version__, cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if cuda else None,
+                triton=triton_v, fastai=fastai.__version__, torchvision=tv, python=platform.python_version(),
+                fastxtend_compile=fxc, fastxtend_compile_path=str(Path(fastxtend_compile.__file__).parent) if fxc is not None else None)
+
+def build_vision(w, c, data, device, num_workers):
+    from fastai.vision.all import ImageDataLoaders, Resize, aug_transforms, vision_learner, accuracy
+    import fastai.vision.all as fv
+    kw = {} if num_workers is None else dict(num_workers=num_workers)
+    dls = ImageDataLoaders.from_folder(data, train='train', valid='valid', item_tfms=Resize(c['size']),
+                                       batch_tfms=aug_transforms(), bs=c['bs'], device=device, **kw)
+    learn = vision_learner(dls, getattr(fv, c['arch']), pretrained=False, metrics=accuracy)
+    if device == 'cuda': learn = learn.to_bf16()
+    return learn, lambda: learn.fine_tune(c['epochs'])
+
+def tabular_frame(c:dict):
+    "A DataFrame with a target that depends on categorical and continuous columns, and some missing values"
+    import numpy as np, pandas as pd
+    rng = np.random.default_rng(0)
+    n = c['rows']
+    df = pd.DataFrame()
+    logit = np.zeros(n)
+    for name, levels in (('shop', 12), ('region', 40), ('product', 300), ('weekday', 7)):
+        idx = rng.integers(0, levels, n)
+        df[name] = np.array([f'{name}{i}' for i in range(levels)])[idx]
+        logit += rng.normal(0, 1, levels)[idx]
+    x = rng.normal(0, 1, (n, 6)).astype(np.float32)
+    logit += 0.8*x[:, 0] - 0.6*x[:, 1]*x[:, 2] + np.sin(2*x[:, 3]) + 0.3*x[:, 4]**2 + rng.normal(0, 0.5, n)
+    for j in range(6): df[f'x{j}'] = x[:, j]
+    df.loc[rng.random(n) < 0.05, 'x0'] = np.nan # FillMissing has something to do
+    df.loc[rng.random(n) < 0.05, 'x5'] = np.nan
+    df['y'] = np.where(logit > np.median(logit), 'high', 'low')
+    return df
+
+def build_tabular(w, c, data, device, num_workers):
+    import numpy as np
+    from fastai.tabular.all import TabularDataLoaders, Categorify, FillMissing, Normalize, CategoryBlock, tabular_learner, accuracy
+    df = tabular_frame(c)
+    valid_idx = np.random.default_rng(1).permutation(len(df))[:n_valid(len(df), c['valid_pct'], c['bs'])].tolist()
+    kw = {} if num_workers is None else dict(num_workers=num_workers)
+    dls = TabularDataLoaders.from_df(df, procs=[Categorify, FillMissing, Normalize], cat_names=['shop', 'region', 'product', 'weekday'],
+                                     cont_names=[f'x{j}' for j in range(6)], y_names='y', y_block=CategoryBlock(),
+                                     valid_idx=valid_idx, bs=c['bs'], device=device, **kw)
+    learn = tabular_learner(dls, layers=c['layers'], metrics=accuracy)
+    return learn, lambda: learn.fit_one_cycle(c['epochs'])
+
+def build_text(w, c, data, device, num_workers):
+    import numpy as np, torch
+    from torch import nn
+    from fastai.text.all import Transform, TensorText, Datasets, Categorize, Learner, CrossEntropyLossFlat, accuracy
+
+    class Tokens(Transform):
+        "Item index -> its token ids"
+        def __init__(self, toks): self.toks = toks
+        def encodes(self, i:int): return TensorText(torch.from_numpy(self.toks[i]))
+
+    class Label(Transform):
+        def __init__(self, labels): self.labels = labels
+        def encodes(self, i:int): return self.labels[i]
+
+    class TextClassifier(nn.Module):
+        "Token and position embeddings, a pre-norm transformer encoder, mean pooling, a linear head"
+        def __init__(self, vocab, seq, d, layers, heads, n_out):
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.randn(1, seq, d) * 0.02)
+            layer = nn.TransformerEncoderLayer(d, heads, 4*d, dropout=0.1, activation='gelu', batch_first=True, norm_first=True)
+            self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, n_out)
+        def forward(self, x):
+            h = self.encoder(self.tok(x) + self.pos[:, :x.shape[1]])
+            return self.head(self.norm(h).mean(1))
+
+    # Random tokens; each sequence plants 8 tokens of its class's group of 8 token ids, at random places
+    rng = np.random.default_rng(0)
+    n, seq, k = c['n'], c['seq'], c['classes']
+    toks = rng.integers(1 + 8*k, c['vocab'], (n, seq))
+    labels = rng.integers(0, k, n)
+    pos = np.argsort(rng.random((n, seq)), axis=1)[:, :8]
+    toks[np.arange(n)[:, None], pos] = 1 + 8*labels[:, None] + rng.integers(0, 8, (n, 8))
+    names = [f'class{i}' for i in labels]
+    nv = n_valid(n, c['valid_pct'], c['bs'])
+    dsets = Datasets(list(range(n)), tfms=[[Tokens(toks)], [Label(names), Categorize()]], splits=(list(range(nv, n)), list(range(nv))))
+    kw = {} if num_workers is None else dict(num_workers=num_workers)
+    dls = dsets.dataloaders(bs=c['bs'], device=device, **kw)
+    model = TextClassifier(c['vocab'], seq, c['d'], c['layers'], c['heads'], k)
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy)
+    if device == 'cuda': learn = learn.to_bf16()
+    return learn, lambda: learn.fit_one_cycle(c['epochs'], 1e-3)
+
+def _num(v):
+    try: return float(v)
+    except Exception: return str(v)
+
+BUILDERS = {'vision': build_vision, 'vision-big': build_vision, 'tabular': build_tabular, 'text': build_text}
+
+def child(spec:dict)->dict:
+    t_start = time.perf_counter()
+    sys.path.insert(0, str(ROOT)) # The checkout's `fastxtend_compile`, installed or not
+    import warnings
+    import torch
+    from fastai.callback.core import Callback
+    import fastxtend_compile # noqa: F401 (applies the patches; `learn.compile`)
+    w, arm, c, device = spec['workflow'], spec['arm'], spec['config'], spec['device']
+    cuda = device == 'cuda'
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.zeros(1, device='cuda'); sync() # The CUDA context up front
+        if spec.get('matmul_precision'): torch.set_float32_matmul_precision(spec['matmul_precision'])
+    torch.manual_seed(0)
+    t = time.perf_counter()
+    learn, fit = BUILDERS[w](w, c, spec.get('data'), device, spec.get('num_workers'))
+    setup_s = time.perf_counter() - t
+
+    epochs = []
+    class Start(Callback):
+        "Runs first at each event: epoch start, and the end of each wait for a training batch"
+        order = -1000
+        def before_fit(self): self.fit_i = getattr(self, 'fit_i', -1) + 1
+        def before_epoch(self):
+            self.rec = dict(fit=self.fit_i, epoch=self.epoch, frozen=bool(getattr(self.opt, 'frozen_idx', 0)), batches=0, data_wait_s=0.)
+            self.t_epoch = time.perf_counter()
+        def before_train(self): self.t_train = time.perf_counter()
+        def before_batch(self):
+            if self.training:
+                self.rec['data_wait_s'] += time.perf_counter() - end.mark
+                self.rec['batches'] += 1
+        def after_train(self): self.rec['data_wait_s'] += time.perf_counter() - end.mark # The iterator's end (workers stopping)
+        def before_validate(self): self.t_valid = time.perf_counter()
+    class End(Callback):
+        "Runs last at each event: where a wait for the next training batch starts, and the synchronized ends of phases"
+        order = 1000
+        def before_train(self): self.mark = time.perf_counter() # Creating the iterator and the first batch count as waiting
+        def after_batch(self):
+            if self.training: self.mark = time.perf_counter()
+        def after_train(self):
+            sync() # Once a training epoch, so its time includes the GPU's work
+            start.rec['train_s'] = time.perf_counter() - start.t_train
+        def after_validate(self):
+            sync()
+            start.rec['valid_s'] = time.perf_counter() - start.t_valid
+        def after_epoch(self):
+            sync()
+            r = start.rec
+            r['wall_s'] = time.perf_counter() - start.t_epoch
+            r['data_share'] = r['data_wait_s'] / r['train_s'] if r.get('train_s') else None
+            vals = self.recorder.log[1:] if hasattr(self, 'recorder') else []
+            r['values'] = dict(zip(self.recorder.metric_names[1:-1], [_num(v) for v in vals[:-1]])) if vals else {}
+            epochs.append(r)
+    start, end = Start(), End()
+    learn.add_cbs([start, end])
+    mode = ARM_MODE[arm]
+    if mode is not None:
+        kw = dict(spec.get('compile_kwargs') or {})
+        if spec.get('backend'): kw['backend'] = spec['backend']
+        if mode != 'default': kw['mode'] = mode
+        learn.compile(**kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        sync()
+        t = time.perf_counter()
+        with learn.no_bar(): fit()
+        sync()
+        total = time.perf_counter() - t
+    warns = list(dict.fromkeys(f"{x.category.__name__}: {x.message}" for x in caught
+                               if not issubclass(x.category, (DeprecationWarning, FutureWarning))))
+    res = dict(workflow=w, arm=arm, repeat=spec['repeat'], status='ok', device=device, config=c, smoke=spec['smoke'],
+               backend=spec.get('backend') or ('inductor' if mode else None), mode=mode, compile_kwargs=spec.get('compile_kwargs'),
+               num_workers=getattr(getattr(learn.dls.train, 'fake_l', None), 'num_workers', None),
+               train_batches=len(learn.dls.train), valid_batches=len(learn.dls.valid),
+               valid_last_batch=len(learn.dls.valid_ds) % c['bs'], total_s=total, setup_s=setup_s, epochs=epochs,
+               warnings=warns[:20], env=env_info(device))
+    if cuda: res['peak_mem_gb'] = torch.cuda.max_memory_allocated() / 2**30
+    if mode is not None:
+        cb = getattr(learn, 'compiler', None)
+        r = getattr(cb, 'report', None)
+        if r is None: res.update(status='error', reason='learn.compiler.report missing after the fit')
+        else:
+            def get(name, f=lambda v: v):
+                try: return f(getattr(r, name))
+                except Exception: return None
+            res['compile'] = dict(
+                compile_s=get('compile_seconds'), graphs=get('graphs'), recompiles=get('recompiles', len),
+                fallbacks=get('fallbacks', len), graph_breaks=get('graph_breaks'),
+                eager_calls=get('eager_calls', lambda d: sum(d.values())), compiled_step_s=get('compiled_step'),
+                eager_step_s=get('eager_step'), report_data_share=get('data_share'),
+                compiled_batches=get('batch_times', len),
+                events=get('events', lambda es: [dict(kind=e.kind, frame=e.frame, seconds=e.seconds, reason=e.reason, during=e.during) for e in es]),
+                payoff=r.payoff() if hasattr(r, 'payoff') else None, summary=r.summary() if hasattr(r, 'summary') else str(r))
+            print(res['compile']['summary'])
+    res['process_s'] = time.perf_counter() - t_start # Imports not included: the driver also records the whole process
+    print(f"{w} {arm}: fit {total:.1f}s; epochs " + ', '.join(f"{e['wall_s']:.2f}" for e in epochs))
+    return res
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Driver
+
+def plan(workflows, arms, repeat, smoke_default=False)->list:
+    "(workflow, arm, repeat) jobs, each compile-warm after its compile-cold (which runs even when not asked for)"
+    # The smoke run's default: a warm process for one workflow only, as `aot_eager` has no on-disk cache to warm
+    warm_for = [w for w in workflows if w == 'tabular'][:1] or workflows[:1] if smoke_default else workflows
+    jobs = []
+    for w in workflows:
+        for rep in range(repeat):
+            for a in ARMS:
+                if a == 'compile-warm' and w not in warm_for: continue
+                if a not in arms and not (a == 'compile-cold' and 'compile-warm' in arms): continue
+                jobs.append((w, a, rep))
+    return jobs
+
+def git_commit()->str|None:
+    try:
+        sha = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(['git', 'status', '--porcelain', '--', 'fastxtend_compile'], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        return sha + ('+dirty' if dirty else '')
+    except Exception: return None
+
+def run_job(args, job, spec_base, caches:dict, tmp:Path, log)->dict:
+    w, arm, rep = job
+    if arm == 'compile-ro' and args.device != 'cuda':
+        return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason="reduce-overhead (CUDA graphs) needs a GPU")
+    if arm == 'compile-warm':
+        cache = caches.get((w, rep))
+        if cache is None: return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason='its compile-cold run did not run')
+    else:
+        cache = Path(tempfile.mkdtemp(prefix=f'{w}-{arm}-{rep}-', dir=tmp))
+        if arm == 'compile-cold': caches[(w, rep)] = cache
+    spec = dict(spec_base[w], arm=arm, repeat=rep)
+    spec_path, result = tmp/f'{w}-{arm}-{rep}.spec.json', tmp/f'{w}-{arm}-{rep}.json'
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache/'triton'), PYTHONUNBUFFERED='1')
+    env['PYTHONPATH'] = os.pathsep.join([str(ROOT)] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p])
+    cmd = [sys.executable, str(Path(__file__).resolve()), '--child', str(spec_path), '--result', str(result)]
+    t0 = time.perf_counter()
+    # Own process group, so a timeout also ends inductor's compile workers and the DataLoader's
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try: out, _ = p.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+    wall = time.perf_counter() - t0
+    tail = '\n'.join(out.splitlines()[-80:])
+    log.write(f"\n===== {w} {arm} run {rep} ({wall:.1f}s, exit {p.returncode}, TORCHINDUCTOR_CACHE_DIR={cache})\n$ {' '.join(cmd)}\n{tail}\n")
+    log.flush()
+    if result.exists() and p.returncode == 0: rec = json.loads(result.read_text())
+    else:
+        timed_out = wall >= args.timeout
+        rec = dict(workflow=w, arm=arm, repeat=rep, status='timeout' if timed_out else 'error',
+                   reason=f'timed out after {args.timeout:.0f}s' if timed_out else f'exit {p.returncode}: ' + (out.strip().splitlines() or [''])[-1][:300],
+                   log_tail=tail[-3000:])
+    rec['process_wall_s'] = wall
+    return rec
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+def steady_epochs(rec)->list:
+    "The last fit's epochs after its first (which carries the compile): the steady state. Empty with a one-epoch fit"
+    eps = rec.get('epochs') or []
+    if not eps: return []
+    last = [e for e in eps if e['fit'] == eps[-1]['fit']]
+    return last[1:]
+
+def summarize(rec)->dict:
+    "The numbers of one run that the tables show"
+    st = steady_epochs(rec)
+    train_eps = st or rec.get('epochs') or []
+    comp = rec.get('compile') or {}
+    vals = (rec.get('epochs') or [{}])[-1].get('values', {})
+    return dict(total_s=rec.get('total_s'), steady_s=median(e['wall_s'] for e in st),
+                data_share=median(e.get('data_share') for e in train_eps), epochs=[e['wall_s'] for e in rec.get('epochs') or []],
+                compile_s=comp.get('compile_s'), graphs=comp.get('graphs'), recompiles=comp.get('recompiles'),
+                fallbacks=comp.get('fallbacks'), graph_breaks=comp.get('graph_breaks'), eager_calls=comp.get('eager_calls'),
+                accuracy=vals.get('accuracy'), valid_loss=vals.get('valid_loss'), peak=rec.get('peak_mem_gb'))
+
+def f(v, spec='.1f', none='—'): return none if v is None else format(v, spec)
+
+def render_md(data)->str:
+    env, meta, recs = data['env'], data['meta'], data['records']
+    smoke = meta.get('smoke')
+    L = ["# fastai workflows: eager against `learn.compile()`", ""]
+    if env:
+        L.append(f"**{env.get('device')}** · torch {env.get('torch')} (CUDA {env.get('cuda')}) · triton {env.get('triton')} · "
+                 f"fastai {env.get('fastai')} · torchvision {env.get('torchvision')} · Python {env.get('python')} · "
+                 f"fastxtend_compile {env.get('fastxtend_compile')} (git {meta.get('git') or 'unknown'}) · {meta.get('date')}")
+        L.append("")
+    if smoke: L += ["**CPU smoke run: tiny sizes, timings mean nothing.**", ""]
+    L.append(f"`python bench/workflow.py {' '.join(meta.get('argv', []))}`. Each arm is a process of its own; *compile-cold* and "
+             "*compile-ro* start with an empty `TORCHINDUCTOR_CACHE_DIR`, *compile-warm* reuses compile-cold's. "
+             "**total**: the fit's wall time (`fine_tune` or `fit_one_cycle`, synchronized at its end). **steady epoch**: median "
+             "wall time of the last fit's epochs after its first (the first carries the compile), training and validation. "
+             "**DataLoader share**: host time between one training batch's `after_batch` and the next one's `before_batch` "
+             "(the DataLoader, fastai's `batch_tfms` and moving the batch to the device), over the training phase's wall time, in "
+             "the same epochs (all epochs when there is no steady one); in the eager arms fastai's `Recorder` waits for each "
+             "batch's loss, so the GPU idles that long; `learn.compile()` smooths the loss on the GPU, so there the GPU may still "
+             "be busy while the host waits: an upper bound on its idle time. compile s, graphs, recompiles, fallbacks (frames that hit the recompile limit and run eagerly) and "
+             "graph breaks come from `learn.compiler.report`. With several runs, each number is the median over the runs. "
+             f"Backend `{meta.get('backend') or 'inductor'}`" + (", bf16 (`to_bf16`) for vision and text" if env.get('cuda') and not smoke and 'CPU' not in str(env.get('device')) else "") + ".")
+    L.append("")
+    for w in dict.fromkeys(r['workflow'] for r in recs):
+        wr = [r for r in recs if r['workflow'] == w]
+        cfg = next((r['config'] for r in wr if r.get('config')), meta.get('configs', {}).get(w))
+        L += [f"## {w}", "", describe(w, cfg) if cfg else '', ""]
+        ok0 = next((r for r in wr if r.get('status') == 'ok'), None)
+        if ok0: L += [f"{ok0['train_batches']} training batches an epoch, {ok0['valid_batches']} validation batches (the last of "
+                      f"{ok0['valid_last_batch'] or cfg['bs']}), num_workers={ok0['num_workers']}.", ""]
+        eager = [summarize(r) for r in wr if r['arm'] == 'eager' and r.get('status') == 'ok']
+        e_total, e_steady = median(s['total_s'] for s in eager), median(s['steady_s'] for s in eager)
+        L += ["| arm | runs | total s | × eager | steady epoch s | × eager | compile s | graphs | recompiles | fallbacks "
+              "| graph breaks | epoch s | DataLoader share | accuracy |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+        notes = []
+        for a in ARMS:
+            ar = [r for r in wr if r['arm'] == a]
+            if not ar: continue
+            good = [r for r in ar if r.get('status') == 'ok']
+            for r in ar:
+                if r.get('status') != 'ok': notes.append(f"- {a} run {r['repeat']}: **{r['status']}**: {str(r.get('reason'))[:300]}")
+            if not good:
+                L.append(f"| {a} | 0 | {ar[0]['status']} |" + " |"*11)
+                continue
+            ss = [summarize(r) for r in good]
+            m = {k: median(s[k] for s in ss) for k in ('total_s', 'steady_s', 'data_share', 'compile_s', 'graphs', 'recompiles',
+                                                       'fallbacks', 'graph_breaks', 'accuracy')}
+            n_ep = max(len(s['epochs']) for s in ss)
+            eps = [median(s['epochs'][i] for s in ss if i < len(s['epochs'])) for i in range(n_ep)]
+            total = f(m['total_s'], '.2f' if smoke else '.1f')
+            if len(ss) > 1: total += f" ({min(s['total_s'] for s in ss):.1f}–{max(s['total_s'] for s in ss):.1f})"
+            compiled = a != 'eager'
+            L.append(f"| {a} | {len(ss)} | {total} | {f(m['total_s']/e_total if e_total else None, '.2f')} | "
+                     f"{f(m['steady_s'], '.2f')} | {f(m['steady_s']/e_steady if e_steady and m['steady_s'] else None, '.2f')} | "
+                     f"{f(m['compile_s']) if compiled else ''} | {f(m['graphs'], 'g') if compiled else ''} | "
+                     f"{f(m['recompiles'], 'g') if compiled else ''} | {f(m['fallbacks'], 'g') if compiled else ''} | "
+                     f"{f(m['graph_breaks'], 'g') if compiled else ''} | {', '.join(f'{e:.2f}' for e in eps)} | "
+                     f"{f(m['data_share'], '.0%')} | {f(m['accuracy'], '.3f')} |")
+            for r in good[:1]:
+                if compiled and (r.get('compile') or {}).get('payoff'): notes.append(f"- {a}, the report: {r['compile']['payoff']}")
+                for x in r.get('warnings', [])[:3]: notes.append(f"- {a} warned: {x[:300]}")
+        L += [""] + notes + ([""] if notes else [])
+        fr = [r for r in wr if r.get('status') == 'ok' and r.get('epochs') and r['epochs'][0].get('frozen')]
+        if fr: L += ["fine_tune: the first epoch is the frozen one (its own fit, eager by default: `compile_frozen=False`), "
+                     "then the unfrozen epochs.", ""]
+    return '\n'.join(L) + '\n'
+
+def write_outputs(data, out:Path):
+    out.mkdir(parents=True, exist_ok=True)
+    (out/'workflow.json').write_text(json.dumps(data, indent=1))
+    (out/'workflow.md').write_text(render_md(data))
+
+def fmt_progress(rec)->str:
+    if rec['status'] != 'ok': return f"{rec['status'].upper()}: {str(rec.get('reason', ''))[:200]}"
+    s = summarize(rec)
+    line = f"fit {s['total_s']:.1f}s, epochs " + ', '.join(f'{e:.2f}' for e in s['epochs'])
+    if s['compile_s'] is not None: line += f"; compile {s['compile_s']:.1f}s, {s['graphs']} graphs, {s['recompiles']} recompiles"
+    if s['data_share'] is not None: line += f"; DataLoader {s['data_share']:.0%}"
+    return line + f"; process {rec['process_wall_s']:.0f}s"
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--workflows', default=None, help=f"comma-separated, of {','.join(WORKFLOWS)} (default: all)")
+    p.add_argument('--arms', default=None, help=f"comma-separated, of {','.join(ARMS)} (default: all; with --smoke, compile-warm "
+                   "on tabular only; compile-ro is skipped on the CPU)")
+    p.add_argument('--out', default=None, help='folder for workflow.json, workflow.md, arms.log (default: workflow-results, or fxc-workflow-smoke in the temp folder)')
+    p.add_argument('--repeat', type=int, default=1, help='runs of each arm (compile-warm reuses the same run\'s compile-cold cache)')
+    p.add_argument('--smoke', action='store_true', help='tiny sizes on the CPU: checks that every workflow and arm runs')
+    p.add_argument('--device', default=None, choices=['cuda', 'cpu'], help='default: cuda when available (cpu with --smoke)')
+    p.add_argument('--num-workers', type=int, default=None, help="DataLoader workers (default: fastai's default; 0 with --smoke)")
+    p.add_argument('--backend', default=None, help="torch.compile backend (default inductor; aot_eager with --smoke, as inductor's C++ compile takes minutes on a small CPU)")
+    p.add_argument('--compile-kwargs', default='{}', help='extra learn.compile keyword arguments, as JSON')
+    p.add_argument('--config', default='{}', help='per-workflow size overrides, as JSON: \'{"vision": {"n": 3000, "epochs": 2}}\'')
+    p.add_argument('--matmul-precision', default='high', help="torch.set_float32_matmul_precision in every arm on CUDA (learn.compile sets 'high' during its fits; so does the eager arm, for a fair comparison)")
+    p.add_argument('--timeout', type=float, default=None, help='seconds per arm process before it is killed (default 600; smoke 120)')
+    p.add_argument('--budget', type=float, default=None, help='start no arm process after this many seconds (the rest are marked skipped)')
+    p.add_argument('--data-dir', default=None, help='where to write the image files (default: a temporary folder, removed at the end)')
+    p.add_argument('--child', default=None, help=argparse.SUPPRESS)
+    p.add_argument('--result', default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        res = child(json.loads(Path(args.child).read_text()))
+        Path(args.result).write_text(json.dumps(res, indent=1))
+        return
+
+    workflows = (args.workflows or ','.join(WORKFLOWS)).split(',')
+    arms_given = args.arms is not None
+    arms = (args.arms or ','.join(ARMS)).split(',')
+    for name, vals, valid in (('workflows', workflows, WORKFLOWS), ('arms', arms, ARMS)):
+        if bad := [v for v in vals if v not in valid]: p.error(f"unknown {name}: {bad}")
+    if args.device is None:
+        if args.smoke: args.device = 'cpu'
+        else:
+            import torch
+            args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    args.backend = args.backend or ('aot_eager' if args.smoke else None)
+    args.timeout = args.timeout or (120 if args.smoke else 600)
+    num_workers = args.num_workers if args.num_workers is not None else (0 if args.smoke or args.device == 'cpu' else None)
+    overrides = json.loads(args.config)
+    out = Path(args.out or (Path(tempfile.gettempdir())/'fxc-workflow-smoke' if args.smoke else 'workflow-results'))
+    out.mkdir(parents=True, exist_ok=True)
+    configs = {w: {**WORKFLOWS[w]['smoke' if args.smoke else 'gpu'], **overrides.get(w, {})} for w in workflows}
+    meta = dict(date=datetime.datetime.now().isoformat(timespec='seconds'), git=git_commit(), argv=sys.argv[1:], smoke=args.smoke,
+                device=args.device, backend=args.backend or 'inductor', num_workers=num_workers, configs=configs, data={})
+    jobs = plan(workflows, arms, args.repeat, smoke_default=args.smoke and not arms_given)
+    print(f"{len(jobs)} arm processes on {args.device}: {','.join(workflows)} x {','.join(a for a in ARMS if a in arms)}, "
+          f"{args.repeat} run(s) each; timeout {args.timeout:.0f}s each", flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix='fxc-workflow-'))
+    records, caches, t0 = [], {}, time.perf_counter()
+    env = {}
+    try:
+        spec_base = {}
+        for w in workflows:
+            c = configs[w]
+            spec = dict(workflow=w, config=c, device=args.device, smoke=args.smoke, backend=args.backend,
+                        compile_kwargs=json.loads(args.compile_kwargs), num_workers=num_workers, matmul_precision=args.matmul_precision)
+            if w.startswith('vision'):
+                data = Path(args.data_dir)/w if args.data_dir else tmp/f'data-{w}'
+                if not (data/'train').exists():
+                    meta['data'][w] = write_images(data, c)
+                    print(f"{w}: wrote {c['n']} JPEG files at {c['stored']} px in {meta['data'][w]['write_s']:.1f}s "
+                          f"({meta['data'][w]['valid']} for validation)", flush=True)
+                spec['data'] = str(data)
+            spec_base[w] = spec
+        with open(out/'arms.log', 'w') as log:
+            for i, job in enumerate(jobs):
+                print(f"[{i+1}/{len(jobs)} {time.perf_counter()-t0:4.0f}s] {job[0]:<10} {job[1]:<12} run {job[2]}", end=' ', flush=True)
+                if args.budget and time.perf_counter() - t0 > args.budget:
+                    rec = dict(workflow=job[0], arm=job[1], repeat=job[2], status='skipped', reason=f'over the --budget of {args.budget:.0f}s')
+                else: rec = run_job(args, job, spec_base, caches, tmp, log)
+                env = env or rec.get('env', {})
+                records.append(rec)
+                print(fmt_progress(rec) if rec['status'] == 'ok' or 'process_wall_s' in rec else f"{rec['status'].upper()}: {rec.get('reason')}", flush=True)
+                write_outputs(dict(env=env, meta=meta, records=records), out) # So a killed run leaves what it measured
+    finally: shutil.rmtree(tmp, ignore_errors=True)
+    write_outputs(dict(env=env, meta=meta, records=records), out)
+    failed = [r for r in records if r['status'] in ('error', 'timeout')]
+    print(f"Done in {time.perf_counter()-t0:.0f}s; {len(failed)} of {len(records)} arm processes failed. Wrote {out/'workflow.md'}, workflow.json, arms.log")
+    if failed: sys.exit(1)
+
+if __name__ == '__main__': main()
