@@ -15,7 +15,8 @@ from torch import nn
 __all__ = ['recompile_limit_logger', 'own_function', 'set_compiled_call', 'compiled_call', 'is_optimized_module',
            'graph_break_error', 'add_compile_callbacks', 'remove_compile_callbacks', 'recompile_limit_hit',
            'compilation_metrics', 'graph_break_count', 'graphs_compiled', 'hook_dicts', 'without_dynamo_marks',
-           'fused_kernel_devices', 'dynamo_supported', 'inductor_cxx', 'inductor_options', 'explain']
+           'fused_kernel_devices', 'dynamo_supported', 'inductor_cxx', 'inductor_options', 'explain',
+           'inductor_cache_dir', 'cpp_kernel_files']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
 def own_function(f:Callable, name:str)->Callable:
@@ -124,3 +125,30 @@ def explain(f:Callable, *args, **kwargs):
     call = own_function(call, 'explained_call')
     torch._dynamo.optimize(accumulate, nopython=False, guard_export_fn=out_guards.extend)(call)(*args, **kwargs)
     return ExplainOutput(graphs, len(graphs), len(break_reasons), break_reasons, op_count, ops_per_graph, out_guards)
+
+# %% ../nbs/06_internals.ipynb #09911ce8
+def inductor_cache_dir()->str:
+    "The directory of inductor's on-disk caches (`TORCHINDUCTOR_CACHE_DIR`, or its default)"
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    return cache_dir()
+
+def cpp_kernel_files()->list:
+    "Paths, relative to `inductor_cache_dir()`, of the C++ kernels inductor built or loaded in this process, and of its CPU vector-ISA probes"
+    # The Mega-Cache holds the generated code but not the C++ libraries built from it, which a fresh cache would build
+    # again: on the CPU most of a cold compile. A kernel's key hashes its source and compiler command line; its files
+    # are `<dir>/<key[1:3]>/<key>.*` (the sources, the `.so` and any `.so.load_ok` marker)
+    from pathlib import Path
+    from torch._inductor import codecache, cpu_vec_isa
+    keys, todo = set(), [codecache.CppCodeCache]
+    while todo: # Each subclass (Python bindings, C++ wrapper...) keeps a cache of its own
+        c = todo.pop()
+        keys.update(vars(c).get('cache', {}))
+        todo += c.__subclasses__()
+    # The probes inductor builds once per cache directory to learn which vector instructions the CPU has: the sources
+    # the ISA classes keep (`VecISA._avx_code`, `VecAVX512._avx512_bf16_code`...)
+    probes = {v.strip() for c in vars(cpu_vec_isa).values() if isinstance(c, type) for k,v in vars(c).items()
+              if k.endswith('_code') and isinstance(v, str)}
+    root, longest = Path(inductor_cache_dir()), max(map(len, probes), default=0)
+    for f in root.glob('??/*.cpp'):
+        if f.stat().st_size <= longest + 1024 and f.read_text(errors='replace').strip() in probes: keys.add(f.name.split('.')[0])
+    return sorted(str(f.relative_to(root)) for k in keys for f in (root/k[1:3]).glob(f'{k}.*') if f.is_file())

@@ -108,3 +108,20 @@ def test_explain_leaves_other_compiled_code_alone():
     seen = set(map(id, compilation_metrics()))
     f(torch.ones(2)) # Still compiled: no new compile, as there would be after `torch._dynamo.reset()`
     assert all(id(m) in seen for m in compilation_metrics())
+
+def test_inductor_cache_dir_and_cpp_kernel_files(tmp_path, monkeypatch):
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
+    assert inductor_cache_dir() == str(tmp_path)
+    assert cpp_kernel_files() == []
+    f = torch.compile(own_function(lambda x: (x * 3).sin() + 2, 'cpp_kernel_test_call'), backend='inductor')
+    f(torch.randn(37)) # A kernel built into this cache directory, and registered in inductor's C++ code caches
+    files = cpp_kernel_files()
+    assert any(f.endswith('.so') for f in files) and all((tmp_path/f).is_file() for f in files), files
+    assert all(f[:2] == f.split('/')[1][1:3] for f in files) # `<key[1:3]>/<key>.*`: what a fresh cache looks for
+    # The vector-ISA probes (built once per cache directory) are found by their sources
+    from torch._inductor.cpu_vec_isa import VecISA, VecAVX512, VecAMX
+    (tmp_path/'zz').mkdir()
+    for n,code in (('a', VecISA._avx_code), ('b', VecAVX512._avx512_bf16_code), ('c', VecAMX._amx_code)):
+        (tmp_path/'zz'/f'czz{n}.cpp').write_text(code)
+        (tmp_path/'zz'/f'czz{n}.so').write_bytes(b'')
+    assert {f'zz/czz{n}.{e}' for n in 'abc' for e in ('cpp', 'so')} <= set(cpp_kernel_files())

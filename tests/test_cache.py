@@ -1,0 +1,160 @@
+"Portable warm start: a compile cache saved in one process serves a fresh process with an empty inductor cache"
+import json, os, subprocess, sys, textwrap, warnings, zipfile
+import pytest, torch
+from torch import nn
+from fastai.learner import Learner
+from fastai.data.core import DataLoaders
+from fastxtend_compile import *
+from fastxtend_compile.cache import model_fingerprint
+
+# Each role runs in a process of its own with an empty TORCHINDUCTOR_CACHE_DIR: `train` compiles cold and saves the
+# weights and the compile cache; `warm` loads both, predicts and trains, compiling from the cache
+WORKER = textwrap.dedent('''
+    import json, sys, time, warnings
+    warnings.simplefilter('ignore')
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    from fastai.learner import Learner
+    from fastai.data.core import DataLoaders
+    from fastai.torch_core import set_seed
+    from fastxtend_compile import *
+    from torch._dynamo.utils import counters
+    role, path = sys.argv[1], sys.argv[2]
+    set_seed(0) # Before the DataLoaders: they draw the seed of their shuffling
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(320, 8, generator=g); y = (X[:, :4].sum(1) > 0).long()
+    dls = DataLoaders.from_dsets(TensorDataset(X[:256], y[:256]), TensorDataset(X[256:], y[256:]), bs=32)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), path=path).compile()
+    loaded = None
+    if role == 'train':
+        with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-2)
+        learn.save('tiny'); learn.save_compile_cache('tiny')
+    else:
+        learn.load('tiny')
+        loaded = learn.load_compile_cache('tiny')
+    preds = learn.get_preds(ds_idx=1, with_input=False)[0] # Compiled: the evaluation graph
+    if role == 'warm':
+        with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-2) # And the training graph
+    print(json.dumps(dict(loaded=loaded, compile_s=learn.compiler.report.compile_seconds, preds=preds.tolist(),
+                          hits=counters['inductor']['fxgraph_cache_hit'], misses=counters['inductor']['fxgraph_cache_miss'])))
+''')
+
+def _run(role, path, tmp):
+    cache = tmp/f'inductor-{role}'
+    cache.mkdir()
+    env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': str(cache)}
+    out = subprocess.run([sys.executable, '-c', WORKER, role, str(path)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+    "A tiny model trained in a process of its own, its weights and compile cache saved in `path/models`"
+    tmp = tmp_path_factory.mktemp('cache')
+    path = tmp/'learner'
+    res = _run('train', path, tmp)
+    return path, tmp, res
+
+def test_warm_start_in_a_fresh_process(trained):
+    path, tmp, cold = trained
+    assert cold['misses'] > 0 # Compiled cold
+    warm = _run('warm', path, tmp)
+    assert warm['loaded'] is True
+    assert warm['hits'] > 0 and warm['misses'] == 0, warm # Every graph from the cache, in an empty inductor cache
+    # Faster, though how much depends on torch: torch 2.11 probes the CPU's vector instructions in subprocesses in every
+    # process, warm or not, where torch 2.15 keeps the answer in the cache (a tenth of the cold compile then)
+    assert warm['compile_s'] < cold['compile_s'], (warm['compile_s'], cold['compile_s'])
+    torch.testing.assert_close(torch.tensor(warm['preds']), torch.tensor(cold['preds'])) # The same weights predict the same
+
+def _learner(path, model=None, **compile_kwargs):
+    from torch.utils.data import TensorDataset
+    X = torch.randn(64, 8); y = (X.sum(1) > 0).long()
+    dls = DataLoaders.from_dsets(TensorDataset(X[:48], y[:48]), TensorDataset(X[48:], y[48:]), bs=16)
+    return Learner(dls, model or nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)), loss_func=nn.CrossEntropyLoss(), path=path)
+
+def _load(learn, file):
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        res = learn.load_compile_cache(file)
+    return res, [str(w.message) for w in ws if 'compile cache' in str(w.message)]
+
+def _cold(path, why): return [f"Not using the compile cache {path}: {why}. The model will compile cold."]
+
+def _trains(learn):
+    "Training goes on after a cache that didn't fit"
+    learn.compile(backend='eager')
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    assert len(learn.recorder.values) == 1
+
+def test_saved_header(trained):
+    path = trained[0]
+    with zipfile.ZipFile(path/'models'/'tiny.compile') as z:
+        header = json.loads(z.read('header.json'))
+        names = z.namelist()
+    assert header['torch'] == torch.__version__ and header['device'].startswith('CPU ') and header['cuda'] is None
+    assert header['model'] == model_fingerprint(_learner(path).model)
+    assert header['settings'].startswith("backend='inductor', dynamic=False, fullgraph=False, mode=None")
+    assert 'mega-cache.bin' in names and any(n.endswith('.so') for n in names) # The C++ kernels the Mega-Cache leaves out
+
+def test_other_model(trained):
+    path = trained[0]
+    learn = _learner(path, nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2)))
+    saved, here = model_fingerprint(_learner(path).model), model_fingerprint(learn.model)
+    assert saved != here
+    assert _load(learn, 'tiny') == (False, _cold(path/'models'/'tiny.compile', f'model differs (saved {saved}, here {here})'))
+    _trains(learn)
+
+def _copy(src, dest, **changes):
+    with zipfile.ZipFile(src) as z, zipfile.ZipFile(dest, 'w') as out:
+        for n in z.namelist():
+            out.writestr(n, json.dumps({**json.loads(z.read(n)), **changes}) if n == 'header.json' else z.read(n))
+
+@pytest.mark.parametrize('key,saved,what', [('torch', '2.10.0', 'torch differs'), ('device', 'NVIDIA H100 80GB HBM3 (compute capability 9.0)', 'device differs'),
+                                            ('format', 2, 'file format differs')])
+def test_other_torch_or_device(trained, key, saved, what):
+    path = trained[0]
+    models = path/'models'
+    _copy(models/'tiny.compile', models/f'other-{key}.compile', **{key: saved})
+    learn = _learner(path)
+    here = {'torch': torch.__version__, 'device': f"CPU {__import__('platform').machine()} {torch.backends.cpu.get_cpu_capability()}", 'format': 1}[key]
+    assert _load(learn, f'other-{key}') == (False, _cold(models/f'other-{key}.compile', f'{what} (saved {saved}, here {here})'))
+    _trains(learn)
+
+def test_other_settings(trained):
+    path = trained[0]
+    learn = _learner(path).compile(dynamic=True)
+    res, msgs = _load(learn, 'tiny')
+    assert res is False and len(msgs) == 1
+    assert msgs[0].startswith(f"Not using the compile cache {path/'models'/'tiny.compile'}: compile settings differ (saved backend='inductor', dynamic=False")
+    assert msgs[0].endswith("). The model will compile cold.")
+
+def test_corrupt_or_missing_file(tmp_path):
+    models = tmp_path/'models'
+    models.mkdir()
+    (models/'junk.compile').write_bytes(b'\x00' * 100)
+    learn = _learner(tmp_path)
+    assert _load(learn, 'junk') == (False, _cold(models/'junk.compile', 'it could not be read (BadZipFile: File is not a zip file)'))
+    assert _load(learn, 'none') == (False, _cold(models/'none.compile', 'there is no such file'))
+    with zipfile.ZipFile(models/'no-header.compile', 'w') as z: z.writestr('mega-cache.bin', b'')
+    assert _load(learn, 'no-header') == (False, _cold(models/'no-header.compile',
+        "it could not be read (KeyError: \"There is no item named 'header.json' in the archive\")"))
+    _trains(learn)
+
+def test_corrupt_artifacts(trained):
+    path = trained[0]
+    models = path/'models'
+    with zipfile.ZipFile(models/'tiny.compile') as z, zipfile.ZipFile(models/'bad-mega.compile', 'w') as out:
+        for n in z.namelist(): out.writestr(n, b'garbage' if n == 'mega-cache.bin' else z.read(n))
+    learn = _learner(path)
+    assert _load(learn, 'bad-mega') == (False, _cold(models/'bad-mega.compile', 'torch could not read the compiled code in it'))
+    _trains(learn)
+
+def test_nothing_to_save(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.compiler, 'save_cache_artifacts', lambda: None)
+    learn = _learner(tmp_path)
+    with pytest.warns(UserWarning, match='Not saving a compile cache: nothing compiled in this process is cached'):
+        assert learn.save_compile_cache('x') is None
+    assert not (tmp_path/'models'/'x.compile').exists()
