@@ -1,15 +1,20 @@
-"""Compiled vs eager fastai training on 1 and 2 GPUs through `learn.distrib_ctx()` (DistributedDataParallel).
+"""Compiled vs eager fastai training on 1 and several GPUs through `learn.distrib_ctx()` (DistributedDataParallel).
 
-One command runs everything (under 9 minutes on two H100/H200s) and writes `ddp.md` and `ddp.json` to `--out`:
+One command runs everything and writes `ddp.md` and `ddp.json` to `--out`:
 
-    NCCL_NVLS_ENABLE=0 python bench/ddp_bench.py --out bench/results
+    NCCL_NVLS_ENABLE=0 python bench/ddp_bench.py --gpus 2 --repeat 3 --out bench/results/ddp_h200x2
 
-It starts the 1-GPU runs as a plain process (no DDP, as one GPU trains) and the 2-GPU runs through
-`torchrun --standalone --nproc_per_node=2`, each launch with a fresh inductor cache so compile times are cold. In each
-launch, every workload trains eager then with `learn.compile()`: ResNet-18 (torchvision, 128 px, bs 64 per GPU) and a
-GPT-style model (8 layers, d=512, T=256, vocab 8192, bs 64 per GPU), in bf16 (`learn.to_bf16()`), fused AdamW, synthetic
-data, no validation. A step is timed from the end of the warm-up steps to the end of the last step, synchronized,
-slowest rank. After each fit the ranks' parameters are compared.
+It starts a 1-GPU launch as a plain process (no DDP, as one GPU trains), then `--repeat` launches of
+`torchrun --standalone --nproc_per_node=GPUS`. In each launch every workload trains once per mode, the modes in turn
+and in reverse order every other launch: eager, and `learn.compile()` with `ddp_split=True` (TorchDynamo's
+DDPOptimizer splits each graph at DDP's gradient buckets) and `ddp_split=False` (whole graphs). Workloads: ResNet-18
+(torchvision, 128 px, bs 64 per GPU) and a GPT-style model (8 layers, d=512, T=256, vocab 8192, bs 64 per GPU) on
+synthetic batches already on the GPU, no validation; a step is timed from the end of the warm-up steps to the end of the
+last step, synchronized, slowest rank. And `vision`: the workflow benchmark's images on disk (bench/workflow.py, written
+once) through `ImageDataLoaders` with item and batch transforms, `vision_learner(resnet34)`, `fine_tune`, its step the
+last epoch's training time per batch, DataLoader included, slowest rank. All in bf16 (`learn.to_bf16()`). After each
+fit the ranks' parameters are compared. The launches share one inductor cache: the first launch's compiles are cold,
+later ones warm (compile times are not what this measures; bench/workflow.py measures them).
 
     python bench/ddp_bench.py --smoke --out /tmp/ddp-smoke   # the same code paths on the CPU with gloo, tiny sizes
 
@@ -32,12 +37,17 @@ WORKLOADS = {
     'resnet18': dict(full=dict(kind='resnet', px=128, bs=64), smoke=dict(kind='resnet', px=32, bs=2)),
     'gpt':      dict(full=dict(kind='gpt', n_layer=8, d=512, n_head=8, T=256, vocab=8192, bs=64),
                      smoke=dict(kind='gpt', n_layer=2, d=64, n_head=2, T=32, vocab=256, bs=2)),
+    # The workflow benchmark's vision run (bench/workflow.py), fewer images: each GPU gets its share of them
+    'vision':   dict(full=dict(kind='vision', n=6000, size=128, bs=64, epochs=3, arch='resnet34', classes=5, valid_pct=0.2, stored=160),
+                     smoke=dict(kind='vision', n=48, size=32, bs=4, epochs=1, arch='resnet18', classes=3, valid_pct=0.2, stored=40)),
 }
 DIST_ENV = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT', 'GROUP_RANK',
             'ROLE_RANK', 'ROLE_WORLD_SIZE', 'TORCHELASTIC_RUN_ID')
 
 def describe(cfg:dict)->str:
     if cfg['kind'] == 'resnet': return f"ResNet-18, {cfg['px']} px, bs {cfg['bs']}/GPU"
+    if cfg['kind'] == 'vision':
+        return f"vision: {cfg['n']} JPEGs, {cfg['arch']} {cfg['size']} px, fine_tune({cfg['epochs']}), bs {cfg['bs']}/GPU"
     return f"GPT {cfg['n_layer']}L d={cfg['d']} T={cfg['T']} vocab {cfg['vocab']}, bs {cfg['bs']}/GPU"
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -69,16 +79,7 @@ def _cpu_gloo_patch():
         return t.tolist()
     DistributedDL._broadcast = _broadcast
 
-_ddp_buckets = []
-def _spy_ddp_optimizer():
-    "Record into how many DDP buckets TorchDynamo's DDPOptimizer split each graph"
-    from torch._dynamo.backends.distributed import DDPOptimizer
-    orig = DDPOptimizer.compile_fn
-    def compile_fn(self, gm, example_inputs, **kwargs):
-        res = orig(self, gm, example_inputs, **kwargs)
-        _ddp_buckets.append(len(getattr(self, 'buckets', ())))
-        return res
-    DDPOptimizer.compile_fn = compile_fn
+COMPILE_KWARGS = {'compile': {}, 'compile-split': dict(ddp_split=True), 'compile-nosplit': dict(ddp_split=False)}
 
 def run_one(args, name, cfg, mode, device, rank, world):
     "Train one workload eager or compiled for `warmup+steps` steps per rank; the timings and compile report"
@@ -136,43 +137,79 @@ def run_one(args, name, cfg, mode, device, rank, world):
                     cbs=TimeSteps())
     learn.remove_cb(ProgressCallback)
     if cuda: learn.to_bf16()
-    if mode.startswith('compile'): learn.compile(backend=args.backend)
-    # `compile-nosplit`: TorchDynamo's DDPOptimizer off, so the compiled graph isn't split at DDP's gradient buckets
-    split = torch._dynamo.config.optimize_ddp
-    torch._dynamo.config.optimize_ddp = mode != 'compile-nosplit'
+    if mode in COMPILE_KWARGS: learn.compile(backend=args.backend, **COMPILE_KWARGS[mode])
     if cuda: torch.cuda.reset_peak_memory_stats(device)
-    _ddp_buckets.clear()
     ctx = dict(sync_bn=args.sync_bn) if cuda else dict(sync_bn=False, cpu=True) # SyncBatchNorm needs a GPU
     t0 = time.perf_counter()
-    try:
-        with learn.no_logging(), learn.distrib_ctx(**ctx): learn.fit(1)
-    finally: torch._dynamo.config.optimize_ddp = split
+    with learn.no_logging(), learn.distrib_ctx(**ctx): learn.fit(1)
     fit_s = time.perf_counter() - t0
     ts = learn.time_steps
     res = dict(workload=name, mode=mode, world=world, desc=describe(cfg), fit_s=fit_s, first_step_s=ts.warm[0],
                warm_s=ts.warm, step_ms=ts.timed/args.steps*1e3, steps=args.steps, warmup=args.warmup,
                peak_gib=torch.cuda.max_memory_allocated(device)/2**30 if cuda else None,
-               model_after_fit=type(learn.model).__name__, compiled_after_fit=is_compiled(learn.model),
-               ddp_buckets=list(_ddp_buckets))
-    if mode.startswith('compile'):
+               model_after_fit=type(learn.model).__name__, compiled_after_fit=is_compiled(learn.model), bs=cfg['bs'])
+    del model, pool, dls
+    return finish(learn, res, mode, device, world)
+
+def finish(learn, res:dict, mode:str, device, world:int)->dict:
+    "Add the compile report and, over the ranks, the slowest rank's times and whether every rank has the same parameters"
+    import torch
+    if mode in COMPILE_KWARGS:
         r = learn.compiler.report
         res.update(graphs=r.graphs, graph_breaks=r.graph_breaks, recompiles=len(r.recompiles), fallbacks=len(r.fallbacks),
-                   compile_s=r.compile_seconds, events=[str(e) for e in r.events])
-    if world > 1: # Slowest rank's step time; every rank trained the same parameters
-        t = torch.tensor([res['step_ms'], res['first_step_s']], device=device, dtype=torch.float64)
+                   compile_s=r.compile_seconds, events=[str(e) for e in r.events], ddp_split=r.ddp_split,
+                   ddp_pieces=list(r.ddp_pieces), summary=r.summary())
+    if world > 1:
+        t = torch.tensor([res['step_ms'], res['first_step_s'], res['fit_s']], device=device, dtype=torch.float64)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        res['step_ms'], res['first_step_s'] = t.tolist()
+        res['step_ms'], res['first_step_s'], res['fit_s'] = t.tolist()
         flat = torch.cat([p.detach().float().flatten() for p in learn.model.parameters()])
         mine = torch.stack([flat.sum(), flat.abs().sum(), (flat*torch.arange(len(flat), device=flat.device)%7).sum()]).double()
         allp = [torch.zeros_like(mine) for _ in range(world)]
         torch.distributed.all_gather(allp, mine)
         res['ranks_identical'] = all(torch.equal(allp[0], a) for a in allp[1:])
-    res['samples_per_s'] = world*cfg['bs']*1e3/res['step_ms']
-    del learn, model, pool, dls
+    res['samples_per_s'] = world*res['bs']*1e3/res['step_ms'] # Every GPU's samples
+    del learn
     gc.collect()
     torch._dynamo.reset()
-    if cuda: torch.cuda.empty_cache()
+    if device.type == 'cuda': torch.cuda.empty_cache()
     return res
+
+def run_vision(args, name, cfg, mode, device, rank, world):
+    "fine_tune the workflow benchmark's vision Learner from the images on disk; the last epoch's step, DataLoader included"
+    import torch
+    from fastai.callback.core import Callback
+    from fastai.callback.progress import ProgressCallback
+    import fastai.distributed
+    from fastxtend_compile import is_compiled
+    from workflow import build_vision
+    cuda = device.type == 'cuda'
+    def sync():
+        if cuda: torch.cuda.synchronize(device)
+
+    class TimeEpochs(Callback):
+        "Each epoch's training time and batch count, synchronized"
+        order = 1000
+        def before_fit(self): self.epochs = getattr(self, 'epochs', [])
+        def before_train(self): sync(); self.t = time.perf_counter()
+        def after_train(self):
+            sync()
+            self.epochs.append((time.perf_counter() - self.t, self.n_iter))
+
+    torch.manual_seed(0)
+    learn, fine_tune = build_vision(name, cfg, args.data, 'cuda' if cuda else 'cpu', None if cuda else 0)
+    learn.add_cb(TimeEpochs()).remove_cb(ProgressCallback)
+    learn.remove_cbs([c for c in learn.cbs if type(c).__name__ == 'ShowGraphCallback'])
+    if mode in COMPILE_KWARGS: learn.compile(backend=args.backend, **COMPILE_KWARGS[mode])
+    ctx = dict(sync_bn=args.sync_bn) if cuda else dict(sync_bn=False, cpu=True)
+    t0 = time.perf_counter()
+    with learn.no_logging(), learn.distrib_ctx(**ctx): fine_tune()
+    fit_s = time.perf_counter() - t0
+    last_s, batches = learn.time_epochs.epochs[-1]
+    res = dict(workload=name, mode=mode, world=world, desc=describe(cfg), fit_s=fit_s, first_step_s=fit_s,
+               step_ms=last_s/batches*1e3, steps=batches, epochs=[e for e,_ in learn.time_epochs.epochs],
+               model_after_fit=type(learn.model).__name__, compiled_after_fit=is_compiled(learn.model), bs=cfg['bs'])
+    return finish(learn, res, mode, device, world)
 
 def worker(args):
     import torch
@@ -186,13 +223,13 @@ def worker(args):
     else:
         device = torch.device('cpu')
         _cpu_gloo_patch()
-    _spy_ddp_optimizer()
     results = []
     for name in args.workloads.split(','):
         cfg = WORKLOADS[name]['smoke' if args.smoke else 'full']
         for mode in args.modes.split(','):
             t0 = time.time()
-            try: res = run_one(args, name, cfg, mode, device, rank, world)
+            run = run_vision if cfg['kind'] == 'vision' else run_one
+            try: res = run(args, name, cfg, mode, device, rank, world)
             except Exception as e:
                 import traceback; traceback.print_exc()
                 res = dict(workload=name, mode=mode, world=world, desc=describe(cfg), error=f"{type(e).__name__}: {e}")
@@ -217,14 +254,15 @@ def environment(device)->dict:
 # ---------------------------------------------------------------------------------------------------------------------
 # Driver: the launches and the table
 
-def launch(args, world:int, result:Path, timeout:float)->tuple:
-    "Run one launch of `world` processes; (exit code or 'timeout', seconds)"
+def launch(args, world:int, modes:list, result:Path, timeout:float, cache:str)->tuple:
+    "Run one launch of `world` processes, each training every workload in each of `modes`; (exit code or 'timeout', seconds)"
     env = {k:v for k,v in os.environ.items() if k not in DIST_ENV}
     env.update(SAFE_ENV, PYTHONUNBUFFERED='1', OMP_NUM_THREADS=env.get('OMP_NUM_THREADS', '1' if args.smoke else '4'),
-               TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix='ddp-bench-inductor-'))
+               TORCHINDUCTOR_CACHE_DIR=cache)
     env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(ROOT), env.get('PYTHONPATH')]))
-    wargs = ['--worker', '--result', str(result), '--workloads', args.workloads, '--modes', args.modes, '--device', args.device,
+    wargs = ['--worker', '--result', str(result), '--workloads', args.workloads, '--modes', ','.join(modes), '--device', args.device,
              '--backend', args.backend, '--steps', str(args.steps), '--warmup', str(args.warmup)]
+    wargs += ['--data', args.data] if args.data else []
     wargs += ['--smoke'] * args.smoke + ['--sync-bn'] * args.sync_bn
     me = str(Path(__file__).resolve())
     cmd = [sys.executable, me, *wargs] if world == 1 else \
@@ -237,10 +275,14 @@ def launch(args, world:int, result:Path, timeout:float)->tuple:
         os.killpg(p.pid, 9) # torchrun and its workers
         p.wait()
         rc = 'timeout'
-    shutil.rmtree(env['TORCHINDUCTOR_CACHE_DIR'], ignore_errors=True)
     return rc, time.time() - t0
 
-MODE_NAMES = {'eager': 'eager', 'compile': 'learn.compile()', 'compile-nosplit': 'learn.compile(), DDPOptimizer off'}
+MODE_NAMES = {'eager': 'eager', 'compile': 'learn.compile()', 'compile-split': 'learn.compile(ddp_split=True)',
+              'compile-nosplit': 'learn.compile(ddp_split=False)'}
+
+def one_gpu_mode(mode:str)->str:
+    "The mode of the 1-GPU launch a multi-GPU mode is compared with: without DDP, `ddp_split` changes nothing"
+    return 'compile' if mode in COMPILE_KWARGS else mode
 
 def medians(results:list)->str:
     "Median step of each workload and mode over the multi-GPU launches, with its spread, against eager and 1 GPU"
@@ -254,7 +296,7 @@ def medians(results:list)->str:
         steps = [r['step_ms'] for r in rs]
         ratios = [e['step_ms']/r['step_ms'] for r in rs for e in results if e['workload'] == w and e['mode'] == 'eager'
                   and e.get('launch') == r.get('launch') and 'error' not in e]
-        base = one.get((w, m))
+        base = one.get((w, one_gpu_mode(m)))
         eff = f"{statistics.median(r['samples_per_s'] for r in rs)/base['samples_per_s']/world:.0%}" if base else '–'
         lines.append(f"| {rs[0]['desc']} | {MODE_NAMES.get(m, m)} | {world} | {len(rs)} | {statistics.median(steps):.1f} | "
                      f"{min(steps):.1f}–{max(steps):.1f} | {statistics.median(ratios):.2f}× | {eff} |")
@@ -274,11 +316,11 @@ def table(results:list, gpus:int)->str:
         eager = next((e for e in results if e['workload'] == r['workload'] and e.get('launch') == r.get('launch')
                       and e['mode'] == 'eager' and 'error' not in e), None)
         vs_eager = f"{eager['step_ms']/r['step_ms']:.2f}×" if eager and r['mode'] != 'eager' else '–'
-        base = one.get((r['workload'], r['mode']))
+        base = one.get((r['workload'], one_gpu_mode(r['mode'])))
         scaling = f"{r['samples_per_s']/base['samples_per_s']:.2f}× ({r['samples_per_s']/base['samples_per_s']/r['world']:.0%})" \
                   if base and r['world'] > 1 else '–'
         graphs = f"{r['graphs']} / {r['graph_breaks']} / {r['recompiles']}" if 'graphs' in r else '–'
-        buckets = ', '.join(map(str, r['ddp_buckets'])) if r.get('ddp_buckets') else '–'
+        buckets = ', '.join(map(str, r['ddp_pieces'])) if r.get('ddp_pieces') else '–'
         same = {True: 'yes', False: 'NO'}.get(r.get('ranks_identical'), '–')
         peak = f"{r['peak_gib']:.1f}" if r.get('peak_gib') is not None else '–'
         lines.append(f"{head} {r['first_step_s']:.1f} | {r['step_ms']:.1f} | {r['samples_per_s']:.0f} | {vs_eager} | "
@@ -293,32 +335,45 @@ def report(args, results, env, launches, total_s)->str:
            f"accelerate {env.get('accelerate')}, Python {env.get('python')}. "
            f"`{' '.join(['python', 'bench/ddp_bench.py'] + sys.argv[1:])}`, {total_s/60:.1f} min in all.", '',
            medians(results), '', 'Each launch:', '', table(results, args.gpus), '',
-           f"- bf16 mixed precision (`learn.to_bf16()`), fused AdamW, synthetic batches already on the GPU, no validation; "
-           f"{args.warmup} warm-up steps, then {args.steps} timed steps (synchronized at both ends, slowest rank). "
+           f"- bf16 mixed precision (`learn.to_bf16()`). ResNet-18 and GPT: fused AdamW, synthetic batches already on the GPU, "
+           f"no validation; {args.warmup} warm-up steps, then {args.steps} timed steps (synchronized at both ends, slowest "
+           f"rank). Vision: fastai's defaults (Adam, `num_workers`), its step is the last epoch's training time per batch, "
+           f"waits for the DataLoader included, slowest rank; first step (s) is its whole `fine_tune`. "
            f"`sync_bn={args.sync_bn}`." if args.device == 'cuda' else
            f"- CPU smoke run: gloo, tiny sizes, backend `{args.backend}`; the timings mean nothing.",
-           "- 1 GPU is a plain process, as one GPU trains (no DDP); 2 GPUs is `torchrun --nproc_per_node=2` with "
-           "`learn.distrib_ctx()`. Each launch has a fresh inductor cache: the first step's time includes a cold compile.",
-           "- samples/s counts all GPUs' samples; scaling = 2-GPU samples/s over 1-GPU samples/s (efficiency in brackets).",
+           f"- 1 GPU is a plain process, as one GPU trains (no DDP); {args.gpus} GPUs is `torchrun --nproc_per_node={args.gpus}` "
+           "with `learn.distrib_ctx()`. The launches share one inductor cache: the first launch that compiles a graph "
+           "compiles it cold, later ones load it.",
+           f"- samples/s counts all GPUs' samples; scaling = {args.gpus}-GPU samples/s over 1-GPU samples/s (efficiency in "
+           "brackets), against the 1-GPU `learn.compile()` for both `ddp_split` settings (they differ only under DDP).",
            "- graphs / breaks / recompiles come from `learn.compiler.report`; DDP buckets per graph is how many pieces "
-           "TorchDynamo's DDPOptimizer split each compiled graph into (none: the graph ran outside DDP).",
+           "TorchDynamo's DDPOptimizer split each compiled graph into, from the report (`ddp_pieces`; none: whole graphs).",
            "- ranks identical: a checksum of every rank's parameters after the fit is the same."]
-    for l in launches: out.append(f"- launch of {l['world']} process(es): exit {l['rc']}, {l['seconds']:.0f}s")
+    for l in launches: out.append(f"- launch of {l['world']} process(es), modes {', '.join(l['modes'])}: exit {l['rc']}, {l['seconds']:.0f}s")
     return '\n'.join(out) + '\n'
 
 def driver(args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0, results, launches, env = time.time(), [], [], {}
+    modes = args.modes.split(',')
+    one_gpu = list(dict.fromkeys(map(one_gpu_mode, modes)))
     with tempfile.TemporaryDirectory() as tmp:
+        if 'vision' in args.workloads.split(','): # The images, written once for every launch
+            from workflow import write_images
+            args.data = str(Path(tmp)/'images')
+            print(f"Wrote {write_images(args.data, WORKLOADS['vision']['smoke' if args.smoke else 'full'])}", flush=True)
+        cache = Path(tmp)/'inductor' # One inductor cache for every launch: the first launch's compiles are cold
         for i, world in enumerate([1] + [args.gpus]*args.repeat):
             left = args.budget - (time.time() - t0)
             if left < 30:
                 print(f"Skipping the {world}-process launch: the {args.budget}s budget is spent", flush=True)
                 continue
             result = Path(tmp)/f'launch{i}.json'
-            rc, secs = launch(args, world, result, timeout=min(args.timeout, left))
-            launches.append(dict(world=world, rc=rc, seconds=secs))
+            # The modes in turn, in reverse order every other launch, so neither always runs first on a warm machine
+            order = one_gpu if world == 1 else modes if i % 2 else modes[::-1]
+            rc, secs = launch(args, world, order, result, timeout=min(args.timeout, left), cache=str(cache))
+            launches.append(dict(world=world, rc=rc, seconds=secs, modes=order))
             if result.exists():
                 d = json.loads(result.read_text())
                 results += [dict(r, launch=i) for r in d['results']]
@@ -338,8 +393,10 @@ def main():
     p.add_argument('--out', default=str(ROOT/'bench'/'results'), help='Folder for ddp.md and ddp.json')
     p.add_argument('--gpus', type=int, default=2, help='Processes of the multi-GPU launch')
     p.add_argument('--repeat', type=int, default=1, help='Multi-GPU launches, each running every mode in turn: medians and spread')
-    p.add_argument('--workloads', default='resnet18,gpt')
-    p.add_argument('--modes', default='eager,compile', help="eager, compile, compile-nosplit (DDPOptimizer off)")
+    p.add_argument('--workloads', default='resnet18,gpt,vision')
+    p.add_argument('--modes', default='eager,compile-split,compile-nosplit',
+                   help="eager; compile (learn.compile()'s default), compile-split or compile-nosplit (ddp_split=True/False)")
+    p.add_argument('--data', default=None, help=argparse.SUPPRESS)
     p.add_argument('--device', default=None, help='cuda (default with a GPU) or cpu')
     p.add_argument('--backend', default=None, help="torch.compile backend (default: inductor; aot_eager with --smoke)")
     p.add_argument('--steps', type=int, default=None, help='Timed steps per rank (default 40; 3 with --smoke)')

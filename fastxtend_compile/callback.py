@@ -13,12 +13,13 @@ from fastcore.basics import store_attr, patch
 from fastcore.meta import delegates
 from fastai.callback.core import Callback
 from fastai.torch_core import get_model, rank_distrib
+from torch.nn.parallel import DistributedDataParallel
 from fastai.learner import Learner
 from fastai.imports import noop # What `Learner.no_logging` sets `learn.logger` to
 
 from .core import *
 from .report import *
-from .internals import compiled_call
+from .internals import compiled_call, optimize_ddp, set_optimize_ddp
 from .optimizer import compile_optimizer, uncompile_optimizer
 
 # %% auto #0
@@ -39,6 +40,24 @@ class _MatMulPrecision:
         if self.old is not None: torch.set_float32_matmul_precision(self.old)
         self.old = None
 
+# %% ../nbs/02_callback.ipynb #5d1f0c3a
+class _DDPGraphs:
+    "Under DDP, have TorchDynamo split each graph at DDP's gradient buckets or keep it whole, for a fit, and restore it"
+    def __init__(self, split:bool):
+        if not isinstance(split, bool): raise TypeError(f"ddp_split must be True or False, not {split!r}")
+        self.split, self.old = split, None
+
+    def set(self, model:torch.nn.Module)->bool|None:
+        "Choose the strategy if DDP runs `model`: whether graphs are split, `None` without DDP"
+        if not isinstance(model, DistributedDataParallel): return None
+        self.old = optimize_ddp()
+        set_optimize_ddp('ddp_optimizer' if self.split else 'no_optimization')
+        return self.split
+
+    def restore(self):
+        if self.old is not None: set_optimize_ddp(self.old)
+        self.old = None
+
 # %% ../nbs/02_callback.ipynb #68817f12
 class CompilerCallback(Callback):
     "A callback for using `torch.compile` with fastai"
@@ -56,10 +75,12 @@ class CompilerCallback(Callback):
         verbose:bool=False, # Verbose output
         regional:bool=False, # Compile only the model's repeated blocks (e.g. transformer layers): a faster cold compile
         compile_opt:bool=True, # Speed up the step of a fastai `Optimizer` too: fused or compiled (see `compile_optimizer`)
+        ddp_split:bool=True, # Under DDP, split graphs at DDP's gradient buckets so the all-reduce overlaps the backward
     ):
         self.settings = compile_settings(fullgraph, dynamic, backend, mode, options)
         self.precision = _MatMulPrecision(MatMulPrecision(matmul_precision).value)
         store_attr('recompile,verbose,regional,compile_opt')
+        self.ddp = _DDPGraphs(ddp_split)
         self.report = CompileReport()
         self.compile_recorder = CompileRecorder(self.report)
         self.compiled_model = None # Weak reference to the model this callback compiled
@@ -90,7 +111,8 @@ class CompilerCallback(Callback):
         self.active, self.trained = True, False # From here on `restore` undoes what changes, after the fit or when it raises
         self.compile_recorder.model_name = type(inner_model(model)).__name__
         self.compile_recorder.show = self._show
-        self.compile_recorder.start(sync=partial(torch.cuda.synchronize, device) if device.type == 'cuda' else None)
+        sync = partial(torch.cuda.synchronize, device) if device.type == 'cuda' else None
+        self.compile_recorder.start(sync, ddp_split=self.ddp.set(model))
         train = self.learn.dls.train # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
         self.report.epoch_steps, self.report.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)
         self.precision.set(device)
@@ -183,6 +205,7 @@ class CompilerCallback(Callback):
         self.active = False
         self.compile_recorder.stop()
         self.precision.restore()
+        self.ddp.restore()
         if self.marked: self._mark_calls(False, False)
         for c in self._compiled_calls(): # What ran eagerly rather than compile a graph for a shape seen once
             for k,n in c.eager_calls.items(): self.report.eager_calls[k] = max(self.report.eager_calls.get(k, 0), n)

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 # %% auto #0
-__all__ = ['recompile_limit_logger', 'own_function', 'set_compiled_call', 'compiled_call', 'is_optimized_module',
-           'graph_break_error', 'add_compile_callbacks', 'remove_compile_callbacks', 'recompile_limit_hit',
-           'compilation_metrics', 'graph_break_count', 'graphs_compiled', 'hook_dicts', 'without_dynamo_marks',
-           'fused_kernel_devices', 'dynamo_supported', 'inductor_cxx', 'inductor_options', 'explain',
-           'inductor_cache_dir', 'cpp_kernel_files']
+__all__ = ['recompile_limit_logger', 'ddp_split_logger', 'own_function', 'set_compiled_call', 'compiled_call',
+           'is_optimized_module', 'graph_break_error', 'add_compile_callbacks', 'remove_compile_callbacks',
+           'recompile_limit_hit', 'compilation_metrics', 'graph_break_count', 'graphs_compiled', 'hook_dicts',
+           'optimize_ddp', 'set_optimize_ddp', 'ddp_split_pieces', 'without_dynamo_marks', 'fused_kernel_devices',
+           'dynamo_supported', 'inductor_cxx', 'inductor_options', 'explain', 'inductor_cache_dir', 'cpp_kernel_files']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
 def own_function(f:Callable, name:str)->Callable:
@@ -80,6 +80,22 @@ def hook_dicts(module:nn.Module)->list:
     "The dicts holding the hooks that run when `module` is called: forward and backward, of each submodule, and global"
     return [d for m in module.modules() for d in (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks,
             m._backward_hooks)] + _global_hook_dicts
+
+# %% ../nbs/06_internals.ipynb #d7a0c1e2
+def optimize_ddp()->bool|str:
+    "How TorchDynamo compiles a module that DDP runs (`torch._dynamo.config.optimize_ddp`)"
+    return torch._dynamo.config.optimize_ddp
+
+def set_optimize_ddp(mode:bool|str):
+    "Set `optimize_ddp`: 'ddp_optimizer' splits each graph at DDP's gradient buckets, 'no_optimization' keeps it whole"
+    torch._dynamo.config.optimize_ddp = mode
+
+ddp_split_logger = logging.getLogger('torch._dynamo.backends.distributed') # DDPOptimizer notes each split at INFO level
+
+def ddp_split_pieces(record:logging.LogRecord)->int|None:
+    "The number of pieces DDPOptimizer split a graph into, if `record` is its note of the split"
+    if 'DDPOptimizer used bucket cap' not in str(record.msg): return None
+    return int(record.args[1])
 
 # %% ../nbs/06_internals.ipynb #83ef7efd
 _dynamo_marks = ('_dynamo_static_input_type',) # What TorchDynamo writes on the parameters and buffers it traces

@@ -84,6 +84,8 @@ class CompileReport:
     epoch_steps:int = 0 # Training batches in an epoch
     num_workers:int|None = None # The training DataLoader's worker processes
     eager_calls:dict = field(default_factory=dict) # Calls run eagerly, not compiled for a shape seen once: {(phase, shapes): count}
+    ddp_split:bool|None = None # Under DDP, whether graphs were split at DDP's gradient buckets; `None` without DDP
+    ddp_pieces:list = field(default_factory=list) # The pieces DDPOptimizer split each graph into, with `ddp_split`
 
     @property
     def graphs(self)->int:
@@ -124,6 +126,13 @@ class CompileReport:
         epochs = self.compile_seconds / ((eager - comp) * max(self.epoch_steps, 1))
         return f"paid: {line} ({eager/comp:.2f}×); the {self.compile_seconds:.1f}s of compiling pay back after {epochs:.1f} epoch(s)"
 
+    def ddp_strategy(self)->str:
+        "How the compiled model ran under DistributedDataParallel"
+        if not self.ddp_split: return "DDP: whole graphs, gradients all-reduced after the backward (`ddp_split=False`)"
+        pieces = ', '.join(map(str, self.ddp_pieces)) or 'not'
+        return (f"DDP: graphs split at DDP's gradient buckets, so the all-reduce overlaps the backward (TorchDynamo's "
+                f"DDPOptimizer, `ddp_split=True`): {pieces} piece(s) per graph")
+
     def data_advice(self, threshold:float=0.25)->str|None:
         "What to do when the model waits for the DataLoader for more than `threshold` of training time, else `None`"
         share = self.data_share
@@ -139,6 +148,7 @@ class CompileReport:
         lines += [f"  {e}" for e in self.events if e.kind != 'compile']
         lines += [f"  ran eagerly, a shape seen once and not worth a graph: {n} {'training' if grad else 'validation or inference'}"
                   f" call(s) with input {_shape_text(shapes)}" for ((grad, train), shapes), n in self.eager_calls.items()]
+        if self.ddp_split is not None: lines.append(f"  {self.ddp_strategy()}")
         if self.batch_times: lines.append(f"  {self.payoff()}")
         if advice := self.data_advice(): lines.append(f"  {advice}")
         return '\n'.join(lines)
@@ -185,6 +195,8 @@ class CompileRecorder:
         self.sync = None # Waits for the device to finish its work (`torch.cuda.synchronize`), where work is asynchronous
         self.batch_end = None # When the last sampled training batch ended, to time the wait for the next one
         self.phase_shapes = {} # Input shapes compiled for, by phase (training or not): TorchDynamo names one guard
+        self.ddp_log_level = None # `ddp_split_logger`'s own level, to restore, while its notes of DDP splits are counted
+        self.ddp_shown = logging.WARNING # The lowest level `ddp_split_logger` showed before its notes were counted
 
     def __getstate__(self): return {**self.__dict__, 'log_handler': None, 'show': None} # Handlers hold locks
 
@@ -192,8 +204,17 @@ class CompileRecorder:
         "Note that parameters' `requires_grad` changed: TorchDynamo reports only the newest graph's failed guard"
         self.froze = set(self.phase_shapes) # The phases with a graph, training or evaluation: each recompiles for it
 
-    def start(self, sync:Callable|None=None):
-        "Start recording compiles, with `sync` waiting for the device where its work is asynchronous"
+    def start(self,
+        sync:Callable|None=None, # Waits for the device, where its work is asynchronous
+        ddp_split:bool|None=None, # Under DDP, whether graphs are split at DDP's gradient buckets; `None` without DDP
+    ):
+        "Start recording compiles"
+        self.report.ddp_split = ddp_split
+        if ddp_split: # DDPOptimizer notes how it split each graph at INFO level: count its notes, show only what showed before
+            self.ddp_log_level = ddp_split_logger.level
+            self.ddp_shown = ddp_split_logger.getEffectiveLevel()
+            ddp_split_logger.setLevel(min(self.ddp_shown, logging.INFO))
+            ddp_split_logger.addFilter(self._on_ddp_log)
         self.compiling, self.batch_t, self.training, self.sync, self.batch_end = False, time.perf_counter(), None, sync, None
         self.seen = set(map(id, compilation_metrics())) # Those of earlier compiles, which are not this fit's
         self.graph_breaks0 = graph_break_count() - self.report.graph_breaks
@@ -207,6 +228,10 @@ class CompileRecorder:
         "Stop recording and collect what is left"
         remove_compile_callbacks(self._on_start, self._on_end)
         recompile_limit_logger.removeHandler(self.log_handler)
+        if self.ddp_log_level is not None:
+            ddp_split_logger.removeFilter(self._on_ddp_log)
+            ddp_split_logger.setLevel(self.ddp_log_level)
+            self.ddp_log_level = None
         self.collect(self.during)
         self.training = None
 
@@ -220,6 +245,11 @@ class CompileRecorder:
         self.report.events.append(ev)
         warnings.warn(f"torch.compile gave up on {ev.frame} after {limit} recompiles ({limit_type}) and runs it eagerly "
                       f"from now on. Last cause: {ev.reason or 'unknown'}. To fix: {_fix(ev.reason)}.")
+
+    def _on_ddp_log(self, record:logging.LogRecord)->bool:
+        "Count the pieces of a graph DDPOptimizer split; pass the record on only if the logger showed it before"
+        if (n := ddp_split_pieces(record)) is not None: self.report.ddp_pieces.append(n)
+        return record.levelno >= self.ddp_shown
 
     def _on_start(self, *args): self.compiling, self.started = True, time.perf_counter()
 

@@ -81,13 +81,13 @@ def model(kind):
 def events(report):
     return [dict(kind=e.kind, frame=e.frame, reason=e.reason, text=str(e)) for e in report.events]
 
-def learner(world, model_kind, backend):
+def learner(world, model_kind, backend, **kwargs):
     learn = Learner(dls(world), model(model_kind), loss_func=nn.MSELoss(), opt_func=SGD, lr=0.1)
     learn.remove_cb(ProgressCallback)
-    return learn.compile(backend=backend)
+    return learn.compile(backend=backend, **kwargs)
 
-def fit(world, model_kind, backend, epochs=2):
-    learn = learner(world, model_kind, backend)
+def fit(world, model_kind, backend, epochs=2, **kwargs):
+    learn = learner(world, model_kind, backend, **kwargs)
     with learn.distrib_ctx(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=1)]): learn.fit(epochs)
     return learn
 
@@ -102,6 +102,14 @@ def export_and_load(learn, fname, rank, world):
     finally: torch.save = save
     if world > 1: distrib_barrier() # The other ranks wait for rank 0's file
     return saves, load_learner(fname)
+
+def unsplit(world, model_kind, backend):
+    "A fit with `ddp_split=False`: DDPOptimizer leaves the graphs whole"
+    _ddp_buckets.clear()
+    learn = fit(world, model_kind, backend, epochs=1, ddp_split=False)
+    r = learn.compiler.report
+    return dict(unsplit_buckets=list(_ddp_buckets), unsplit_split=r.ddp_split, unsplit_pieces=r.ddp_pieces,
+                unsplit_summary=r.summary(), unsplit_params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
 
 def explain(world, model_kind, backend):
     "A fit with `DynamoExplainCallback`, which explains on rank 0 and cancels the fit on every rank"
@@ -124,12 +132,14 @@ def main():
     report = learn.compiler.report
     res = dict(rank=rank, world=world, fit_seconds=time.time()-t0, model_type=type(learn.model).__name__,
                compiled_after_fit=is_compiled(learn.model), events=events(report), graph_breaks=report.graph_breaks,
-               ddp_buckets=list(_ddp_buckets), losses=[float(l) for l in learn.recorder.losses],
+               ddp_buckets=list(_ddp_buckets), ddp_split=report.ddp_split, ddp_pieces=report.ddp_pieces,
+               summary=report.summary(), losses=[float(l) for l in learn.recorder.losses],
                params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
     res['export_saves'], loaded = export_and_load(learn, os.path.join(a.out, f'export{world}.pkl'), rank, world)
     x = data()[2][:4]
     with torch.no_grad(): res['loaded_out'], res['trained_out'] = loaded.model(x), learn.model.eval()(x)
     res['loaded_compiled'] = is_compiled(loaded.model)
+    res.update(unsplit(world, a.model, a.backend), optimize_ddp_after=torch._dynamo.config.optimize_ddp)
     if world > 1 and not a.no_explain:
         res.update(explain(world, a.model, a.backend))
         distrib_barrier() # Every rank got here: none is left waiting in a collective

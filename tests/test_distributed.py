@@ -79,6 +79,23 @@ def test_ddp_optimizer_splits_the_compiled_graph_at_bucket_boundaries(runs):
         assert r['ddp_buckets'] and all(n >= 2 for n in r['ddp_buckets']), r['ddp_buckets']
     assert single['ddp_buckets'] == []
 
+def test_report_names_the_ddp_strategy_and_its_pieces(runs):
+    ranks, single = runs
+    for r in ranks: # The report counted what DDPOptimizer split, from its own note of each split
+        assert r['ddp_split'] is True and r['ddp_pieces'] == r['ddp_buckets'], (r['ddp_pieces'], r['ddp_buckets'])
+        pieces = ', '.join(map(str, r['ddp_buckets']))
+        assert f"DDP: graphs split at DDP's gradient buckets, so the all-reduce overlaps the backward (TorchDynamo's DDPOptimizer, `ddp_split=True`): {pieces} piece(s) per graph" in r['summary']
+    assert single['ddp_split'] is None and single['ddp_pieces'] == [] and 'DDP:' not in single['summary']
+
+def test_ddp_split_false_keeps_graphs_whole_and_trains_the_same(runs):
+    ranks, single = runs
+    for r in ranks:
+        assert r['unsplit_buckets'] == [] and r['unsplit_split'] is False and r['unsplit_pieces'] == []
+        assert "DDP: whole graphs, gradients all-reduced after the backward (`ddp_split=False`)" in r['unsplit_summary']
+    for k,v in single['unsplit_params'].items():
+        for r in ranks: torch.testing.assert_close(r['unsplit_params'][k], v, rtol=1e-5, atol=1e-5, msg=k)
+    for r in ranks + [single]: assert r['optimize_ddp_after'] is True # TorchDynamo's setting restored after each fit
+
 def test_each_rank_compiles_as_one_process_does(runs):
     ranks, single = runs
     kinds = lambda r: [(e['kind'], e['frame']) for e in r['events']]

@@ -1,5 +1,5 @@
 "What the compiler did is visible: report, warnings, explain, the crash ladder, clear errors"
-import re, shutil, pytest, torch
+import logging, re, shutil, pytest, torch
 from functools import partial
 from torch import nn
 import matplotlib; matplotlib.use('Agg')
@@ -200,3 +200,22 @@ def test_explain_and_debug_compile_see_a_regional_model_eager_and_leave_it_compi
     assert (out.graph_count, out.graph_break_count) == (1, 0) # the whole model as one eager-traced graph
     assert all(s.ok for s in learn.debug_compile(backend='aot_eager', show=False))
     assert [compiled_call(b) for b in blocks] == calls
+
+def test_recorder_counts_ddp_pieces_quietly_and_restores_the_logger():
+    from torch._dynamo.backends.distributed import Bucket, pretty_print_buckets
+    from fastxtend_compile.internals import ddp_split_logger
+    shown, level = [], ddp_split_logger.level
+    h = logging.Handler(logging.DEBUG); h.emit = shown.append
+    logging.getLogger('torch').addHandler(h) # Where the note would go if it were let through
+    report = CompileReport()
+    rec = CompileRecorder(report)
+    try:
+        rec.start(ddp_split=True)
+        pretty_print_buckets([Bucket(size=8, params=['w']), Bucket(size=8, params=['b'])], 2**20)
+        rec.stop()
+        pretty_print_buckets([Bucket(size=8, params=['w'])], 2**20) # After the fit: not counted
+    finally: logging.getLogger('torch').removeHandler(h)
+    assert report.ddp_split is True and report.ddp_pieces == [2]
+    assert not [r for r in shown if 'DDPOptimizer' in str(r.msg)] # Counted, not shown: its level was below what showed
+    assert ddp_split_logger.level == level and not ddp_split_logger.filters
+    assert "`ddp_split=True`): 2 piece(s) per graph" in report.summary()
