@@ -75,7 +75,7 @@ class CompilerCallback(Callback):
         verbose:bool=False, # Verbose output
         regional:bool=False, # Compile only the model's repeated blocks (e.g. transformer layers): a faster cold compile
         compile_opt:bool=True, # Speed up the step of a fastai `Optimizer` too: fused or compiled (see `compile_optimizer`)
-        ddp_split:bool=True, # Under DDP, split graphs at DDP's gradient buckets so the all-reduce overlaps the backward
+        ddp_split:bool=False, # Under DDP, split graphs at DDP's gradient buckets so the all-reduce overlaps the backward
     ):
         self.settings = compile_settings(fullgraph, dynamic, backend, mode, options)
         self.precision = _MatMulPrecision(MatMulPrecision(matmul_precision).value)

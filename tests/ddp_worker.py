@@ -26,7 +26,7 @@ def _broadcast(self, t, rank):
     return t.tolist()
 DistributedDL._broadcast = _broadcast
 
-# Record the buckets DDPOptimizer splits each graph into, to show TorchDynamo saw the DDP module
+# Record the buckets DDPOptimizer splits each graph into, when it does (`ddp_split=True`)
 _ddp_buckets, _ddp_compile_fn = [], DDPOptimizer.compile_fn
 def _spy_compile_fn(self, gm, example_inputs, **kwargs):
     res = _ddp_compile_fn(self, gm, example_inputs, **kwargs)
@@ -103,13 +103,13 @@ def export_and_load(learn, fname, rank, world):
     if world > 1: distrib_barrier() # The other ranks wait for rank 0's file
     return saves, load_learner(fname)
 
-def unsplit(world, model_kind, backend):
-    "A fit with `ddp_split=False`: DDPOptimizer leaves the graphs whole"
+def split(world, model_kind, backend):
+    "A fit with `ddp_split=True`: DDPOptimizer splits the graphs at DDP's buckets"
     _ddp_buckets.clear()
-    learn = fit(world, model_kind, backend, epochs=1, ddp_split=False)
+    learn = fit(world, model_kind, backend, epochs=1, ddp_split=True)
     r = learn.compiler.report
-    return dict(unsplit_buckets=list(_ddp_buckets), unsplit_split=r.ddp_split, unsplit_pieces=r.ddp_pieces,
-                unsplit_summary=r.summary(), unsplit_params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
+    return dict(split_buckets=list(_ddp_buckets), split=r.ddp_split, split_pieces=r.ddp_pieces, split_summary=r.summary(),
+                split_params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
 
 def explain(world, model_kind, backend):
     "A fit with `DynamoExplainCallback`, which explains on rank 0 and cancels the fit on every rank"
@@ -139,7 +139,7 @@ def main():
     x = data()[2][:4]
     with torch.no_grad(): res['loaded_out'], res['trained_out'] = loaded.model(x), learn.model.eval()(x)
     res['loaded_compiled'] = is_compiled(loaded.model)
-    res.update(unsplit(world, a.model, a.backend), optimize_ddp_after=torch._dynamo.config.optimize_ddp)
+    res.update(split(world, a.model, a.backend), optimize_ddp_after=torch._dynamo.config.optimize_ddp)
     if world > 1 and not a.no_explain:
         res.update(explain(world, a.model, a.backend))
         distrib_barrier() # Every rank got here: none is left waiting in a collective

@@ -73,28 +73,25 @@ def test_two_processes_match_one_on_the_same_global_batch(runs):
     assert len(one) == 8 # 2 epochs of 4 global batches
     torch.testing.assert_close(r, one, rtol=1e-4, atol=1e-5)
 
-def test_ddp_optimizer_splits_the_compiled_graph_at_bucket_boundaries(runs):
+def test_graphs_stay_whole_by_default(runs):
     ranks, single = runs
-    for r in ranks: # The graphs compiled while DDP ran: split into DDP's 1 MiB gradient buckets (the model has ~2 MiB)
-        assert r['ddp_buckets'] and all(n >= 2 for n in r['ddp_buckets']), r['ddp_buckets']
-    assert single['ddp_buckets'] == []
-
-def test_report_names_the_ddp_strategy_and_its_pieces(runs):
-    ranks, single = runs
-    for r in ranks: # The report counted what DDPOptimizer split, from its own note of each split
-        assert r['ddp_split'] is True and r['ddp_pieces'] == r['ddp_buckets'], (r['ddp_pieces'], r['ddp_buckets'])
-        pieces = ', '.join(map(str, r['ddp_buckets']))
-        assert f"DDP: graphs split at DDP's gradient buckets, so the all-reduce overlaps the backward (TorchDynamo's DDPOptimizer, `ddp_split=True`): {pieces} piece(s) per graph" in r['summary']
+    for r in ranks: # `ddp_split=False`: DDPOptimizer did not split the graphs, and the report says so
+        assert r['ddp_buckets'] == [] and r['ddp_split'] is False and r['ddp_pieces'] == []
+        assert "DDP: whole graphs, gradients all-reduced after the backward (`ddp_split=False`)" in r['summary']
     assert single['ddp_split'] is None and single['ddp_pieces'] == [] and 'DDP:' not in single['summary']
 
-def test_ddp_split_false_keeps_graphs_whole_and_trains_the_same(runs):
+def test_ddp_split_splits_at_buckets_names_its_pieces_and_trains_the_same(runs):
     ranks, single = runs
-    for r in ranks:
-        assert r['unsplit_buckets'] == [] and r['unsplit_split'] is False and r['unsplit_pieces'] == []
-        assert "DDP: whole graphs, gradients all-reduced after the backward (`ddp_split=False`)" in r['unsplit_summary']
-    for k,v in single['unsplit_params'].items():
-        for r in ranks: torch.testing.assert_close(r['unsplit_params'][k], v, rtol=1e-5, atol=1e-5, msg=k)
-    for r in ranks + [single]: assert r['optimize_ddp_after'] is True # TorchDynamo's setting restored after each fit
+    for r in ranks: # Split into DDP's 1 MiB gradient buckets (the model has ~2 MiB); the report counted each graph's pieces
+        assert r['split_buckets'] and all(n >= 2 for n in r['split_buckets']), r['split_buckets']
+        assert r['split'] is True and r['split_pieces'] == r['split_buckets'], (r['split_pieces'], r['split_buckets'])
+        pieces = ', '.join(map(str, r['split_buckets']))
+        assert (f"DDP: graphs split at DDP's gradient buckets, so the all-reduce overlaps the backward (TorchDynamo's "
+                f"DDPOptimizer, `ddp_split=True`): {pieces} piece(s) per graph") in r['split_summary']
+    assert single['split_buckets'] == [] and single['split'] is None
+    for k,v in single['split_params'].items():
+        for r in ranks: torch.testing.assert_close(r['split_params'][k], v, rtol=1e-5, atol=1e-5, msg=k)
+    for r in ranks + [single]: assert r['optimize_ddp_after'] is True # TorchDynamo's own setting, restored after each fit
 
 def test_each_rank_compiles_as_one_process_does(runs):
     ranks, single = runs
