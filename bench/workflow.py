@@ -412,8 +412,7 @@ def render_md(data)->str:
              "**DataLoader share**: host time between one training batch's `after_batch` and the next one's `before_batch` "
              "(the DataLoader, fastai's `batch_tfms` and moving the batch to the device), over the training phase's wall time, in "
              "the same epochs (all epochs when there is no steady one); in the eager arms fastai's `Recorder` waits for each "
-             "batch's loss, so the GPU idles that long; `learn.compile()` smooths the loss on the GPU, so there the GPU may still "
-             "be busy while the host waits: an upper bound on its idle time. compile s, graphs, recompiles, fallbacks (frames that hit the recompile limit and run eagerly) and "
+             "batch's loss, so the GPU idles that long (with `learn.compile()` too). compile s, graphs, recompiles, fallbacks (frames that hit the recompile limit and run eagerly) and "
              "graph breaks come from `learn.compiler.report`. With several runs, each number is the median over the runs. "
              f"Backend `{meta.get('backend') or 'inductor'}`" + (", bf16 (`to_bf16`) for vision and text" if env.get('cuda') and not smoke and 'CPU' not in str(env.get('device')) else "") + ".")
     L.append("")
