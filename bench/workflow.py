@@ -15,6 +15,8 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
     eager         no compiling
     compile-cold  learn.compile(), fresh TORCHINDUCTOR_CACHE_DIR
     compile-warm  learn.compile() in a new process reusing compile-cold's cache dir (inductor's on-disk caches warm)
+    compile-saved learn.compile() in a new process with a fresh cache dir, after learn.load_compile_cache() of the file
+                  compile-cold saved with learn.save_compile_cache(): a warm start on another machine
     compile-ro    learn.compile(mode='reduce-overhead') (CUDA graphs), fresh cache dir; CUDA only
 
     python bench/workflow.py --workflows vision,vision-big,tabular,text --arms eager,compile-cold,compile-warm,compile-ro --out DIR
@@ -30,8 +32,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-ARMS = ('eager', 'compile-cold', 'compile-warm', 'compile-ro')
-ARM_MODE = {'eager': None, 'compile-cold': 'default', 'compile-warm': 'default', 'compile-ro': 'reduce-overhead'}
+ARMS = ('eager', 'compile-cold', 'compile-warm', 'compile-saved', 'compile-ro')
+ARM_MODE = {'eager': None, 'compile-cold': 'default', 'compile-warm': 'default', 'compile-saved': 'default', 'compile-ro': 'reduce-overhead'}
+AFTER_COLD = ('compile-warm', 'compile-saved') # Arms that start from what a compile-cold run left
 
 # Sizes: `gpu` is the default, `smoke` a tiny CPU check of the same code paths. `--config` overrides either.
 WORKFLOWS = {
@@ -274,6 +277,10 @@ def child(spec:dict)->dict:
         if spec.get('backend'): kw['backend'] = spec['backend']
         if mode != 'default': kw['mode'] = mode
         learn.compile(**kw)
+        if spec.get('load_cache'): # Before the first compile
+            t = time.perf_counter()
+            cache_loaded = learn.load_compile_cache(spec['load_cache'])
+            load_cache_s = time.perf_counter() - t
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         sync()
@@ -307,6 +314,10 @@ def child(spec:dict)->dict:
                 events=get('events', lambda es: [dict(kind=e.kind, frame=e.frame, seconds=e.seconds, reason=e.reason, during=e.during) for e in es]),
                 payoff=r.payoff() if hasattr(r, 'payoff') else None, summary=r.summary() if hasattr(r, 'summary') else str(r))
             print(res['compile']['summary'])
+    if spec.get('load_cache'): res.update(cache_loaded=cache_loaded, load_cache_s=load_cache_s)
+    if spec.get('save_cache'):
+        f = learn.save_compile_cache(spec['save_cache'])
+        res['saved_cache_mb'] = f.stat().st_size/2**20 if f else None
     res['process_s'] = time.perf_counter() - t_start # Imports not included: the driver also records the whole process
     print(f"{w} {arm}: fit {total:.1f}s; epochs " + ', '.join(f"{e['wall_s']:.2f}" for e in epochs))
     return res
@@ -322,8 +333,8 @@ def plan(workflows, arms, repeat, smoke_default=False)->list:
     for w in workflows:
         for rep in range(repeat):
             for a in ARMS:
-                if a == 'compile-warm' and w not in warm_for: continue
-                if a not in arms and not (a == 'compile-cold' and 'compile-warm' in arms): continue
+                if a in AFTER_COLD and w not in warm_for: continue
+                if a not in arms and not (a == 'compile-cold' and set(AFTER_COLD) & set(arms)): continue
                 jobs.append((w, a, rep))
     return jobs
 
@@ -338,13 +349,16 @@ def run_job(args, job, spec_base, caches:dict, tmp:Path, log)->dict:
     w, arm, rep = job
     if arm == 'compile-ro' and args.device != 'cuda':
         return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason="reduce-overhead (CUDA graphs) needs a GPU")
-    if arm == 'compile-warm':
-        cache = caches.get((w, rep))
-        if cache is None: return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason='its compile-cold run did not run')
+    if arm in AFTER_COLD and (w, rep) not in caches:
+        return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason='its compile-cold run did not run')
+    if arm == 'compile-warm': cache = caches[(w, rep)]
     else:
         cache = Path(tempfile.mkdtemp(prefix=f'{w}-{arm}-{rep}-', dir=tmp))
         if arm == 'compile-cold': caches[(w, rep)] = cache
     spec = dict(spec_base[w], arm=arm, repeat=rep)
+    saved = tmp/f'{w}-{rep}' # compile-cold saves its compile cache as this `.compile` file, compile-saved loads it
+    if arm == 'compile-cold': spec['save_cache'] = str(saved)
+    if arm == 'compile-saved': spec['load_cache'] = str(saved)
     spec_path, result = tmp/f'{w}-{arm}-{rep}.spec.json', tmp/f'{w}-{arm}-{rep}.json'
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache/'triton'), PYTHONUNBUFFERED='1')
@@ -406,7 +420,7 @@ def render_md(data)->str:
         L.append("")
     if smoke: L += ["**CPU smoke run: tiny sizes, timings mean nothing.**", ""]
     L.append(f"`python bench/workflow.py {' '.join(meta.get('argv', []))}`. Each arm is a process of its own; *compile-cold* and "
-             "*compile-ro* start with an empty `TORCHINDUCTOR_CACHE_DIR`, *compile-warm* reuses compile-cold's. "
+             "*compile-ro* start with an empty `TORCHINDUCTOR_CACHE_DIR`, *compile-warm* reuses compile-cold's; *compile-saved* starts empty too, after `learn.load_compile_cache()` of the file compile-cold saved. "
              "**total**: the fit's wall time (`fine_tune` or `fit_one_cycle`, synchronized at its end). **steady epoch**: median "
              "wall time of the last fit's epochs after its first (the first carries the compile), training and validation. "
              "**DataLoader share**: host time between one training batch's `after_batch` and the next one's `before_batch` "
@@ -454,6 +468,9 @@ def render_md(data)->str:
                      f"{f(m['data_share'], '.0%')} | {f(m['accuracy'], '.3f')} |")
             for r in good[:1]:
                 if compiled and (r.get('compile') or {}).get('payoff'): notes.append(f"- {a}, the report: {r['compile']['payoff']}")
+                if 'cache_loaded' in r:
+                    notes.append(f"- {a}: `load_compile_cache` {'loaded' if r['cache_loaded'] else 'did NOT load'} the saved cache in {r['load_cache_s']:.1f}s")
+                if r.get('saved_cache_mb') is not None: notes.append(f"- {a}: `save_compile_cache` wrote {r['saved_cache_mb']:.1f} MB")
                 for x in r.get('warnings', [])[:3]: notes.append(f"- {a} warned: {x[:300]}")
         L += [""] + notes + ([""] if notes else [])
         fr = [r for r in wr if r.get('status') == 'ok' and r.get('epochs') and r['epochs'][0].get('frozen')]
