@@ -388,11 +388,12 @@ def test_freeze_with_one_param_group_is_not_blamed():
 def test_bad_settings_refused_naming_the_parameter(digits):
     with pytest.raises(TypeError, match='dynamic'): CompilerCallback(dynamic='false')
     with pytest.raises(TypeError, match='fullgraph'): CompilerCallback(fullgraph='false')
+    with pytest.raises(TypeError, match=re.escape("ddp_split must be True or False, not 'false'")): CompilerCallback(ddp_split='false')
     with pytest.raises(ValueError, match=re.escape("Unknown inductor option(s) in options: 'not_an_option'")):
         CompilerCallback(options={'not_an_option': 1})
     learn = Learner(digits, two_conv_cnn()).compile(backend=BACKEND)
     cb = learn.compiler
-    for bad in (dict(dynamic='false'), dict(fullgraph='false'), dict(options={'not_an_option': 1}), dict(backend='no_such_backend')):
+    for bad in (dict(dynamic='false'), dict(fullgraph='false'), dict(ddp_split=None), dict(options={'not_an_option': 1}), dict(backend='no_such_backend')):
         with pytest.raises((TypeError, ValueError)): learn.compile(**bad)
         assert learn.compiler is cb and [c for c in learn.cbs if isinstance(c, CompilerCallback)] == [cb]
 
