@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map_only, tree_leaves
 from fastcore.basics import store_attr, patch
-from fastai.torch_core import TensorBase, rank_distrib
+from fastai.torch_core import TensorBase, rank_distrib, to_device
 from fastai.callback.core import Callback, CancelFitException
 from fastai.learner import Learner
 
@@ -69,6 +69,8 @@ def one_plain_batch(
     # DataLoader it wraps, so rank 0 alone can take a batch
     if type(dl).__name__ == 'DistributedDL': dl = dl.dl
     b = tree_map_only(TensorBase, _plain, dl.one_batch())
+    # On the model's device, as fastai's `Learner` puts a batch: before a fit the model may still be on the CPU
+    b = to_device(b, model_device(inner_model(learn.model)))
     return b[:dl.n_inp], b[dl.n_inp:]
 
 # %% ../nbs/04_explain.ipynb #cdb3dead

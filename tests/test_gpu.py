@@ -80,3 +80,11 @@ def test_callbacks_see_fastai_gradients(mode):
     g = learn.grads
     assert g.stepped and all(g.stepped) and all(g.zeroed) and len(g.ptrs) == 1
     assert float(learn.recorder.values[-1][0]) < float(learn.recorder.losses[0]) # It trained
+
+def test_debug_compile_before_a_fit_runs_where_the_model_is():
+    # A fresh Learner's model is still on the CPU while its DataLoaders are on the GPU: the batch goes where the model
+    # is, as fastai's `Learner` puts it
+    learn = Learner(digits_dls().cuda(), bn_cnn())
+    assert next(learn.model.parameters()).device.type == 'cpu'
+    stages = learn.debug_compile(backend='aot_eager', show=False)
+    assert [s.backend for s in stages] == ['eager', 'aot_eager'] and all(s.ok for s in stages), [str(s) for s in stages]

@@ -169,9 +169,9 @@ def test_fullgraph_with_graph_break_says_where_and_leaves_learner_eager():
     learn.fit(1)
     assert not torch.equal(w, learn.model.a.weight)
 
-def test_no_cpp_compiler_trains_eagerly(digits, monkeypatch):
+def test_no_cpp_compiler_trains_eagerly(monkeypatch):
     monkeypatch.setattr(shutil, 'which', lambda name: None)
-    learn = Learner(digits, two_conv_cnn()).compile()
+    learn = Learner(digits_dls().cpu(), two_conv_cnn()).compile() # On the CPU, where inductor needs a C++ compiler, GPU or not
     with pytest.warns(UserWarning, match="Not compiling the model: inductor needs a C\\+\\+ compiler to compile for the CPU and none was found"):
         learn.fit(1)
     assert not is_compiled(learn.model)
