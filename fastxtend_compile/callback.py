@@ -189,7 +189,7 @@ class CompilerCallback(Callback):
 
     def _compile(self):
         # Under DistributedDataParallel, compile the module DDP runs rather than DDP, whose forward breaks the graph on
-        # purpose: it runs inside DDP's forward, so TorchDynamo's DDPOptimizer splits it at DDP's gradient buckets
+        # purpose: it runs inside DDP's forward, where TorchDynamo sees DDP (and with `ddp_split=True` splits it)
         model = self.learn.model
         inner = get_model(model)
         compiled = compile_model(inner, self.regional, on_refused=self._refused, **self.settings)
