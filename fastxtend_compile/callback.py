@@ -9,11 +9,11 @@ from functools import partial
 from typing import Callable, Dict, Union
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from fastcore.basics import store_attr, patch
 from fastcore.meta import delegates
 from fastai.callback.core import Callback
 from fastai.torch_core import get_model, rank_distrib
-from torch.nn.parallel import DistributedDataParallel
 from fastai.learner import Learner
 from fastai.imports import noop # What `Learner.no_logging` sets `learn.logger` to
 

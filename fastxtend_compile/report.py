@@ -129,9 +129,9 @@ class CompileReport:
     def ddp_strategy(self)->str:
         "How the compiled model ran under DistributedDataParallel"
         if not self.ddp_split: return "DDP: whole graphs, gradients all-reduced after the backward (`ddp_split=False`)"
-        pieces = ', '.join(map(str, self.ddp_pieces)) or 'not'
+        pieces = f"{', '.join(map(str, self.ddp_pieces))} piece(s) per graph" if self.ddp_pieces else "no graph split yet"
         return (f"DDP: graphs split at DDP's gradient buckets, so the all-reduce overlaps the backward (TorchDynamo's "
-                f"DDPOptimizer, `ddp_split=True`): {pieces} piece(s) per graph")
+                f"DDPOptimizer, `ddp_split=True`): {pieces}")
 
     def data_advice(self, threshold:float=0.25)->str|None:
         "What to do when the model waits for the DataLoader for more than `threshold` of training time, else `None`"

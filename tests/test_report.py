@@ -219,3 +219,12 @@ def test_recorder_counts_ddp_pieces_quietly_and_restores_the_logger():
     assert not [r for r in shown if 'DDPOptimizer' in str(r.msg)] # Counted, not shown: its level was below what showed
     assert ddp_split_logger.level == level and not ddp_split_logger.filters
     assert "`ddp_split=True`): 2 piece(s) per graph" in report.summary()
+
+def test_ddp_strategy_lines():
+    r = CompileReport(ddp_split=False)
+    assert r.ddp_strategy() == "DDP: whole graphs, gradients all-reduced after the backward (`ddp_split=False`)"
+    r = CompileReport(ddp_split=True)
+    assert r.ddp_strategy().endswith("`ddp_split=True`): no graph split yet")
+    r.ddp_pieces += [3, 2]
+    assert r.ddp_strategy().endswith("`ddp_split=True`): 3, 2 piece(s) per graph") and r.ddp_strategy() in r.summary()
+    assert 'DDP:' not in CompileReport().summary()
