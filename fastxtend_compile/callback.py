@@ -48,8 +48,10 @@ class _DDPGraphs:
         self.split, self.old = split, None
 
     def set(self, model:torch.nn.Module)->bool|None:
-        "Choose the strategy if DDP runs `model`: whether graphs are split, `None` without DDP"
+        "Choose the strategy if DDP runs `model`: whether graphs are split; `None` without DDP or with DDP's Python reducer"
         if not isinstance(model, DistributedDataParallel): return None
+        # Set before DDP wrapped the model, for compiled autograd: the user's choice, which the others would break
+        if str(optimize_ddp()).startswith('python_reducer'): return None
         self.old = optimize_ddp()
         set_optimize_ddp('ddp_optimizer' if self.split else 'no_optimization')
         return self.split

@@ -114,3 +114,20 @@ def test_explain_runs_on_rank0_and_cancels_every_rank(runs):
     assert r0['explain_graphs'] == 1 and r1['explain_graphs'] is None # Rank 0 explained, rank 1 did not
     assert r0['explain_iters'] == r1['explain_iters'] == 0 # No rank trained: the fit was cancelled everywhere
     # Both ranks then met at a barrier and wrote their results, so none hung
+
+def test_ddp_split_leaves_a_python_reducer_setting_alone():
+    from torch.nn.parallel import DistributedDataParallel
+    from fastxtend_compile.callback import _DDPGraphs
+    from fastxtend_compile.internals import optimize_ddp, set_optimize_ddp
+    ddp = object.__new__(DistributedDataParallel) # What the setting looks at: the model's type
+    old = optimize_ddp()
+    try:
+        for mode, expected in (('python_reducer', None), ('ddp_optimizer', False), (True, False)):
+            set_optimize_ddp(mode)
+            graphs = _DDPGraphs(False)
+            assert graphs.set(ddp) is expected
+            assert optimize_ddp() == (mode if expected is None else 'no_optimization')
+            graphs.restore()
+            assert optimize_ddp() == mode
+        assert _DDPGraphs(True).set(torch.nn.Linear(1, 1)) is None # No DDP: nothing set
+    finally: set_optimize_ddp(old)
