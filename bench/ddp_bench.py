@@ -6,8 +6,8 @@ One command runs everything and writes `ddp.md` and `ddp.json` to `--out`:
 
 It starts a 1-GPU launch as a plain process (no DDP, as one GPU trains), then `--repeat` launches of
 `torchrun --standalone --nproc_per_node=GPUS`. In each launch every workload trains once per mode, the modes in turn
-and in reverse order every other launch: eager, and `learn.compile()` with `ddp_split=True` (TorchDynamo's
-DDPOptimizer splits each graph at DDP's gradient buckets) and `ddp_split=False` (whole graphs). Workloads: ResNet-18
+and in reverse order every other launch: by default eager, `learn.compile()` (whole graphs, `ddp_split=False`) and
+`learn.compile(ddp_split=True)` (TorchDynamo's DDPOptimizer splits each graph at DDP's gradient buckets). Workloads: ResNet-18
 (torchvision, 128 px, bs 64 per GPU) and a GPT-style model (8 layers, d=512, T=256, vocab 8192, bs 64 per GPU) on
 synthetic batches already on the GPU, no validation; a step is timed from the end of the warm-up steps to the end of the
 last step, synchronized, slowest rank. And `vision`: the workflow benchmark's images on disk (bench/workflow.py, written
@@ -21,7 +21,7 @@ later ones warm (compile times are not what this measures; bench/workflow.py mea
 A worker (`--worker`) is what the launches run; run one directly only to debug.
 """
 from __future__ import annotations
-import argparse, datetime, gc, json, os, platform, shutil, subprocess, sys, tempfile, time
+import argparse, datetime, gc, json, os, platform, subprocess, sys, tempfile, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,7 +148,6 @@ def run_one(args, name, cfg, mode, device, rank, world):
                warm_s=ts.warm, step_ms=ts.timed/args.steps*1e3, steps=args.steps, warmup=args.warmup,
                peak_gib=torch.cuda.max_memory_allocated(device)/2**30 if cuda else None,
                model_after_fit=type(learn.model).__name__, compiled_after_fit=is_compiled(learn.model), bs=cfg['bs'])
-    del model, pool, dls
     return finish(learn, res, mode, device, world)
 
 def finish(learn, res:dict, mode:str, device, world:int)->dict:
@@ -169,10 +168,6 @@ def finish(learn, res:dict, mode:str, device, world:int)->dict:
         torch.distributed.all_gather(allp, mine)
         res['ranks_identical'] = all(torch.equal(allp[0], a) for a in allp[1:])
     res['samples_per_s'] = world*res['bs']*1e3/res['step_ms'] # Every GPU's samples
-    del learn
-    gc.collect()
-    torch._dynamo.reset()
-    if device.type == 'cuda': torch.cuda.empty_cache()
     return res
 
 def run_vision(args, name, cfg, mode, device, rank, world):
@@ -188,9 +183,9 @@ def run_vision(args, name, cfg, mode, device, rank, world):
         if cuda: torch.cuda.synchronize(device)
 
     class TimeEpochs(Callback):
-        "Each epoch's training time and batch count, synchronized"
+        "Each epoch's training time and batch count, synchronized, over `fine_tune`'s two fits"
         order = 1000
-        def before_fit(self): self.epochs = getattr(self, 'epochs', [])
+        def __init__(self): self.epochs = []
         def before_train(self): sync(); self.t = time.perf_counter()
         def after_train(self):
             sync()
@@ -199,7 +194,6 @@ def run_vision(args, name, cfg, mode, device, rank, world):
     torch.manual_seed(0)
     learn, fine_tune = build_vision(name, cfg, args.data, 'cuda' if cuda else 'cpu', None if cuda else 0)
     learn.add_cb(TimeEpochs()).remove_cb(ProgressCallback)
-    learn.remove_cbs([c for c in learn.cbs if type(c).__name__ == 'ShowGraphCallback'])
     if mode in COMPILE_KWARGS: learn.compile(backend=args.backend, **COMPILE_KWARGS[mode])
     ctx = dict(sync_bn=args.sync_bn) if cuda else dict(sync_bn=False, cpu=True)
     t0 = time.perf_counter()
@@ -233,6 +227,10 @@ def worker(args):
             except Exception as e:
                 import traceback; traceback.print_exc()
                 res = dict(workload=name, mode=mode, world=world, desc=describe(cfg), error=f"{type(e).__name__}: {e}")
+            # The Learner is gone with `run`'s frame: free its memory and compiled code before the next one
+            gc.collect()
+            torch._dynamo.reset()
+            if device.type == 'cuda': torch.cuda.empty_cache()
             if rank == 0:
                 print(f"[{world} proc] {name} {mode}: " + (res.get('error') or
                       f"first step {res['first_step_s']:.1f}s, {res['step_ms']:.1f} ms/step, {res['samples_per_s']:.0f} samples/s")
@@ -394,7 +392,7 @@ def main():
     p.add_argument('--gpus', type=int, default=2, help='Processes of the multi-GPU launch')
     p.add_argument('--repeat', type=int, default=1, help='Multi-GPU launches, each running every mode in turn: medians and spread')
     p.add_argument('--workloads', default='resnet18,gpt,vision')
-    p.add_argument('--modes', default='eager,compile-split,compile-nosplit',
+    p.add_argument('--modes', default='eager,compile,compile-split',
                    help="eager; compile (learn.compile()'s default), compile-split or compile-nosplit (ddp_split=True/False)")
     p.add_argument('--data', default=None, help=argparse.SUPPRESS)
     p.add_argument('--device', default=None, help='cuda (default with a GPU) or cpu')

@@ -26,7 +26,7 @@ Writes DIR/workflow.json (every number), DIR/workflow.md (a table per workflow) 
 command and the end of its output), rewriting them after every arm. Exits with status 1 when an arm failed.
 """
 from __future__ import annotations
-import argparse, datetime, json, math, os, platform, shutil, signal, statistics, subprocess, sys, tempfile, time
+import argparse, datetime, json, os, platform, shutil, signal, statistics, subprocess, sys, tempfile, time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
