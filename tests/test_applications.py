@@ -9,7 +9,7 @@ from fastai.tabular.learner import tabular_learner
 import fastai.callback.schedule
 from fastxtend_compile import *
 from fastxtend_compile.internals import compiled_call
-from conftest import two_conv_cnn, digits_dls, cancer_dls, text_dls
+from conftest import two_conv_cnn, digits_dls, cancer_dls, text_dls, EAGER_PRECISION
 
 def compile_counts(learn):
     r = learn.compiler.report
@@ -81,7 +81,7 @@ def test_compiled_accuracy_matches_eager(make_learner):
 
 def test_export_loads_in_fresh_process_without_this_library(tmp_path):
     dls = digits_dls()
-    learn = Learner(dls, two_conv_cnn(), path=tmp_path, metrics=accuracy).compile(backend='aot_eager')
+    learn = Learner(dls, two_conv_cnn(), path=tmp_path, metrics=accuracy).compile(backend='aot_eager', **EAGER_PRECISION)
     learn.fit(1)
     item = dls.valid_ds.items[:8]
     expected = learn.get_preds(dl=dls.test_dl(item))[0]

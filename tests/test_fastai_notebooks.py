@@ -26,6 +26,7 @@ from fastai.callback.progress import ProgressCallback
 from fastai.callback.hook import *
 from fastai.callback.tracker import *
 from fastai.callback.training import *
+from fastai.callback.fp16 import * # MixedPrecision, in the GPU-only cells
 from fastai.callback.schedule import * # lr_find
 from fastai.learner import _before_epoch, Recorder, AvgMetric, AvgLoss, AvgSmoothLoss, ValueMetric, Metric
 from fastai.layers import ConvLayer

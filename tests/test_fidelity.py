@@ -16,7 +16,7 @@ import fastai.callback.schedule # fine_tune, fit_one_cycle
 import fastxtend_compile
 from fastxtend_compile import *
 from fastxtend_compile.internals import graphs_compiled
-from conftest import two_conv_cnn, bn_cnn, body_head_splitter, digits_dls, text_dls
+from conftest import two_conv_cnn, bn_cnn, body_head_splitter, digits_dls, text_dls, EAGER_PRECISION, GRAD_TOL
 
 BACKEND = 'aot_eager' # Traces forward and backward like inductor, without its C++ compile time
 _library_dir = str(Path(fastxtend_compile.__file__).resolve().parent)
@@ -112,7 +112,7 @@ def test_gradients_as_callbacks_see_them(compile_opt):
         model = two_conv_cnn()
         model.load_state_dict(init)
         learn = Learner(digits_dls(), model, opt_func=SGD, cbs=GradSpy())
-        if compiled: learn.compile(backend=BACKEND, compile_opt=compile_opt)
+        if compiled: learn.compile(backend=BACKEND, compile_opt=compile_opt, **EAGER_PRECISION)
         quiet_fit(learn, 1, 0.1)
         runs.append(learn.grad_spy)
     eager, comp = runs
@@ -120,7 +120,7 @@ def test_gradients_as_callbacks_see_them(compile_opt):
     assert n > 2 and len(comp.step) == len(comp.batch) == len(comp.backward) == n
     for i,(e,c) in enumerate(zip(eager.step, comp.step)): # after_step: the gradients the step used
         assert all(g is not None for g in c), f"batch {i}: a gradient is None in after_step"
-        for ge,gc in zip(e, c): torch.testing.assert_close(gc, ge, rtol=1e-4, atol=1e-5)
+        for ge,gc in zip(e, c): torch.testing.assert_close(gc, ge, **GRAD_TOL)
     for i,c in enumerate(comp.batch): # after_batch: fastai's `zero_grad` left them zero, in place
         assert all(g is not None and not g.any() for g in c), f"batch {i}: a gradient in after_batch is None or not zero"
     assert all(g is None for g in comp.backward[0]) and all(g is None for g in eager.backward[0])

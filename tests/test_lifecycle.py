@@ -11,14 +11,14 @@ import fastai.callback.schedule # fit_one_cycle, lr_find
 from fastai.torch_core import set_seed
 from fastai.metrics import accuracy
 from fastxtend_compile import *
-from conftest import two_conv_cnn, bn_cnn, body_head_splitter, digits_dls
+from conftest import two_conv_cnn, bn_cnn, body_head_splitter, digits_dls, EAGER_PRECISION, FIT_TOL
 
 BACKEND = 'aot_eager' # Traces forward and backward like inductor without its C++ compile time; inductor runs below
 
-def params(m): return [p.detach().clone() for p in m.parameters()]
+def params(m): return [p.detach().cpu().clone() for p in m.parameters()] # On the CPU: fit moves the model to the GPU
 def body_params(m):
     "Parameters of the body's convolutions: a frozen body still trains its BatchNorm in fastai (`train_bn=True`)"
-    return [p.detach().clone() for l in m[0] if isinstance(l, nn.Conv2d) for p in l.parameters()]
+    return [p.detach().cpu().clone() for l in m[0] if isinstance(l, nn.Conv2d) for p in l.parameters()]
 def unchanged(a, b): return all(torch.equal(x, y) for x,y in zip(a, b))
 def all_changed(a, b): return all(not torch.equal(x, y) for x,y in zip(a, b))
 
@@ -53,7 +53,7 @@ def test_refreezing_trains_like_eager():
         return learn
     # The compiled optimizer step agrees with fastai's to float rounding, which three fits amplify: compare the model alone
     eager, comp = _fit_pair(lambda dls: Learner(dls, bn_cnn(), splitter=body_head_splitter), run=run, compile_opt=False)
-    for a,b in zip(eager.model.parameters(), comp.model.parameters()): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for a,b in zip(eager.model.parameters(), comp.model.parameters()): torch.testing.assert_close(a, b, **FIT_TOL)
 
 def test_gradients_between_steps_and_after_the_fit(digits):
     class Grads(Callback):
@@ -82,7 +82,7 @@ def test_freezing_inside_a_fit_trains_like_eager():
             if self.epoch == 0: self.learn.freeze()
     make = lambda dls: Learner(dls, bn_cnn(), splitter=body_head_splitter, cbs=FreezeAfterEpoch0(), wd=0.5)
     eager, comp = _fit_pair(make, epochs=2, lr=1e-2, compile_opt=False)
-    for a,b in zip(eager.model.parameters(), comp.model.parameters()): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for a,b in zip(eager.model.parameters(), comp.model.parameters()): torch.testing.assert_close(a, b, **FIT_TOL)
 
 def test_freeze_to_inside_fit(digits):
     class UnfreezeAfterEpoch0(Callback):
@@ -169,7 +169,7 @@ def test_recorder_sees_what_it_sees_eagerly():
     def train(compiled):
         set_seed(0)
         learn = Learner(digits_dls(), two_conv_cnn(), cbs=Seen()) # Fresh DataLoaders: the same shuffles
-        if compiled: learn.compile(backend='eager') # TorchDynamo's graph run by Python: the same losses as eager
+        if compiled: learn.compile(backend='eager', **EAGER_PRECISION) # TorchDynamo's graph run by Python: eager's losses
         learn.fit(2, 1e-3)
         return learn
     eager, compiled = train(False), train(True)
@@ -229,7 +229,7 @@ def test_save_model_and_early_stopping(digits, tmp_path):
     assert (tmp_path/'models'/'best.pth').exists() and is_compiled(learn.model)
     best = torch.load(tmp_path/'models'/'best.pth', weights_only=False)
     assert not any(k.startswith('_orig_mod') for k in best)
-    assert unchanged(params(learn.model), [best[k] for k in learn.model.state_dict() if 'weight' in k or 'bias' in k])
+    assert unchanged(params(learn.model), [best[k].cpu() for k in learn.model.state_dict() if 'weight' in k or 'bias' in k])
 
 def _fit_pair(make_learner, epochs=1, backend=BACKEND, lr=3e-3, run=None, **compile_kwargs):
     "Train the same seeded Learner (fresh DataLoaders: their shuffling RNG is seeded when created) eagerly and compiled"
@@ -238,7 +238,7 @@ def _fit_pair(make_learner, epochs=1, backend=BACKEND, lr=3e-3, run=None, **comp
         set_seed(0, reproducible=True)
         dls = digits_dls()
         learn = make_learner(dls)
-        if compiled: learn.compile(backend=backend, **compile_kwargs)
+        if compiled: learn.compile(backend=backend, **EAGER_PRECISION, **compile_kwargs)
         if run is None: learn.fit(epochs, lr)
         else: run(dls, learn)
         res.append(learn)
@@ -248,7 +248,7 @@ def _fit_pair(make_learner, epochs=1, backend=BACKEND, lr=3e-3, run=None, **comp
                                 lambda: GradientAccumulation(128)], ids=['fp16', 'bf16', 'channels_last', 'grad_accum'])
 def test_fastai_callbacks_match_eager(digits, cb):
     eager, comp = _fit_pair(lambda dls: Learner(dls, two_conv_cnn(), cbs=cb()))
-    for a,b in zip(eager.model.parameters(), comp.model.parameters()): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for a,b in zip(eager.model.parameters(), comp.model.parameters()): torch.testing.assert_close(a, b, **FIT_TOL)
     assert list(map(float, eager.recorder.values[-1])) == pytest.approx(list(map(float, comp.recorder.values[-1])), rel=1e-3)
 
 def test_model_swapped_mid_fit_is_compiled(digits):
@@ -269,7 +269,7 @@ def test_layer_replaced_mid_fit_trains_the_new_layer(digits):
     class Replace(Callback):
         def before_epoch(self):
             if self.epoch == 1:
-                self.learn.model[5] = nn.Linear(16*8*8, 10)
+                self.learn.model[5] = nn.Linear(16*8*8, 10).to(self.dls.device)
                 self.learn.create_opt()
                 self.p0 = params(self.learn.model[5])
     learn = Learner(digits, two_conv_cnn(), cbs=Replace()).compile(backend=BACKEND)
@@ -291,7 +291,7 @@ def tower(n_blocks=6):
 def test_regional_compiles_one_block_for_its_twins():
     eager, comp = _fit_pair(lambda dls: Learner(dls, tower()), regional=True)
     assert all(is_compiled(b) for b in comp.model[2])
-    for a,b in zip(eager.model.parameters(), comp.model.parameters()): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for a,b in zip(eager.model.parameters(), comp.model.parameters()): torch.testing.assert_close(a, b, **FIT_TOL)
 
 def test_regional_training_compiles_once_per_graph_kind(digits):
     class FreshBlock(Block): # Code of its own: nothing compiled earlier in this process can be reused
