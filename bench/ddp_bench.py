@@ -79,7 +79,17 @@ def _cpu_gloo_patch():
         return t.tolist()
     DistributedDL._broadcast = _broadcast
 
-COMPILE_KWARGS = {'compile': {}, 'compile-split': dict(ddp_split=True), 'compile-nosplit': dict(ddp_split=False)}
+COMPILE_KWARGS = {'compile': {}, 'compile-split': dict(ddp_split=True), 'compile-nosplit': dict(ddp_split=False),
+                  'compile-split-100mb': dict(ddp_split=True), 'compile-ca': dict(ddp_compiled_autograd=True)}
+BUCKET_MB = {'compile-split-100mb': 100} # DDP's `bucket_cap_mb` (25 by default): fewer, larger buckets, fewer pieces
+
+def ddp_context(learn, mode:str, cuda:bool, sync_bn:bool):
+    "fastai's `distrib_ctx`, with DDP's bucket size as `mode` says"
+    ctx = dict(sync_bn=sync_bn) if cuda else dict(sync_bn=False, cpu=True) # SyncBatchNorm needs a GPU
+    if mode in BUCKET_MB:
+        from accelerate import DistributedDataParallelKwargs
+        ctx['kwargs_handlers'] = [DistributedDataParallelKwargs(bucket_cap_mb=BUCKET_MB[mode])]
+    return learn.distrib_ctx(**ctx)
 
 def run_one(args, name, cfg, mode, device, rank, world):
     "Train one workload eager or compiled for `warmup+steps` steps per rank; the timings and compile report"
@@ -139,9 +149,8 @@ def run_one(args, name, cfg, mode, device, rank, world):
     if cuda: learn.to_bf16()
     if mode in COMPILE_KWARGS: learn.compile(backend=args.backend, **COMPILE_KWARGS[mode])
     if cuda: torch.cuda.reset_peak_memory_stats(device)
-    ctx = dict(sync_bn=args.sync_bn) if cuda else dict(sync_bn=False, cpu=True) # SyncBatchNorm needs a GPU
     t0 = time.perf_counter()
-    with learn.no_logging(), learn.distrib_ctx(**ctx): learn.fit(1)
+    with learn.no_logging(), ddp_context(learn, mode, cuda, args.sync_bn): learn.fit(1)
     fit_s = time.perf_counter() - t0
     ts = learn.time_steps
     res = dict(workload=name, mode=mode, world=world, desc=describe(cfg), fit_s=fit_s, first_step_s=ts.warm[0],
@@ -157,7 +166,7 @@ def finish(learn, res:dict, mode:str, device, world:int)->dict:
         r = learn.compiler.report
         res.update(graphs=r.graphs, graph_breaks=r.graph_breaks, recompiles=len(r.recompiles), fallbacks=len(r.fallbacks),
                    compile_s=r.compile_seconds, events=[str(e) for e in r.events], ddp_split=r.ddp_split,
-                   ddp_pieces=list(r.ddp_pieces), summary=r.summary())
+                   ddp_pieces=list(r.ddp_pieces), ddp_backward_graphs=r.ddp_backward_graphs, summary=r.summary())
     if world > 1:
         t = torch.tensor([res['step_ms'], res['first_step_s'], res['fit_s']], device=device, dtype=torch.float64)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
@@ -195,9 +204,8 @@ def run_vision(args, name, cfg, mode, device, rank, world):
     learn, fine_tune = build_vision(name, cfg, args.data, 'cuda' if cuda else 'cpu', None if cuda else 0)
     learn.add_cb(TimeEpochs()).remove_cb(ProgressCallback)
     if mode in COMPILE_KWARGS: learn.compile(backend=args.backend, **COMPILE_KWARGS[mode])
-    ctx = dict(sync_bn=args.sync_bn) if cuda else dict(sync_bn=False, cpu=True)
     t0 = time.perf_counter()
-    with learn.no_logging(), learn.distrib_ctx(**ctx): fine_tune()
+    with learn.no_logging(), ddp_context(learn, mode, cuda, args.sync_bn): fine_tune()
     fit_s = time.perf_counter() - t0
     last_s, batches = learn.time_epochs.epochs[-1]
     res = dict(workload=name, mode=mode, world=world, desc=describe(cfg), fit_s=fit_s, first_step_s=fit_s,
@@ -276,7 +284,9 @@ def launch(args, world:int, modes:list, result:Path, timeout:float, cache:str)->
     return rc, time.time() - t0
 
 MODE_NAMES = {'eager': 'eager', 'compile': 'learn.compile()', 'compile-split': 'learn.compile(ddp_split=True)',
-              'compile-nosplit': 'learn.compile(ddp_split=False)'}
+              'compile-nosplit': 'learn.compile(ddp_split=False)',
+              'compile-split-100mb': 'learn.compile(ddp_split=True), DDP buckets of 100 MB',
+              'compile-ca': 'learn.compile(ddp_compiled_autograd=True)'}
 
 def one_gpu_mode(mode:str)->str:
     "The mode of the 1-GPU launch a multi-GPU mode is compared with: without DDP, `ddp_split` changes nothing"
@@ -393,7 +403,8 @@ def main():
     p.add_argument('--repeat', type=int, default=1, help='Multi-GPU launches, each running every mode in turn: medians and spread')
     p.add_argument('--workloads', default='resnet18,gpt,vision')
     p.add_argument('--modes', default='eager,compile,compile-split',
-                   help="eager; compile (learn.compile()'s default), compile-split or compile-nosplit (ddp_split=True/False)")
+                   help="eager; compile (learn.compile()'s default), compile-split or compile-nosplit (ddp_split=True/False), "
+                        "compile-split-100mb (ddp_split=True, DDP buckets of 100 MB), compile-ca (ddp_compiled_autograd=True)")
     p.add_argument('--data', default=None, help=argparse.SUPPRESS)
     p.add_argument('--device', default=None, help='cuda (default with a GPU) or cpu')
     p.add_argument('--backend', default=None, help="torch.compile backend (default: inductor; aot_eager with --smoke)")

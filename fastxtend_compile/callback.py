@@ -13,13 +13,14 @@ from torch.nn.parallel import DistributedDataParallel
 from fastcore.basics import store_attr, patch
 from fastcore.meta import delegates
 from fastai.callback.core import Callback
-from fastai.torch_core import get_model, rank_distrib
+from fastai.torch_core import get_model, rank_distrib, num_distrib
 from fastai.learner import Learner
 from fastai.imports import noop # What `Learner.no_logging` sets `learn.logger` to
 
 from .core import *
 from .report import *
-from .internals import compiled_call, optimize_ddp, set_optimize_ddp
+from .internals import (compiled_call, optimize_ddp, set_optimize_ddp, uses_python_reducer, python_reducer_settings,
+                                         restore_python_reducer_settings, compiled_autograd, compiled_autograd_captures)
 from .optimizer import compile_optimizer, uncompile_optimizer
 
 # %% auto #0
@@ -41,24 +42,63 @@ class _MatMulPrecision:
         self.old = None
 
 # %% ../nbs/02_callback.ipynb #5d1f0c3a
-class _DDPGraphs:
-    "Under DDP, have TorchDynamo split each graph at DDP's gradient buckets or keep it whole, for a fit, and restore it"
-    def __init__(self, split:bool):
-        if not isinstance(split, bool): raise TypeError(f"ddp_split must be True or False, not {split!r}")
-        self.split, self.old = split, None
+class _DDPStrategy:
+    "Under DDP, how compiled graphs meet DDP's all-reduce for a fit: split at its buckets, whole, or in compiled autograd's backward"
+    def __init__(self,
+        split:bool, # Split each graph at DDP's gradient buckets (TorchDynamo's DDPOptimizer)
+        compiled_autograd:bool, # DDP's Python reducer: its all-reduces traced into each backward graph by compiled autograd
+    ):
+        for name, value in (('ddp_split', split), ('ddp_compiled_autograd', compiled_autograd)):
+            if not isinstance(value, bool): raise TypeError(f"{name} must be True or False, not {value!r}")
+        if split and compiled_autograd:
+            raise ValueError("Choose ddp_split=True or ddp_compiled_autograd=True, not both: compiled autograd needs DDP's Python "
+                             "reducer, which replaces the buckets that ddp_split splits graphs at")
+        self.split, self.compiled_autograd = split, compiled_autograd
+        self.old, self.old_reducer = None, None # What the fit changed, to restore
+        self.in_backward = False # This fit's backwards run through compiled autograd, with DDP's all-reduces in their graphs
+        self.captures = 0 # Backward graphs compiled autograd had captured in this process when the fit began
+        self.backward = None # The compiled autograd context of the backward running
+
+    def before_wrap(self):
+        "Before DDP wraps the model: with `compiled_autograd`, choose DDP's Python reducer (DDP reads the setting as it wraps)"
+        if not self.compiled_autograd or num_distrib() < 2 or optimize_ddp() == 'python_reducer': return
+        self.old, self.old_reducer = optimize_ddp(), python_reducer_settings()
+        set_optimize_ddp('python_reducer')
 
     def set(self, model:torch.nn.Module)->bool|None:
-        "Choose the strategy if DDP runs `model`: whether graphs are split; `None` without DDP or with DDP's Python reducer"
+        "Choose the strategy if DDP runs `model`: whether graphs are split; `None` without DDP or with a user's Python reducer"
         if not isinstance(model, DistributedDataParallel): return None
-        # Set before DDP wrapped the model, for compiled autograd: the user's choice, which the others would break
-        if str(optimize_ddp()).startswith('python_reducer'): return None
-        self.old = optimize_ddp()
+        if uses_python_reducer(model): # Graphs stay whole: the all-reduces are in compiled autograd's backward graphs
+            self.in_backward, self.captures = self.compiled_autograd, compiled_autograd_captures()
+            return False if self.compiled_autograd else None # Without it, the user's own compiled autograd set-up
+        if self.compiled_autograd:
+            warnings.warn("ddp_compiled_autograd=True, but DDP wrapped the model before the fit, with its bucketed reducer: "
+                          "the graphs stay whole and the gradients are all-reduced after the backward")
+        if self.old is None: self.old = optimize_ddp()
         set_optimize_ddp('ddp_optimizer' if self.split else 'no_optimization')
         return self.split
 
+    def backward_graphs(self)->int|None:
+        "The backward graphs compiled autograd captured in this fit; `None` when it does not run the backwards"
+        return compiled_autograd_captures() - self.captures if self.in_backward else None
+
+    def enter_backward(self, compiler:Callable):
+        "Run this backward through compiled autograd, its graph compiled by `compiler`, where it runs the fit's backwards"
+        if not self.in_backward: return
+        self.backward = compiled_autograd(compiler)
+        self.backward.__enter__()
+
+    def exit_backward(self):
+        if self.backward is None: return
+        backward, self.backward = self.backward, None
+        backward.__exit__(None, None, None)
+
     def restore(self):
+        self.exit_backward()
+        self.in_backward = False
         if self.old is not None: set_optimize_ddp(self.old)
-        self.old = None
+        if self.old_reducer is not None: restore_python_reducer_settings(self.old_reducer)
+        self.old, self.old_reducer = None, None
 
 # %% ../nbs/02_callback.ipynb #68817f12
 class CompilerCallback(Callback):
@@ -78,11 +118,14 @@ class CompilerCallback(Callback):
         regional:bool=False, # Compile only the model's repeated blocks (e.g. transformer layers): a faster cold compile
         compile_opt:bool=True, # Speed up the step of a fastai `Optimizer` too: fused or compiled (see `compile_optimizer`)
         ddp_split:bool=False, # Under DDP, split graphs at DDP's gradient buckets so the all-reduce overlaps the backward
+        ddp_compiled_autograd:bool=False, # Under DDP, compile each backward with its all-reduces (DDP's Python reducer)
     ):
         self.settings = compile_settings(fullgraph, dynamic, backend, mode, options)
         self.precision = _MatMulPrecision(MatMulPrecision(matmul_precision).value)
         store_attr('recompile,verbose,regional,compile_opt')
-        self.ddp = _DDPGraphs(ddp_split)
+        self.ddp = _DDPStrategy(ddp_split, ddp_compiled_autograd)
+        if ddp_compiled_autograd and uses_cudagraphs(self.settings):
+            raise ValueError(f"ddp_compiled_autograd=True does not run with CUDA graphs (mode={self.settings['mode']!r}): choose one")
         self.report = CompileReport()
         self.compile_recorder = CompileRecorder(self.report)
         self.compiled_model = None # Weak reference to the model this callback compiled
@@ -92,6 +135,7 @@ class CompilerCallback(Callback):
         self.trained = False # This fit ran a training batch
         self.cudagraph_grads = False # Gradients must be memory of their own, not the output of a CUDA graph
         self.marked = False # The model's compiled calls were told to run this batch eagerly, or that it is a one-off
+        self.backward_compiler = None # Compiles compiled autograd's backward graphs, with `ddp_compiled_autograd`
 
     def __getstate__(self): return {**self.__dict__, 'compiled_model': None} # A copy compiles its model afresh
 
@@ -104,8 +148,7 @@ class CompilerCallback(Callback):
         self.fits += 1
         if self.fits > 1: return # A `validate` or `get_preds` inside the fit: it compiles as the fit does
         model = self.learn.model
-        if not getattr(self.learn, 'compile_frozen', True) and self._frozen() and not is_compiled(inner_model(model)):
-            return # `fine_tune(compile_frozen=False)`: frozen epochs run eagerly
+        if self._frozen_runs_eagerly(): return
         device = model_device(model)
         if reason := cannot_compile_reason(self.settings['backend'], device):
             warnings.warn(f"Not compiling the model: {reason}. Training continues eagerly.")
@@ -115,6 +158,7 @@ class CompilerCallback(Callback):
         self.compile_recorder.show = self._show
         sync = partial(torch.cuda.synchronize, device) if device.type == 'cuda' else None
         self.compile_recorder.start(sync, ddp_split=self.ddp.set(model))
+        self.backward_compiler = partial(torch.compile, **{k: self.settings[k] for k in ('backend', 'mode', 'options')})
         train = self.learn.dls.train # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
         self.report.epoch_steps, self.report.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)
         self.precision.set(device)
@@ -127,6 +171,14 @@ class CompilerCallback(Callback):
         self.freeze_changed = False
 
     def _frozen(self): return self.learn.opt is not None and self.learn.opt.frozen_idx > 0
+
+    def _frozen_runs_eagerly(self)->bool:
+        "`fine_tune(compile_frozen=False)`: the frozen epochs run eagerly"
+        return not getattr(self.learn, 'compile_frozen', True) and self._frozen() and not is_compiled(inner_model(self.learn.model))
+
+    def before_ddp_wraps(self):
+        "Called by `Learner.fit` before any callback: what DDP reads as it wraps the model for the fit"
+        if not self._frozen_runs_eagerly(): self.ddp.before_wrap()
 
     def after_freeze(self):
         "Called by `Learner.freeze_to` when parameters' `requires_grad` changed"
@@ -148,6 +200,7 @@ class CompilerCallback(Callback):
         "Whether this training batch runs eagerly to measure the eager step: 3 batches after the first compiled one"
         # Once per freeze state, in a fit long enough to hide them, after the first compiled batch (not delaying the compile)
         r = self.report
+        if self.ddp.in_backward: return False # An eager backward would all-reduce each gradient alone: not DDP's eager step
         if len(r.eager_times) >= self.eager_batches or not r.batch_times or self.learn.n_iter < 8: return False
         if not r.eager_times: r.measured_from = len(r.batch_times)
         return True
@@ -168,6 +221,12 @@ class CompilerCallback(Callback):
         if not self.cudagraph_grads or self.learn.opt is None: return
         for p in self.learn.opt.all_params(with_grad=False).itemgot(0):
             if p.requires_grad and p.grad is None: p.grad = torch.zeros_like(p)
+
+    def before_backward(self):
+        # A forward run eagerly (a one-off shape) has an eager backward: DDP's hooks all-reduce its gradients one by one
+        if self.active and not self.marked: self.ddp.enter_backward(self.backward_compiler)
+
+    def after_backward(self): self.ddp.exit_backward()
 
     def after_batch(self):
         if not self.active: return
@@ -203,14 +262,15 @@ class CompilerCallback(Callback):
     def restore(self):
         "Undo what `before_fit` changed outside the model, once, whether the fit ended or raised"
         self.fits = 0
-        if not self.active: return
-        self.active = False
-        self.compile_recorder.stop()
-        self.precision.restore()
-        self.ddp.restore()
-        if self.marked: self._mark_calls(False, False)
-        for c in self._compiled_calls(): # What ran eagerly rather than compile a graph for a shape seen once
-            for k,n in c.eager_calls.items(): self.report.eager_calls[k] = max(self.report.eager_calls.get(k, 0), n)
+        if self.active:
+            self.active = False
+            self.compile_recorder.stop()
+            self.precision.restore()
+            self.report.ddp_backward_graphs = self.ddp.backward_graphs()
+            if self.marked: self._mark_calls(False, False)
+            for c in self._compiled_calls(): # What ran eagerly rather than compile a graph for a shape seen once
+                for k,n in c.eager_calls.items(): self.report.eager_calls[k] = max(self.report.eager_calls.get(k, 0), n)
+        self.ddp.restore() # Set before the fit's callbacks ran, compiled or not
 
     def uncompile(self):
         "Return the Learner to eager: undo the fit's changes, and uncompile the model and the optimizer step"

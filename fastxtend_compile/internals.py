@@ -15,8 +15,10 @@ from torch import nn
 __all__ = ['recompile_limit_logger', 'ddp_split_logger', 'own_function', 'set_compiled_call', 'compiled_call',
            'is_optimized_module', 'graph_break_error', 'add_compile_callbacks', 'remove_compile_callbacks',
            'recompile_limit_hit', 'compilation_metrics', 'graph_break_count', 'graphs_compiled', 'hook_dicts',
-           'optimize_ddp', 'set_optimize_ddp', 'ddp_split_pieces', 'without_dynamo_marks', 'fused_kernel_devices',
-           'dynamo_supported', 'inductor_cxx', 'inductor_options', 'explain', 'inductor_cache_dir', 'cpp_kernel_files']
+           'optimize_ddp', 'set_optimize_ddp', 'ddp_split_pieces', 'uses_python_reducer', 'python_reducer_settings',
+           'restore_python_reducer_settings', 'compiled_autograd', 'compiled_autograd_captures', 'without_dynamo_marks',
+           'fused_kernel_devices', 'dynamo_supported', 'inductor_cxx', 'inductor_options', 'explain',
+           'inductor_cache_dir', 'cpp_kernel_files']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
 def own_function(f:Callable, name:str)->Callable:
@@ -96,6 +98,38 @@ def ddp_split_pieces(record:logging.LogRecord)->int|None:
     "The number of pieces DDPOptimizer split a graph into, if `record` is its note of the split"
     if 'DDPOptimizer used bucket cap' not in str(record.msg): return None
     return int(record.args[1])
+
+# %% ../nbs/06_internals.ipynb #ca7e11a1
+def uses_python_reducer(model:nn.Module)->bool:
+    "Whether DDP wrapped `model` with its Python reducer, whose gradient hooks compiled autograd traces into the backward"
+    return getattr(model, '_use_python_reducer', False)
+
+_fusion_settings = ('_fuse_ddp_communication', '_fuse_ddp_bucket_size') # Inductor's, which the Python reducer turns on
+_ddp_module = 'torch.nn.parallel.distributed' # The code the Python reducer has TorchDynamo inline
+
+def python_reducer_settings()->dict:
+    "What DDP's Python reducer changes for every later compile as it wraps a model: inductor's DDP fusion, DDP's code inlined"
+    from torch._inductor import config as inductor_config
+    from torch._dynamo import trace_rules
+    return {**{k: getattr(inductor_config, k) for k in _fusion_settings}, 'inlined': _ddp_module in trace_rules.LEGACY_MOD_INLINELIST}
+
+def restore_python_reducer_settings(saved:dict):
+    "Put back what `python_reducer_settings` saved"
+    from torch._inductor import config as inductor_config
+    from torch._dynamo import trace_rules
+    for k in _fusion_settings: setattr(inductor_config, k, saved[k])
+    if not saved['inlined'] and _ddp_module in trace_rules.LEGACY_MOD_INLINELIST:
+        trace_rules.LEGACY_MOD_INLINELIST.discard(_ddp_module)
+        trace_rules.get_legacy_mod_inlinelist.cache_clear()
+
+def compiled_autograd(compiler:Callable):
+    "A context in which each backward is traced by compiled autograd, its graph compiled by `compiler`"
+    from torch._dynamo import compiled_autograd as ca
+    return ca._enable(compiler)
+
+def compiled_autograd_captures()->int:
+    "How many backward graphs compiled autograd has captured in this process"
+    return torch._dynamo.utils.counters['compiled_autograd']['captures']
 
 # %% ../nbs/06_internals.ipynb #83ef7efd
 _dynamo_marks = ('_dynamo_static_input_type',) # What TorchDynamo writes on the parameters and buffers it traces

@@ -88,7 +88,9 @@ _fastai_fit = Learner.fit
 @patch_to(Learner)
 @wraps(_fastai_fit)
 def fit(self, *args, **kwargs):
-    try: return _fastai_fit(self, *args, **kwargs)
+    try:
+        if hasattr(self, 'compiler'): self.compiler.before_ddp_wraps()
+        return _fastai_fit(self, *args, **kwargs)
     finally: # After a fit that raised; after one that ended there is nothing left to undo
         if hasattr(self, 'compiler'): self.compiler.restore() # A fit's own `cbs` restore as they are removed
 

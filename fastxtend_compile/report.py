@@ -86,6 +86,7 @@ class CompileReport:
     eager_calls:dict = field(default_factory=dict) # Calls run eagerly, not compiled for a shape seen once: {(phase, shapes): count}
     ddp_split:bool|None = None # Under DDP, whether graphs were split at DDP's gradient buckets; `None` without DDP
     ddp_pieces:list = field(default_factory=list) # The pieces DDPOptimizer split each graph into, with `ddp_split`
+    ddp_backward_graphs:int|None = None # The backward graphs compiled autograd captured, with `ddp_compiled_autograd`
 
     @property
     def graphs(self)->int:
@@ -128,6 +129,9 @@ class CompileReport:
 
     def ddp_strategy(self)->str:
         "How the compiled model ran under DistributedDataParallel"
+        if self.ddp_backward_graphs is not None:
+            return (f"DDP: whole graphs, each backward compiled by compiled autograd with DDP's all-reduces in its graph "
+                    f"(DDP's Python reducer, `ddp_compiled_autograd=True`): {self.ddp_backward_graphs} backward graph(s)")
         if not self.ddp_split: return "DDP: whole graphs, gradients all-reduced after the backward (`ddp_split=False`)"
         pieces = f"{', '.join(map(str, self.ddp_pieces))} piece(s) per graph" if self.ddp_pieces else "no graph split yet"
         return (f"DDP: graphs split at DDP's gradient buckets, so the all-reduce overlaps the backward (TorchDynamo's "

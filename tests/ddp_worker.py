@@ -111,6 +111,19 @@ def split(world, model_kind, backend):
     return dict(split_buckets=list(_ddp_buckets), split=r.ddp_split, split_pieces=r.ddp_pieces, split_summary=r.summary(),
                 split_params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
 
+def compiled_autograd(world, model_kind, backend):
+    "A fit with `ddp_compiled_autograd=True`: DDP's Python reducer, its all-reduces in compiled autograd's backward graphs"
+    from torch._inductor import config as inductor_config
+    from torch._dynamo import trace_rules
+    settings = lambda: (torch._dynamo.config.optimize_ddp, inductor_config._fuse_ddp_communication,
+                        'torch.nn.parallel.distributed' in trace_rules.LEGACY_MOD_INLINELIST)
+    before, captures = settings(), torch._dynamo.utils.counters['compiled_autograd']['captures']
+    learn = fit(world, model_kind, backend, epochs=1, ddp_compiled_autograd=True)
+    r = learn.compiler.report
+    return dict(ca_summary=r.summary(), ca_backward_graphs=r.ddp_backward_graphs, ca_split=r.ddp_split,
+                ca_captures=torch._dynamo.utils.counters['compiled_autograd']['captures'] - captures,
+                ca_settings=(before, settings()), ca_params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
+
 def explain(world, model_kind, backend):
     "A fit with `DynamoExplainCallback`, which explains on rank 0 and cancels the fit on every rank"
     learn = learner(world, model_kind, backend).add_cb(DynamoExplainCallback(print_results=False))
@@ -140,6 +153,7 @@ def main():
     with torch.no_grad(): res['loaded_out'], res['trained_out'] = loaded.model(x), learn.model.eval()(x)
     res['loaded_compiled'] = is_compiled(loaded.model)
     res.update(split(world, a.model, a.backend), optimize_ddp_after=torch._dynamo.config.optimize_ddp)
+    res.update(compiled_autograd(world, a.model, a.backend))
     if world > 1 and not a.no_explain:
         res.update(explain(world, a.model, a.backend))
         distrib_barrier() # Every rank got here: none is left waiting in a collective

@@ -93,6 +93,19 @@ def test_ddp_split_splits_at_buckets_names_its_pieces_and_trains_the_same(runs):
         for r in ranks: torch.testing.assert_close(r['split_params'][k], v, rtol=1e-5, atol=1e-5, msg=k)
     for r in ranks + [single]: assert r['optimize_ddp_after'] is True # TorchDynamo's own setting, restored after each fit
 
+def test_ddp_compiled_autograd_traces_the_all_reduce_and_trains_the_same(runs):
+    ranks, single = runs
+    for r in ranks: # Compiled autograd compiled the backwards, DDP's all-reduces inside them, and the report says how many
+        assert r['ca_captures'] >= 1 and r['ca_backward_graphs'] == r['ca_captures'] and r['ca_split'] is False
+        assert ("DDP: whole graphs, each backward compiled by compiled autograd with DDP's all-reduces in its graph (DDP's "
+                f"Python reducer, `ddp_compiled_autograd=True`): {r['ca_captures']} backward graph(s)") in r['ca_summary']
+        before, after = r['ca_settings'] # TorchDynamo's and inductor's settings, which DDP's Python reducer changes, restored
+        assert before == after == (True, False, False), r['ca_settings']
+    # Without DDP there is nothing to all-reduce: the backwards run as they do without the option
+    assert single['ca_captures'] == 0 and single['ca_backward_graphs'] is None and 'DDP:' not in single['ca_summary']
+    for k,v in single['ca_params'].items():
+        for r in ranks: torch.testing.assert_close(r['ca_params'][k], v, rtol=1e-5, atol=1e-5, msg=k)
+
 def test_each_rank_compiles_as_one_process_does(runs):
     ranks, single = runs
     kinds = lambda r: [(e['kind'], e['frame']) for e in r['events']]
@@ -115,19 +128,43 @@ def test_explain_runs_on_rank0_and_cancels_every_rank(runs):
     assert r0['explain_iters'] == r1['explain_iters'] == 0 # No rank trained: the fit was cancelled everywhere
     # Both ranks then met at a barrier and wrote their results, so none hung
 
-def test_ddp_split_leaves_a_python_reducer_setting_alone():
+def _ddp(python_reducer:bool):
+    "A DDP model as `_DDPStrategy` sees it: its type, and the reducer DDP chose as it wrapped the model"
     from torch.nn.parallel import DistributedDataParallel
-    from fastxtend_compile.callback import _DDPGraphs
+    ddp = object.__new__(DistributedDataParallel)
+    object.__setattr__(ddp, '_use_python_reducer', python_reducer)
+    return ddp
+
+def test_ddp_strategy_leaves_a_users_python_reducer_alone():
+    from fastxtend_compile.callback import _DDPStrategy
     from fastxtend_compile.internals import optimize_ddp, set_optimize_ddp
-    ddp = object.__new__(DistributedDataParallel) # What the setting looks at: the model's type
     old = optimize_ddp()
     try:
-        for mode, expected in (('python_reducer', None), ('ddp_optimizer', False), (True, False)):
+        for reducer, mode, expected in ((True, 'python_reducer', None), (False, 'ddp_optimizer', False), (False, True, False)):
             set_optimize_ddp(mode)
-            graphs = _DDPGraphs(False)
-            assert graphs.set(ddp) is expected
+            strategy = _DDPStrategy(False, False)
+            assert strategy.set(_ddp(reducer)) is expected
             assert optimize_ddp() == (mode if expected is None else 'no_optimization')
-            graphs.restore()
+            strategy.restore()
             assert optimize_ddp() == mode
-        assert _DDPGraphs(True).set(torch.nn.Linear(1, 1)) is None # No DDP: nothing set
+        assert _DDPStrategy(True, False).set(torch.nn.Linear(1, 1)) is None # No DDP: nothing set
     finally: set_optimize_ddp(old)
+
+def test_ddp_compiled_autograd_chooses_the_python_reducer_for_the_fit_only(monkeypatch):
+    from fastxtend_compile.callback import _DDPStrategy
+    from fastxtend_compile.internals import optimize_ddp, python_reducer_settings
+    before = (optimize_ddp(), python_reducer_settings())
+    strategy = _DDPStrategy(False, True)
+    strategy.before_wrap() # One process: no DDP to wrap the model
+    assert optimize_ddp() == before[0]
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    strategy.before_wrap()
+    assert optimize_ddp() == 'python_reducer' # What DDP reads as it wraps the model
+    assert strategy.set(_ddp(True)) is False and strategy.in_backward
+    strategy.restore()
+    assert (optimize_ddp(), python_reducer_settings()) == before and not strategy.in_backward
+    strategy.before_wrap() # DDP wrapped the model before the fit, with its bucketed reducer: said, and graphs stay whole
+    with pytest.warns(UserWarning, match="ddp_compiled_autograd=True, but DDP wrapped the model before the fit"):
+        assert strategy.set(_ddp(False)) is False and not strategy.in_backward
+    strategy.restore()
+    assert (optimize_ddp(), python_reducer_settings()) == before

@@ -147,3 +147,32 @@ def test_ddp_split_note_is_recognised():
     finally: ddp_split_logger.removeHandler(h); ddp_split_logger.setLevel(level)
     assert [ddp_split_pieces(r) for r in notes][:1] == [3]
     assert ddp_split_pieces(logging.makeLogRecord(dict(msg='something else', args=()))) is None
+
+def test_python_reducer_is_seen_and_what_it_changes_is_restored():
+    import socket
+    from torch.nn.parallel import DistributedDataParallel
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+    torch.distributed.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1)
+    old, saved = optimize_ddp(), python_reducer_settings()
+    try:
+        assert not uses_python_reducer(DistributedDataParallel(nn.Linear(2, 2)))
+        set_optimize_ddp('python_reducer')
+        ddp = DistributedDataParallel(nn.Linear(2, 2)) # DDP reads the setting as it wraps, and changes inductor's and TorchDynamo's
+        assert uses_python_reducer(ddp) and python_reducer_settings() != saved
+        restore_python_reducer_settings(saved)
+        assert python_reducer_settings() == saved
+    finally:
+        set_optimize_ddp(old)
+        restore_python_reducer_settings(saved)
+        torch.distributed.destroy_process_group()
+
+def test_compiled_autograd_compiles_the_backward():
+    torch.manual_seed(0)
+    lin, x = nn.Linear(4, 3), torch.randn(8, 4)
+    lin(x).square().mean().backward()
+    eager = [p.grad.clone() for p in lin.parameters()]
+    lin.zero_grad()
+    captures = compiled_autograd_captures()
+    with compiled_autograd(torch.compile(backend='eager')): lin(x).square().mean().backward()
+    assert compiled_autograd_captures() == captures + 1
+    for g,e in zip([p.grad for p in lin.parameters()], eager): torch.testing.assert_close(g, e)

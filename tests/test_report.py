@@ -228,3 +228,6 @@ def test_ddp_strategy_lines():
     r.ddp_pieces += [3, 2]
     assert r.ddp_strategy().endswith("`ddp_split=True`): 3, 2 piece(s) per graph") and r.ddp_strategy() in r.summary()
     assert 'DDP:' not in CompileReport().summary()
+    r = CompileReport(ddp_split=False, ddp_backward_graphs=2)
+    assert r.ddp_strategy() == ("DDP: whole graphs, each backward compiled by compiled autograd with DDP's all-reduces in its "
+                                "graph (DDP's Python reducer, `ddp_compiled_autograd=True`): 2 backward graph(s)")
