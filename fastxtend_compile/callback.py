@@ -20,7 +20,8 @@ from fastai.imports import noop # What `Learner.no_logging` sets `learn.logger` 
 from .core import *
 from .report import *
 from .internals import (compiled_call, optimize_ddp, set_optimize_ddp, uses_python_reducer, python_reducer_settings,
-                                         restore_python_reducer_settings, compiled_autograd, compiled_autograd_captures)
+                                         restore_python_reducer_settings, compiled_autograd, compiled_autograd_captures,
+                                         aot_autograd_cache, set_aot_autograd_cache)
 from .optimizer import compile_optimizer, uncompile_optimizer
 
 # %% auto #0
@@ -54,7 +55,7 @@ class _DDPStrategy:
             raise ValueError("Choose ddp_split=True or ddp_compiled_autograd=True, not both: compiled autograd needs DDP's Python "
                              "reducer, which replaces the buckets that ddp_split splits graphs at")
         self.split, self.compiled_autograd = split, compiled_autograd
-        self.old, self.old_reducer = None, None # What the fit changed, to restore
+        self.old, self.old_reducer, self.old_cache = None, None, None # What the fit changed, to restore
         self.in_backward = False # This fit's backwards run through compiled autograd, with DDP's all-reduces in their graphs
         self.captures = 0 # Backward graphs compiled autograd had captured in this process when the fit began
         self.backward = None # The compiled autograd context of the backward running
@@ -69,8 +70,13 @@ class _DDPStrategy:
         "Choose the strategy if DDP runs `model`: whether graphs are split; `None` without DDP or with a user's Python reducer"
         if not isinstance(model, DistributedDataParallel): return None
         if uses_python_reducer(model): # Graphs stay whole: the all-reduces are in compiled autograd's backward graphs
-            self.in_backward, self.captures = self.compiled_autograd, compiled_autograd_captures()
-            return False if self.compiled_autograd else None # Without it, the user's own compiled autograd set-up
+            if not self.compiled_autograd: return None # The user's own compiled autograd set-up
+            self.in_backward, self.captures = True, compiled_autograd_captures()
+            # A backward loaded from AOTAutograd's cache fails compiled autograd's trace ("Expected a value of type 'Tensor'
+            # ... found type 'Proxy'", torch 2.11): compile the forward afresh in this fit (inductor's cache still serves)
+            self.old_cache = aot_autograd_cache()
+            set_aot_autograd_cache(False)
+            return False
         if self.compiled_autograd:
             warnings.warn("ddp_compiled_autograd=True, but DDP wrapped the model before the fit, with its bucketed reducer: "
                           "the graphs stay whole and the gradients are all-reduced after the backward")
@@ -98,7 +104,8 @@ class _DDPStrategy:
         self.in_backward = False
         if self.old is not None: set_optimize_ddp(self.old)
         if self.old_reducer is not None: restore_python_reducer_settings(self.old_reducer)
-        self.old, self.old_reducer = None, None
+        if self.old_cache is not None: set_aot_autograd_cache(self.old_cache)
+        self.old, self.old_reducer, self.old_cache = None, None, None
 
 # %% ../nbs/02_callback.ipynb #68817f12
 class CompilerCallback(Callback):
@@ -193,6 +200,8 @@ class CompilerCallback(Callback):
         if self.compiled_model is None or self.compiled_model() is not get_model(self.learn.model): self._compile()
         eager = self.training and self._measures_eager()
         one_off = self.learn.iter == self.learn.n_iter - 1 # The last batch, often smaller: not worth a graph of its own
+        # Not in training when compiled autograd runs the backwards: an eager backward would all-reduce each gradient alone
+        one_off &= not (self.training and self.ddp.in_backward)
         if eager or one_off: self._mark_calls(eager, one_off)
         self.compile_recorder.batch_start(self.training, self.learn.xb, eager)
 
@@ -223,8 +232,7 @@ class CompilerCallback(Callback):
             if p.requires_grad and p.grad is None: p.grad = torch.zeros_like(p)
 
     def before_backward(self):
-        # A forward run eagerly (a one-off shape) has an eager backward: DDP's hooks all-reduce its gradients one by one
-        if self.active and not self.marked: self.ddp.enter_backward(self.backward_compiler)
+        if self.active: self.ddp.enter_backward(self.backward_compiler)
 
     def after_backward(self): self.ddp.exit_backward()
 

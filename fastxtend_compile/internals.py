@@ -16,9 +16,9 @@ __all__ = ['recompile_limit_logger', 'ddp_split_logger', 'own_function', 'set_co
            'is_optimized_module', 'graph_break_error', 'add_compile_callbacks', 'remove_compile_callbacks',
            'recompile_limit_hit', 'compilation_metrics', 'graph_break_count', 'graphs_compiled', 'hook_dicts',
            'optimize_ddp', 'set_optimize_ddp', 'ddp_split_pieces', 'uses_python_reducer', 'python_reducer_settings',
-           'restore_python_reducer_settings', 'compiled_autograd', 'compiled_autograd_captures', 'without_dynamo_marks',
-           'fused_kernel_devices', 'dynamo_supported', 'inductor_cxx', 'inductor_options', 'explain',
-           'inductor_cache_dir', 'cpp_kernel_files']
+           'restore_python_reducer_settings', 'compiled_autograd', 'aot_autograd_cache', 'set_aot_autograd_cache',
+           'compiled_autograd_captures', 'without_dynamo_marks', 'fused_kernel_devices', 'dynamo_supported',
+           'inductor_cxx', 'inductor_options', 'explain', 'inductor_cache_dir', 'cpp_kernel_files']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
 def own_function(f:Callable, name:str)->Callable:
@@ -126,6 +126,14 @@ def compiled_autograd(compiler:Callable):
     "A context in which each backward is traced by compiled autograd, its graph compiled by `compiler`"
     from torch._dynamo import compiled_autograd as ca
     return ca._enable(compiler)
+
+def aot_autograd_cache()->bool:
+    "Whether AOTAutograd caches compiled forward and backward graphs across processes"
+    return torch._functorch.config.enable_autograd_cache
+
+def set_aot_autograd_cache(enabled:bool):
+    "Turn AOTAutograd's cache on or off: compiled autograd cannot trace a backward it loaded (torch 2.11)"
+    torch._functorch.config.enable_autograd_cache = enabled
 
 def compiled_autograd_captures()->int:
     "How many backward graphs compiled autograd has captured in this process"
