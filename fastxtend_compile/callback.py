@@ -95,11 +95,13 @@ class _DDPStrategy:
         self.backward.__enter__()
 
     def exit_backward(self):
+        "Leave compiled autograd once the backward is done"
         if self.backward is None: return
         backward, self.backward = self.backward, None
         backward.__exit__(None, None, None)
 
     def restore(self):
+        "Put back what the fit changed"
         self.exit_backward()
         self.in_backward = False
         if self.old is not None: set_optimize_ddp(self.old)

@@ -116,7 +116,8 @@ def compiled_autograd(world, model_kind, backend):
     from torch._inductor import config as inductor_config
     from torch._dynamo import trace_rules
     settings = lambda: (torch._dynamo.config.optimize_ddp, inductor_config._fuse_ddp_communication,
-                        'torch.nn.parallel.distributed' in trace_rules.LEGACY_MOD_INLINELIST)
+                        'torch.nn.parallel.distributed' in trace_rules.LEGACY_MOD_INLINELIST,
+                        torch._functorch.config.enable_autograd_cache)
     before, captures = settings(), torch._dynamo.utils.counters['compiled_autograd']['captures']
     learn = fit(world, model_kind, backend, epochs=1, ddp_compiled_autograd=True)
     r = learn.compiler.report

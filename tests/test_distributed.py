@@ -100,7 +100,7 @@ def test_ddp_compiled_autograd_traces_the_all_reduce_and_trains_the_same(runs):
         assert ("DDP: whole graphs, each backward compiled by compiled autograd with DDP's all-reduces in its graph (DDP's "
                 f"Python reducer, `ddp_compiled_autograd=True`): {r['ca_captures']} backward graph(s)") in r['ca_summary']
         before, after = r['ca_settings'] # TorchDynamo's and inductor's settings, which DDP's Python reducer changes, restored
-        assert before == after == (True, False, False), r['ca_settings']
+        assert before == after == (True, False, False, True), r['ca_settings']
     # Without DDP there is nothing to all-reduce: the backwards run as they do without the option
     assert single['ca_captures'] == 0 and single['ca_backward_graphs'] is None and 'DDP:' not in single['ca_summary']
     for k,v in single['ca_params'].items():
@@ -152,8 +152,8 @@ def test_ddp_strategy_leaves_a_users_python_reducer_alone():
 
 def test_ddp_compiled_autograd_chooses_the_python_reducer_for_the_fit_only(monkeypatch):
     from fastxtend_compile.callback import _DDPStrategy
-    from fastxtend_compile.internals import optimize_ddp, python_reducer_settings
-    before = (optimize_ddp(), python_reducer_settings())
+    from fastxtend_compile.internals import optimize_ddp, python_reducer_settings, aot_autograd_cache
+    before = (optimize_ddp(), python_reducer_settings(), aot_autograd_cache())
     strategy = _DDPStrategy(False, True)
     strategy.before_wrap() # One process: no DDP to wrap the model
     assert optimize_ddp() == before[0]
@@ -161,10 +161,11 @@ def test_ddp_compiled_autograd_chooses_the_python_reducer_for_the_fit_only(monke
     strategy.before_wrap()
     assert optimize_ddp() == 'python_reducer' # What DDP reads as it wraps the model
     assert strategy.set(_ddp(True)) is False and strategy.in_backward
+    assert not aot_autograd_cache() # Compiled autograd cannot trace a backward loaded from it (torch 2.11)
     strategy.restore()
-    assert (optimize_ddp(), python_reducer_settings()) == before and not strategy.in_backward
+    assert (optimize_ddp(), python_reducer_settings(), aot_autograd_cache()) == before and not strategy.in_backward
     strategy.before_wrap() # DDP wrapped the model before the fit, with its bucketed reducer: said, and graphs stay whole
     with pytest.warns(UserWarning, match="ddp_compiled_autograd=True, but DDP wrapped the model before the fit"):
         assert strategy.set(_ddp(False)) is False and not strategy.in_backward
     strategy.restore()
-    assert (optimize_ddp(), python_reducer_settings()) == before
+    assert (optimize_ddp(), python_reducer_settings(), aot_autograd_cache()) == before

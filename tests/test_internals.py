@@ -176,3 +176,12 @@ def test_compiled_autograd_compiles_the_backward():
     with compiled_autograd(torch.compile(backend='eager')): lin(x).square().mean().backward()
     assert compiled_autograd_captures() == captures + 1
     for g,e in zip([p.grad for p in lin.parameters()], eager): torch.testing.assert_close(g, e)
+
+def test_aot_autograd_cache_is_set_and_read():
+    old = aot_autograd_cache()
+    try:
+        set_aot_autograd_cache(False)
+        assert torch._functorch.config.enable_autograd_cache is False and not aot_autograd_cache()
+        set_aot_autograd_cache(True)
+        assert aot_autograd_cache()
+    finally: set_aot_autograd_cache(old)
