@@ -166,7 +166,8 @@ class CompilerCallback(Callback):
         self.compile_recorder.model_name = type(inner_model(model)).__name__
         self.compile_recorder.show = self._show
         sync = partial(torch.cuda.synchronize, device) if device.type == 'cuda' else None
-        self.compile_recorder.start(sync, ddp_split=self.ddp.set(model))
+        split = self.ddp.set(model)
+        self.compile_recorder.start(sync, ddp_split=split, compiled_backward=self.ddp.in_backward)
         self.backward_compiler = partial(torch.compile, **{k: self.settings[k] for k in ('backend', 'mode', 'options')})
         train = self.learn.dls.train # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
         self.report.epoch_steps, self.report.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)

@@ -121,6 +121,8 @@ class CompileReport:
     def payoff(self)->str:
         "Whether compiling paid: the compiled step against the eager one, and the epochs that pay back the compile"
         comp, eager = self.compiled_step, self.eager_step
+        if comp is not None and eager is None and self.ddp_backward_graphs is not None:
+            return "payoff: not measured (with `ddp_compiled_autograd` an eager backward would all-reduce each gradient alone)"
         if comp is None or eager is None: return "payoff: not measured (the fit ran too few compiled training batches)"
         line = f"compiled step {_ms(comp)} against {_ms(eager)} eager"
         if comp > 0.95*eager: return f"did not pay: {line}: the compiled model is not measurably faster here"
@@ -201,6 +203,7 @@ class CompileRecorder:
         self.phase_shapes = {} # Input shapes compiled for, by phase (training or not): TorchDynamo names one guard
         self.ddp_log_level = None # `ddp_split_logger`'s own level, to restore, while its notes of DDP splits are counted
         self.ddp_shown = logging.WARNING # The lowest level `ddp_split_logger` showed before its notes were counted
+        self.compiled_backward = False # Compiled autograd compiles the backwards (`ddp_compiled_autograd`)
 
     def __getstate__(self): return {**self.__dict__, 'log_handler': None, 'show': None} # Handlers hold locks
 
@@ -211,8 +214,10 @@ class CompileRecorder:
     def start(self,
         sync:Callable|None=None, # Waits for the device, where its work is asynchronous
         ddp_split:bool|None=None, # Under DDP, whether graphs are split at DDP's gradient buckets; `None` without DDP
+        compiled_backward:bool=False, # Compiled autograd compiles the backwards (`ddp_compiled_autograd`)
     ):
         "Start recording compiles"
+        self.compiled_backward = compiled_backward
         self.report.ddp_split = ddp_split
         if ddp_split: # DDPOptimizer notes how it split each graph at INFO level: count its notes, show only what showed before
             self.ddp_log_level = ddp_split_logger.level
@@ -267,6 +272,7 @@ class CompileRecorder:
         if filename == _entry_file: return co_name.removesuffix('_call') # A `compiled_entry`, named after the model's class
         if filename.startswith(_torch_dir): return self.model_name
         if co_name == '_foreach_step' and filename.endswith('optimizer.py'): return 'optimizer step'
+        if self.compiled_backward and filename.startswith('<eval_with_key>'): return 'backward (compiled autograd)' # Its FX graph
         return f"{co_name} ({filename}:{line})"
 
     def _reason(self, raw:str, during:str)->str:

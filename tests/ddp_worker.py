@@ -121,7 +121,7 @@ def compiled_autograd(world, model_kind, backend):
     before, captures = settings(), torch._dynamo.utils.counters['compiled_autograd']['captures']
     learn = fit(world, model_kind, backend, epochs=1, ddp_compiled_autograd=True)
     r = learn.compiler.report
-    return dict(ca_summary=r.summary(), ca_backward_graphs=r.ddp_backward_graphs, ca_split=r.ddp_split,
+    return dict(ca_summary=r.summary(), ca_backward_graphs=r.ddp_backward_graphs, ca_split=r.ddp_split, ca_events=events(r),
                 ca_captures=torch._dynamo.utils.counters['compiled_autograd']['captures'] - captures,
                 ca_settings=(before, settings()), ca_params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
 

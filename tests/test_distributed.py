@@ -97,6 +97,10 @@ def test_ddp_compiled_autograd_traces_the_all_reduce_and_trains_the_same(runs):
     ranks, single = runs
     for r in ranks: # Compiled autograd compiled the backwards, DDP's all-reduces inside them, and the report says how many
         assert r['ca_captures'] >= 1 and r['ca_backward_graphs'] == r['ca_captures'] and r['ca_split'] is False
+        backwards = [e for e in r['ca_events'] if e['frame'] == 'backward (compiled autograd)']
+        assert len(backwards) == r['ca_captures'] # Named as such, beside the graphs a compiled fit always has
+        assert [e['frame'] for e in r['ca_events'] if e not in backwards] == ['Sequential', 'optimizer step', 'Sequential']
+        assert "payoff: not measured (with `ddp_compiled_autograd` an eager backward" in r['ca_summary']
         assert ("DDP: whole graphs, each backward compiled by compiled autograd with DDP's all-reduces in its graph (DDP's "
                 f"Python reducer, `ddp_compiled_autograd=True`): {r['ca_captures']} backward graph(s)") in r['ca_summary']
         before, after = r['ca_settings'] # TorchDynamo's and inductor's settings, which DDP's Python reducer changes, restored

@@ -231,3 +231,9 @@ def test_ddp_strategy_lines():
     r = CompileReport(ddp_split=False, ddp_backward_graphs=2)
     assert r.ddp_strategy() == ("DDP: whole graphs, each backward compiled by compiled autograd with DDP's all-reduces in its "
                                 "graph (DDP's Python reducer, `ddp_compiled_autograd=True`): 2 backward graph(s)")
+
+def test_payoff_not_measured_under_compiled_autograd_says_why():
+    r = CompileReport(batch_times=[(0.01, False)]*4, ddp_backward_graphs=1)
+    assert r.payoff() == "payoff: not measured (with `ddp_compiled_autograd` an eager backward would all-reduce each gradient alone)"
+    assert r.payoff() in r.summary()
+    assert CompileReport(batch_times=[(0.01, False)]*4).payoff() == "payoff: not measured (the fit ran too few compiled training batches)"
