@@ -188,7 +188,9 @@ class CompilerCallback(Callback):
 
     def before_ddp_wraps(self):
         "Called by `Learner.fit` before any callback: what DDP reads as it wraps the model for the fit"
-        if not self._frozen_runs_eagerly(): self.ddp.before_wrap()
+        # Not for a fit that will run eagerly: DDP's Python reducer would all-reduce each gradient of an eager backward alone
+        if self._frozen_runs_eagerly() or cannot_compile_reason(self.settings['backend'], self.learn.dls.device): return
+        self.ddp.before_wrap()
 
     def after_freeze(self):
         "Called by `Learner.freeze_to` when parameters' `requires_grad` changed"

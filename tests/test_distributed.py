@@ -173,3 +173,23 @@ def test_ddp_compiled_autograd_chooses_the_python_reducer_for_the_fit_only(monke
         assert strategy.set(_ddp(False)) is False and not strategy.in_backward
     strategy.restore()
     assert (optimize_ddp(), python_reducer_settings(), aot_autograd_cache()) == before
+
+def test_ddp_compiled_autograd_not_chosen_for_a_fit_that_runs_eagerly(monkeypatch):
+    "DDP's Python reducer all-reduces each gradient of an eager backward alone: not chosen where the model won't compile"
+    import shutil
+    from fastai.learner import Learner
+    from fastxtend_compile import CompilerCallback
+    from fastxtend_compile.internals import optimize_ddp
+    from conftest import digits_dls, two_conv_cnn
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    before = optimize_ddp()
+    learn = Learner(digits_dls().cpu(), two_conv_cnn()).compile(ddp_compiled_autograd=True)
+    monkeypatch.setattr(shutil, 'which', lambda name: None) # No C++ compiler: inductor cannot compile for the CPU
+    learn.compiler.before_ddp_wraps()
+    assert optimize_ddp() == before
+    monkeypatch.undo()
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    learn.compiler.before_ddp_wraps() # It can: chosen, until the fit's end restores it
+    assert optimize_ddp() == 'python_reducer'
+    learn.compiler.restore()
+    assert optimize_ddp() == before
