@@ -13,15 +13,15 @@ from torch.nn.parallel import DistributedDataParallel
 from fastcore.basics import store_attr, patch
 from fastcore.meta import delegates
 from fastai.callback.core import Callback
-from fastai.torch_core import get_model, rank_distrib, num_distrib
+from fastai.torch_core import get_model, rank_distrib, num_distrib, default_device
 from fastai.learner import Learner
 from fastai.imports import noop # What `Learner.no_logging` sets `learn.logger` to
 
 from .core import *
 from .report import *
-from .internals import (compiled_call, optimize_ddp, set_optimize_ddp, uses_python_reducer, python_reducer_settings,
-                                         restore_python_reducer_settings, compiled_autograd, compiled_autograd_captures,
-                                         aot_autograd_cache, set_aot_autograd_cache)
+from .internals import (
+    compiled_call, optimize_ddp, set_optimize_ddp, uses_python_reducer, python_reducer_settings, restore_python_reducer_settings,
+    compiled_autograd, compiled_autograd_captures, aot_autograd_cache, set_aot_autograd_cache)
 from .optimizer import compile_optimizer, uncompile_optimizer
 
 # %% auto #0
@@ -188,8 +188,10 @@ class CompilerCallback(Callback):
 
     def before_ddp_wraps(self):
         "Called by `Learner.fit` before any callback: what DDP reads as it wraps the model for the fit"
+        if not self.ddp.compiled_autograd: return
         # Not for a fit that will run eagerly: DDP's Python reducer would all-reduce each gradient of an eager backward alone
-        if self._frozen_runs_eagerly() or cannot_compile_reason(self.settings['backend'], self.learn.dls.device): return
+        device = getattr(self.learn.dls, 'device', default_device()) # Where fastai's `TrainEvalCallback` puts the model
+        if self._frozen_runs_eagerly() or cannot_compile_reason(self.settings['backend'], device): return
         self.ddp.before_wrap()
 
     def after_freeze(self):

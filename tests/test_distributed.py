@@ -193,3 +193,19 @@ def test_ddp_compiled_autograd_not_chosen_for_a_fit_that_runs_eagerly(monkeypatc
     assert optimize_ddp() == 'python_reducer'
     learn.compiler.restore()
     assert optimize_ddp() == before
+
+def test_ddp_compiled_autograd_with_torch_dataloaders(monkeypatch):
+    "fastai trains from plain torch DataLoaders, which have no `device`: the model goes to fastai's default device"
+    from torch.utils.data import DataLoader, TensorDataset
+    from fastai.data.core import DataLoaders
+    from fastai.learner import Learner
+    from fastxtend_compile.internals import optimize_ddp
+    ds = TensorDataset(torch.randn(16, 2), torch.randn(16, 1))
+    learn = Learner(DataLoaders(DataLoader(ds, batch_size=4), DataLoader(ds, batch_size=4)), torch.nn.Linear(2, 1),
+                    loss_func=torch.nn.MSELoss()).compile(backend='aot_eager', ddp_compiled_autograd=True)
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    before = optimize_ddp()
+    learn.compiler.before_ddp_wraps()
+    assert optimize_ddp() == 'python_reducer'
+    learn.compiler.restore()
+    assert optimize_ddp() == before
