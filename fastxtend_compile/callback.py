@@ -144,7 +144,8 @@ class CompilerCallback(Callback):
         self.trained = False # This fit ran a training batch
         self.cudagraph_grads = False # Gradients must be memory of their own, not the output of a CUDA graph
         self.marked = False # The model's compiled calls were told to run this batch eagerly, or that it is a one-off
-        self.backward_compiler = None # Compiles compiled autograd's backward graphs, with `ddp_compiled_autograd`
+        # Compiles compiled autograd's backward graphs, with `ddp_compiled_autograd`
+        self.backward_compiler = partial(torch.compile, **{k: self.settings[k] for k in ('backend', 'mode', 'options')})
 
     def __getstate__(self): return {**self.__dict__, 'compiled_model': None} # A copy compiles its model afresh
 
@@ -168,7 +169,6 @@ class CompilerCallback(Callback):
         sync = partial(torch.cuda.synchronize, device) if device.type == 'cuda' else None
         split = self.ddp.set(model)
         self.compile_recorder.start(sync, ddp_split=split, compiled_backward=self.ddp.in_backward)
-        self.backward_compiler = partial(torch.compile, **{k: self.settings[k] for k in ('backend', 'mode', 'options')})
         train = self.learn.dls.train # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
         self.report.epoch_steps, self.report.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)
         self.precision.set(device)
