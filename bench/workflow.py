@@ -18,6 +18,10 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
     compile-saved learn.compile() in a new process with a fresh cache dir, after learn.load_compile_cache() of the file
                   compile-cold saved with learn.save_compile_cache(): a warm start on another machine
     compile-ro    learn.compile(mode='reduce-overhead') (CUDA graphs), fresh cache dir; CUDA only
+    regional-cold learn.compile(regional=True): only the repeated blocks (ResNet's residual blocks, transformer
+                  layers), each compiled once for its twins; fresh cache dir
+    regional-warm the same in a new process reusing regional-cold's cache dir
+    regional-saved the same in a new process with a fresh cache dir, after learn.load_compile_cache() of regional-cold's
 
     python bench/workflow.py --workflows vision,vision-big,tabular,text --arms eager,compile-cold,compile-warm,compile-ro --out DIR
     python bench/workflow.py --smoke --out /tmp/wf-smoke     # CI: every workflow, tiny, on the CPU
@@ -32,9 +36,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-ARMS = ('eager', 'compile-cold', 'compile-warm', 'compile-saved', 'compile-ro')
-ARM_MODE = {'eager': None, 'compile-cold': 'default', 'compile-warm': 'default', 'compile-saved': 'default', 'compile-ro': 'reduce-overhead'}
-AFTER_COLD = ('compile-warm', 'compile-saved') # Arms that start from what a compile-cold run left
+ARMS = ('eager', 'compile-cold', 'compile-warm', 'compile-saved', 'compile-ro', 'regional-cold', 'regional-warm', 'regional-saved')
+ARM_MODE = {'eager': None, 'compile-cold': 'default', 'compile-warm': 'default', 'compile-saved': 'default', 'compile-ro': 'reduce-overhead',
+            'regional-cold': 'default', 'regional-warm': 'default', 'regional-saved': 'default'}
+ARM_KWARGS = {a: dict(regional=True) for a in ARMS if a.startswith('regional')} # learn.compile arguments of an arm
+COLD_OF = {'compile-warm': 'compile-cold', 'compile-saved': 'compile-cold', # Arms that start from what a cold run left
+           'regional-warm': 'regional-cold', 'regional-saved': 'regional-cold'}
+AFTER_COLD = tuple(COLD_OF)
 
 # Sizes: `gpu` is the default, `smoke` a tiny CPU check of the same code paths. `--config` overrides either.
 WORKFLOWS = {
@@ -273,7 +281,7 @@ def child(spec:dict)->dict:
     learn.add_cbs([start, end])
     mode = ARM_MODE[arm]
     if mode is not None:
-        kw = dict(spec.get('compile_kwargs') or {})
+        kw = dict(spec.get('compile_kwargs') or {}, **ARM_KWARGS.get(arm, {}))
         if spec.get('backend'): kw['backend'] = spec['backend']
         if mode != 'default': kw['mode'] = mode
         learn.compile(**kw)
@@ -334,7 +342,7 @@ def plan(workflows, arms, repeat, smoke_default=False)->list:
         for rep in range(repeat):
             for a in ARMS:
                 if a in AFTER_COLD and w not in warm_for: continue
-                if a not in arms and not (a == 'compile-cold' and set(AFTER_COLD) & set(arms)): continue
+                if a not in arms and not any(COLD_OF.get(x) == a for x in arms): continue
                 jobs.append((w, a, rep))
     return jobs
 
@@ -349,16 +357,16 @@ def run_job(args, job, spec_base, caches:dict, tmp:Path, log)->dict:
     w, arm, rep = job
     if arm == 'compile-ro' and args.device != 'cuda':
         return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason="reduce-overhead (CUDA graphs) needs a GPU")
-    if arm in AFTER_COLD and (w, rep) not in caches:
-        return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason='its compile-cold run did not run')
-    if arm == 'compile-warm': cache = caches[(w, rep)]
+    if arm in AFTER_COLD and (w, COLD_OF[arm], rep) not in caches:
+        return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason=f'its {COLD_OF[arm]} run did not run')
+    if arm.endswith('-warm'): cache = caches[(w, COLD_OF[arm], rep)]
     else:
         cache = Path(tempfile.mkdtemp(prefix=f'{w}-{arm}-{rep}-', dir=tmp))
-        if arm == 'compile-cold': caches[(w, rep)] = cache
+        if arm.endswith('-cold'): caches[(w, arm, rep)] = cache
     spec = dict(spec_base[w], arm=arm, repeat=rep)
-    saved = tmp/f'{w}-{rep}' # compile-cold saves its compile cache as this `.compile` file, compile-saved loads it
-    if arm == 'compile-cold': spec['save_cache'] = str(saved)
-    if arm == 'compile-saved': spec['load_cache'] = str(saved)
+    # A cold arm saves its compile cache as a `.compile` file, which its saved arm loads
+    if arm.endswith('-cold'): spec['save_cache'] = str(tmp/f'{w}-{arm}-{rep}')
+    if arm.endswith('-saved'): spec['load_cache'] = str(tmp/f'{w}-{COLD_OF[arm]}-{rep}')
     spec_path, result = tmp/f'{w}-{arm}-{rep}.spec.json', tmp/f'{w}-{arm}-{rep}.json'
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache/'triton'), PYTHONUNBUFFERED='1')
@@ -420,7 +428,8 @@ def render_md(data)->str:
         L.append("")
     if smoke: L += ["**CPU smoke run: tiny sizes, timings mean nothing.**", ""]
     L.append(f"`python bench/workflow.py {' '.join(meta.get('argv', []))}`. Each arm is a process of its own; *compile-cold* and "
-             "*compile-ro* start with an empty `TORCHINDUCTOR_CACHE_DIR`, *compile-warm* reuses compile-cold's; *compile-saved* starts empty too, after `learn.load_compile_cache()` of the file compile-cold saved. "
+             "*compile-ro* start with an empty `TORCHINDUCTOR_CACHE_DIR`, *compile-warm* reuses compile-cold's; *compile-saved* starts empty too, after `learn.load_compile_cache()` of the file compile-cold saved; "
+             "*regional-cold*, *regional-warm* and *regional-saved* are the same with `learn.compile(regional=True)`. "
              "**total**: the fit's wall time (`fine_tune` or `fit_one_cycle`, synchronized at its end). **steady epoch**: median "
              "wall time of the last fit's epochs after its first (the first carries the compile), training and validation. "
              "**DataLoader share**: host time between one training batch's `after_batch` and the next one's `before_batch` "

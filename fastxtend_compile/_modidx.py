@@ -132,6 +132,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                         'fastxtend_compile.core._retyped': ('core.html#_retyped', 'fastxtend_compile/core.py'),
                                         'fastxtend_compile.core._shapes': ('core.html#_shapes', 'fastxtend_compile/core.py'),
                                         'fastxtend_compile.core._stripped': ('core.html#_stripped', 'fastxtend_compile/core.py'),
+                                        'fastxtend_compile.core._twins': ('core.html#_twins', 'fastxtend_compile/core.py'),
                                         'fastxtend_compile.core.cannot_compile_reason': ( 'core.html#cannot_compile_reason',
                                                                                           'fastxtend_compile/core.py'),
                                         'fastxtend_compile.core.check_backend': ('core.html#check_backend', 'fastxtend_compile/core.py'),

@@ -296,15 +296,24 @@ def is_compiled(
     "Whether `model` is compiled, in place or wrapped by `torch.compile`"
     return compiled_settings(model) is not None
 
+_containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+def _twins(model:nn.Module, containers:bool)->list:
+    "The largest blocks of a class that repeat among a `ModuleList`'s or `Sequential`'s children; plain containers too if `containers`"
+    kids = list(model.children())
+    if isinstance(model, (nn.ModuleList, nn.Sequential)):
+        counts = Counter(type(k) for k in kids
+                         if next(k.children(), None) is not None and (containers or type(k) not in _containers))
+        if any(n > 1 for n in counts.values()): return [k for k in kids if counts[type(k)] > 1]
+    return [b for k in kids for b in _twins(k, containers)]
+
 def repeated_blocks(
     model:nn.Module, # Model to search for blocks of the same class
 )->list:
-    "The largest blocks that repeat among the children of a `ModuleList` or `Sequential`, such as a transformer's layers"
-    kids = list(model.children())
-    if isinstance(model, (nn.ModuleList, nn.Sequential)):
-        counts = Counter(type(k) for k in kids if next(k.children(), None) is not None)
-        if any(n > 1 for n in counts.values()): return [k for k in kids if counts[type(k)] > 1]
-    return [b for k in kids for b in repeated_blocks(k)]
+    "The largest blocks that repeat among the children of a `ModuleList` or `Sequential`: a transformer's layers, a ResNet's"
+    # Plain containers lay a model out (fastai's `vision_learner` is `Sequential(body, head)`, a ResNet's stages are
+    # `Sequential`s): they are blocks only where nothing inside them repeats
+    return _twins(model, containers=False) or _twins(model, containers=True)
 
 def compile_model(
     model:nn.Module, # Model to compile in place
@@ -319,8 +328,12 @@ def compile_model(
         return model
     blocks = repeated_blocks(model)
     if not blocks: raise ValueError(f"regional=True, but {type(model).__name__} has no repeated blocks (children of a ModuleList or Sequential of the same class) to compile")
-    entries = {} # Blocks of a class share their compiled functions, so each twin reuses the first one's graphs
-    for b in blocks: set_compiled_call(b, CompiledCall(b, entries.setdefault(type(b), {}), on_refused=on_refused, **settings))
+    # Twins, blocks of a class with parameters of the same shapes, share their compiled functions: each reuses the first
+    # one's graphs. Twins of other shapes (a ResNet's stages) get functions of their own, and recompile limits of their own
+    entries = {}
+    for b in blocks:
+        twins = entries.setdefault((type(b), tuple(p.shape for p in b.parameters())), {})
+        set_compiled_call(b, CompiledCall(b, twins, on_refused=on_refused, **settings))
     return model
 
 def uncompile_model(
