@@ -13,8 +13,8 @@ def run(a):
     from fastxtend_compile import CompilerCallback
     x = TensorImage(torch.randn(64, 3, 128, 128, device='cuda'))
     y = TensorCategory(torch.randint(0, 5, (64,), device='cuda'))
-    dl = TfmdDL([(x, y)] * 12, bs=None, device='cuda')
-    dls = DataLoaders(dl, TfmdDL([(x, y)] * 2, bs=None, device='cuda'))
+    dl = TfmdDL([(x, y)] * 12, bs=None, num_workers=0, device='cuda')
+    dls = DataLoaders(dl, TfmdDL([(x, y)] * 2, bs=None, num_workers=0, device='cuda'))
     dls.c = 5
     learn = vision_learner(dls, resnet34, pretrained=False, n_out=5, loss_func=CrossEntropyLossFlat()).to_bf16()
     learn.unfreeze()

@@ -54,9 +54,10 @@ def body_head_splitter(m): return L(m[0], m[1]).map(params)
 EAGER_PRECISION = dict(matmul_precision='highest')
 # How close a compiled fit ends to the same seeded eager one. On the CPU: float rounding. On a CUDA GPU the compiled graph
 # runs other kernels than eager (BatchNorm's, the optimizer's fused step) and Adam amplifies their rounding over a fit;
-# a frozen or skipped update still shows, as one step of lr 1e-2 moves a weight by ~1e-2
+# a frozen or skipped update still shows, as one step of lr 1e-2 moves a weight by ~1e-2. Gradients drift with the weights:
+# after a few SGD steps at lr 0.1, the compiled convolutions' gradients are up to 4e-4 from eager's on an H200 (torch 2.11)
 FIT_TOL = dict(rtol=1e-2, atol=2e-3) if torch.cuda.is_available() else dict(rtol=1e-4, atol=1e-4)
-GRAD_TOL = dict(rtol=1e-2, atol=2e-4) if torch.cuda.is_available() else dict(rtol=1e-4, atol=1e-5)
+GRAD_TOL = dict(rtol=1e-2, atol=1e-3) if torch.cuda.is_available() else dict(rtol=1e-4, atol=1e-5)
 
 @pytest.fixture(scope='session')
 def digits(): return digits_dls()
