@@ -352,6 +352,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                      'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report.CompileEvent.__str__': ( 'report.html#compileevent.__str__',
                                                                                              'fastxtend_compile/report.py'),
+                                          'fastxtend_compile.report.CompileEvent.text': ( 'report.html#compileevent.text',
+                                                                                          'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report.CompileRecorder': ( 'report.html#compilerecorder',
                                                                                         'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report.CompileRecorder.__getstate__': ( 'report.html#compilerecorder.__getstate__',

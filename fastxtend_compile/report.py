@@ -61,10 +61,13 @@ class CompileEvent:
     raw_reason:str='' # TorchDynamo's own reason
     during:str='' # When it happened: 'training batch 1', 'validation'...
 
-    def __str__(self):
+    def text(self, times:int=1, seconds:float|None=None)->str:
+        "The event as a line, or as `times` alike events (same kind, frame, moment and reason) that took `seconds` in all"
         when = f' during {self.during}' if self.during else ''
+        took = f"{self.seconds:.2f}s" if times == 1 else f"{times} times, {seconds:.2f}s in all"
         why = f': {self.reason}' if self.reason else ''
-        return f"{self.kind} of {self.frame}{when}, {self.seconds:.2f}s{why}"
+        return f"{self.kind} of {self.frame}{when}, {took}{why}"
+    def __str__(self): return self.text()
 
 # %% ../nbs/01_report.ipynb #77cd4273
 def _ms(s:float)->str: return f"{s*1e3:.1f} ms"
@@ -151,7 +154,10 @@ class CompileReport:
         "The report as a few readable lines"
         lines = [f"torch.compile: {self.graphs} graph(s) compiled in {self.compile_seconds:.1f}s, "
                  f"{self.graph_breaks} graph break(s), {len(self.recompiles)} recompile(s), {len(self.fallbacks)} eager fallback(s)"]
-        lines += [f"  {e}" for e in self.events if e.kind != 'compile']
+        alike = {} # A regional model's twins recompile alike: one line for them all
+        for e in self.events:
+            if e.kind != 'compile': alike.setdefault((e.kind, e.frame, e.during, e.reason), []).append(e)
+        lines += [f"  {es[0].text(len(es), sum(e.seconds for e in es))}" for es in alike.values()]
         lines += [f"  ran eagerly, a shape seen once and not worth a graph: {n} {'training' if grad else 'validation or inference'}"
                   f" call(s) with input {_shape_text(shapes)}" for ((grad, train), shapes), n in self.eager_calls.items()]
         if self.ddp_split is not None: lines.append(f"  {self.ddp_strategy()}")

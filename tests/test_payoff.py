@@ -14,6 +14,7 @@ from fastai.vision.data import ImageDataLoaders
 from fastai.vision.augment import Resize, aug_transforms
 from fastai.vision.learner import vision_learner
 from torchvision.models import resnet18
+from torchvision.models.resnet import BasicBlock
 import fastai.callback.schedule
 from fastxtend_compile import *
 from conftest import two_conv_cnn, digits_dls
@@ -50,6 +51,20 @@ def test_fine_tune_compiles_a_graph_per_phase_and_freeze_state(images, compile_f
     epochs = 2 + compile_frozen # The smaller last batch ran eagerly in each compiled validation
     assert r.num_workers == 0 and r.epoch_steps == len(learn.dls.train) # What the payoff and the DataLoader advice read
     assert r.eager_calls == {((False, False), ((n_valid % bs, 3, 32, 32),)): epochs}
+
+def test_regional_compiles_a_vision_learners_residual_blocks_once_per_shape_and_phase(images):
+    "vision_learner's model is `Sequential(body, head)`: `regional=True` compiles ResNet-18's residual blocks, not the two halves"
+    learn = image_learner(images, regional=True)
+    blocks = [m for m in learn.model.modules() if isinstance(m, BasicBlock)]
+    assert repeated_blocks(learn.model) == blocks
+    with learn.no_bar(), learn.no_logging(): learn.fine_tune(1)
+    assert all(is_compiled(b) for b in blocks) and not any(is_compiled(m) for m in (learn.model, *learn.model))
+    r = learn.compiler.report
+    # 8 blocks of 7 parameter shapes (4 stages; stages 2-4 open with a downsampling block): a training and an evaluation
+    # graph for each shape, twins of the same shape sharing theirs
+    assert r.graphs == 14 and len(r.recompiles) == 7 and not r.fallbacks, r
+    assert {e.frame for e in r.events} == {'BasicBlock'}
+    assert f"recompile of BasicBlock during validation, 7 times, {sum(e.seconds for e in r.recompiles):.2f}s in all: " in r.summary()
 
 def test_a_one_off_shape_runs_eagerly_and_compiles_when_seen_again(images):
     learn = image_learner(images)
