@@ -334,6 +334,10 @@ def compile_model(
     for b in blocks:
         twins = entries.setdefault((type(b), tuple(p.shape for p in b.parameters())), {})
         set_compiled_call(b, CompiledCall(b, twins, on_refused=on_refused, **settings))
+    if len(entries) == len(blocks):
+        warnings.warn(f"regional=True, but none of the {len(blocks)} repeated blocks of {type(model).__name__} has a twin with "
+                      "parameters of the same shapes, so each compiles alone: compiling the whole model (regional=False) "
+                      "makes fewer graphs", stacklevel=2)
     return model
 
 def uncompile_model(

@@ -158,8 +158,11 @@ class CompileReport:
         for e in self.events:
             if e.kind != 'compile': alike.setdefault((e.kind, e.frame, e.during, e.reason), []).append(e)
         lines += [f"  {es[0].text(len(es), sum(e.seconds for e in es))}" for es in alike.values()]
+        once = {} # A regional model's blocks each see a one-off batch at a shape of their own: one line for such shapes
+        for ((grad, train), shapes), n in self.eager_calls.items(): once.setdefault((grad, n), []).append(_shape_text(shapes))
         lines += [f"  ran eagerly, a shape seen once and not worth a graph: {n} {'training' if grad else 'validation or inference'}"
-                  f" call(s) with input {_shape_text(shapes)}" for ((grad, train), shapes), n in self.eager_calls.items()]
+                  f" call(s) " + (f"with input {s[0]}" if len(s) == 1 else f"with each of the inputs {'; '.join(s)}")
+                  for (grad, n), s in once.items()]
         if self.ddp_split is not None: lines.append(f"  {self.ddp_strategy()}")
         if self.batch_times: lines.append(f"  {self.payoff()}")
         if advice := self.data_advice(): lines.append(f"  {advice}")

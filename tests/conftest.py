@@ -44,7 +44,9 @@ def two_conv_cnn(n_out=10):
 
 def bn_cnn(n_out=10):
     "A body/head CNN with BatchNorm, split so it can be frozen"
-    body = nn.Sequential(nn.Conv2d(1,16,3,padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16,32,3,stride=2,padding=1), nn.ReLU())
+    # No bias before BatchNorm, as in fastai's `ConvLayer`: BatchNorm cancels it, so its gradient is rounding noise, exactly
+    # zero on some GPUs, and Adam leaves it unchanged (which tests that check every parameter trained would take for a bug)
+    body = nn.Sequential(nn.Conv2d(1,16,3,padding=1,bias=False), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16,32,3,stride=2,padding=1), nn.ReLU())
     head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, n_out))
     return nn.Sequential(body, head)
 
