@@ -11,7 +11,7 @@ import fastai.callback.schedule # fit_one_cycle, lr_find
 from fastai.torch_core import set_seed
 from fastai.metrics import accuracy
 from fastxtend_compile import *
-from conftest import two_conv_cnn, bn_cnn, body_head_splitter, digits_dls, EAGER_PRECISION, FIT_TOL
+from conftest import two_conv_cnn, bn_cnn, body_head_splitter, digits_dls, EAGER_PRECISION, assert_fit_close
 
 BACKEND = 'aot_eager' # Traces forward and backward like inductor without its C++ compile time; inductor runs below
 
@@ -53,7 +53,7 @@ def test_refreezing_trains_like_eager():
         return learn
     # The compiled optimizer step agrees with fastai's to float rounding, which three fits amplify: compare the model alone
     eager, comp = _fit_pair(lambda dls: Learner(dls, bn_cnn(), splitter=body_head_splitter), run=run, compile_opt=False)
-    for a,b in zip(eager.model.parameters(), comp.model.parameters()): torch.testing.assert_close(a, b, **FIT_TOL)
+    assert_fit_close(eager.model, comp.model)
 
 def test_gradients_between_steps_and_after_the_fit(digits):
     class Grads(Callback):
@@ -82,7 +82,7 @@ def test_freezing_inside_a_fit_trains_like_eager():
             if self.epoch == 0: self.learn.freeze()
     make = lambda dls: Learner(dls, bn_cnn(), splitter=body_head_splitter, cbs=FreezeAfterEpoch0(), wd=0.5)
     eager, comp = _fit_pair(make, epochs=2, lr=1e-2, compile_opt=False)
-    for a,b in zip(eager.model.parameters(), comp.model.parameters()): torch.testing.assert_close(a, b, **FIT_TOL)
+    assert_fit_close(eager.model, comp.model)
 
 def test_freeze_to_inside_fit(digits):
     class UnfreezeAfterEpoch0(Callback):
@@ -248,7 +248,7 @@ def _fit_pair(make_learner, epochs=1, backend=BACKEND, lr=3e-3, run=None, **comp
                                 lambda: GradientAccumulation(128)], ids=['fp16', 'bf16', 'channels_last', 'grad_accum'])
 def test_fastai_callbacks_match_eager(digits, cb):
     eager, comp = _fit_pair(lambda dls: Learner(dls, two_conv_cnn(), cbs=cb()))
-    for a,b in zip(eager.model.parameters(), comp.model.parameters()): torch.testing.assert_close(a, b, **FIT_TOL)
+    assert_fit_close(eager.model, comp.model)
     assert list(map(float, eager.recorder.values[-1])) == pytest.approx(list(map(float, comp.recorder.values[-1])), rel=1e-3)
 
 def test_model_swapped_mid_fit_is_compiled(digits):
@@ -291,7 +291,7 @@ def tower(n_blocks=6):
 def test_regional_compiles_one_block_for_its_twins():
     eager, comp = _fit_pair(lambda dls: Learner(dls, tower()), regional=True)
     assert all(is_compiled(b) for b in comp.model[2])
-    for a,b in zip(eager.model.parameters(), comp.model.parameters()): torch.testing.assert_close(a, b, **FIT_TOL)
+    assert_fit_close(eager.model, comp.model)
 
 def test_regional_training_compiles_once_per_graph_kind(digits):
     class FreshBlock(Block): # Code of its own: nothing compiled earlier in this process can be reused
