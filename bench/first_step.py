@@ -10,7 +10,7 @@ def run(a):
     t0 = time.perf_counter()
     import torch
     from fastai.vision.all import vision_learner, resnet34, DataLoaders, TfmdDL, TensorImage, TensorCategory, CrossEntropyLossFlat
-    from fastxtend_compile import CompilerCallback
+    import fastxtend_compile # Patches `Learner.compile`
     x = TensorImage(torch.randn(64, 3, 128, 128, device='cuda'))
     y = TensorCategory(torch.randint(0, 5, (64,), device='cuda'))
     dl = TfmdDL([(x, y)] * 12, bs=None, num_workers=0, device='cuda')

@@ -42,7 +42,6 @@ ARM_MODE = {'eager': None, 'compile-cold': 'default', 'compile-warm': 'default',
 ARM_KWARGS = {a: dict(regional=True) for a in ARMS if a.startswith('regional')} # learn.compile arguments of an arm
 COLD_OF = {'compile-warm': 'compile-cold', 'compile-saved': 'compile-cold', # Arms that start from what a cold run left
            'regional-warm': 'regional-cold', 'regional-saved': 'regional-cold'}
-AFTER_COLD = tuple(COLD_OF)
 
 # Sizes: `gpu` is the default, `smoke` a tiny CPU check of the same code paths. `--config` overrides either.
 WORKFLOWS = {
@@ -341,7 +340,7 @@ def plan(workflows, arms, repeat, smoke_default=False)->list:
     for w in workflows:
         for rep in range(repeat):
             for a in ARMS:
-                if a in AFTER_COLD and w not in warm_for: continue
+                if a in COLD_OF and w not in warm_for: continue
                 if a not in arms and not any(COLD_OF.get(x) == a for x in arms): continue
                 jobs.append((w, a, rep))
     return jobs
@@ -357,7 +356,7 @@ def run_job(args, job, spec_base, caches:dict, tmp:Path, log)->dict:
     w, arm, rep = job
     if arm == 'compile-ro' and args.device != 'cuda':
         return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason="reduce-overhead (CUDA graphs) needs a GPU")
-    if arm in AFTER_COLD and (w, COLD_OF[arm], rep) not in caches:
+    if arm in COLD_OF and (w, COLD_OF[arm], rep) not in caches:
         return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason=f'its {COLD_OF[arm]} run did not run')
     if arm.endswith('-warm'): cache = caches[(w, COLD_OF[arm], rep)]
     else:

@@ -296,12 +296,13 @@ def is_compiled(
     "Whether `model` is compiled, in place or wrapped by `torch.compile`"
     return compiled_settings(model) is not None
 
-_containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_lists = (nn.Sequential, nn.ModuleList) # Where repeated blocks are searched for
+_containers = (*_lists, nn.ModuleDict)
 
 def _twins(model:nn.Module, containers:bool)->list:
     "The largest blocks of a class that repeat among a `ModuleList`'s or `Sequential`'s children; plain containers too if `containers`"
     kids = list(model.children())
-    if isinstance(model, (nn.ModuleList, nn.Sequential)):
+    if isinstance(model, _lists):
         counts = Counter(type(k) for k in kids
                          if next(k.children(), None) is not None and (containers or type(k) not in _containers))
         if any(n > 1 for n in counts.values()): return [k for k in kids if counts[type(k)] > 1]

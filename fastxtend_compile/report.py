@@ -10,7 +10,7 @@ from typing import Callable
 from dataclasses import dataclass, field
 
 import torch
-from fastcore.basics import store_attr
+from fastcore.basics import store_attr, groupby
 
 from .core import _call_module
 from .internals import *
@@ -61,10 +61,10 @@ class CompileEvent:
     raw_reason:str='' # TorchDynamo's own reason
     during:str='' # When it happened: 'training batch 1', 'validation'...
 
-    def text(self, times:int=1, seconds:float|None=None)->str:
-        "The event as a line, or as `times` alike events (same kind, frame, moment and reason) that took `seconds` in all"
+    def text(self, alike:list|None=None)->str:
+        "The event as a line; with `alike`, the events of its kind, frame, moment and reason (itself included) as one line"
         when = f' during {self.during}' if self.during else ''
-        took = f"{self.seconds:.2f}s" if times == 1 else f"{times} times, {seconds:.2f}s in all"
+        took = f"{self.seconds:.2f}s" if len(alike or [self]) == 1 else f"{len(alike)} times, {sum(e.seconds for e in alike):.2f}s in all"
         why = f': {self.reason}' if self.reason else ''
         return f"{self.kind} of {self.frame}{when}, {took}{why}"
     def __str__(self): return self.text()
@@ -154,12 +154,10 @@ class CompileReport:
         "The report as a few readable lines"
         lines = [f"torch.compile: {self.graphs} graph(s) compiled in {self.compile_seconds:.1f}s, "
                  f"{self.graph_breaks} graph break(s), {len(self.recompiles)} recompile(s), {len(self.fallbacks)} eager fallback(s)"]
-        alike = {} # A regional model's twins recompile alike: one line for them all
-        for e in self.events:
-            if e.kind != 'compile': alike.setdefault((e.kind, e.frame, e.during, e.reason), []).append(e)
-        lines += [f"  {es[0].text(len(es), sum(e.seconds for e in es))}" for es in alike.values()]
-        once = {} # A regional model's blocks each see a one-off batch at a shape of their own: one line for such shapes
-        for ((grad, train), shapes), n in self.eager_calls.items(): once.setdefault((grad, n), []).append(_shape_text(shapes))
+        # A regional model's twins recompile alike, and its blocks each see a one-off batch at a shape of their own: one line each
+        alike = groupby([e for e in self.events if e.kind != 'compile'], lambda e: (e.kind, e.frame, e.during, e.reason))
+        lines += [f"  {es[0].text(es)}" for es in alike.values()]
+        once = groupby(self.eager_calls.items(), lambda o: (o[0][0][0], o[1]), lambda o: _shape_text(o[0][1])) # By (grad, count)
         lines += [f"  ran eagerly, a shape seen once and not worth a graph: {n} {'training' if grad else 'validation or inference'}"
                   f" call(s) " + (f"with input {s[0]}" if len(s) == 1 else f"with each of the inputs {'; '.join(s)}")
                   for (grad, n), s in once.items()]
