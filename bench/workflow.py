@@ -22,6 +22,8 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
                   layers), each compiled once for its twins; fresh cache dir
     regional-warm the same in a new process reusing regional-cold's cache dir
     regional-saved the same in a new process with a fresh cache dir, after learn.load_compile_cache() of regional-cold's
+    valid-cold, valid-warm, valid-saved   the same with learn.compile(compile_valid=True): the fit's validation compiled
+                  too (its evaluation graph), as before the library ran it eagerly
 
     python bench/workflow.py --workflows vision,vision-big,tabular,text --arms eager,compile-cold,compile-warm,compile-ro --out DIR
     python bench/workflow.py --smoke --out /tmp/wf-smoke     # CI: every workflow, tiny, on the CPU
@@ -36,12 +38,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-ARMS = ('eager', 'compile-cold', 'compile-warm', 'compile-saved', 'compile-ro', 'regional-cold', 'regional-warm', 'regional-saved')
-ARM_MODE = {'eager': None, 'compile-cold': 'default', 'compile-warm': 'default', 'compile-saved': 'default', 'compile-ro': 'reduce-overhead',
-            'regional-cold': 'default', 'regional-warm': 'default', 'regional-saved': 'default'}
-ARM_KWARGS = {a: dict(regional=True) for a in ARMS if a.startswith('regional')} # learn.compile arguments of an arm
-COLD_OF = {'compile-warm': 'compile-cold', 'compile-saved': 'compile-cold', # Arms that start from what a cold run left
-           'regional-warm': 'regional-cold', 'regional-saved': 'regional-cold'}
+ARMS = ('eager', 'compile-cold', 'compile-warm', 'compile-saved', 'compile-ro', 'regional-cold', 'regional-warm', 'regional-saved',
+        'valid-cold', 'valid-warm', 'valid-saved')
+ARM_MODE = {a: None if a == 'eager' else 'reduce-overhead' if a == 'compile-ro' else 'default' for a in ARMS}
+# learn.compile arguments of an arm: `regional-*` compile the repeated blocks, `valid-*` the fit's validation too
+ARM_KWARGS = {a: dict(regional=True) if a.startswith('regional') else dict(compile_valid=True) for a in ARMS if a.startswith(('regional', 'valid'))}
+COLD_OF = {a: a.rsplit('-', 1)[0] + '-cold' for a in ARMS if a.endswith(('-warm', '-saved'))} # Arms that start from what a cold run left
 
 # Sizes: `gpu` is the default, `smoke` a tiny CPU check of the same code paths. `--config` overrides either.
 WORKFLOWS = {
@@ -428,7 +430,8 @@ def render_md(data)->str:
     if smoke: L += ["**CPU smoke run: tiny sizes, timings mean nothing.**", ""]
     L.append(f"`python bench/workflow.py {' '.join(meta.get('argv', []))}`. Each arm is a process of its own; *compile-cold* and "
              "*compile-ro* start with an empty `TORCHINDUCTOR_CACHE_DIR`, *compile-warm* reuses compile-cold's; *compile-saved* starts empty too, after `learn.load_compile_cache()` of the file compile-cold saved; "
-             "*regional-cold*, *regional-warm* and *regional-saved* are the same with `learn.compile(regional=True)`. "
+             "*regional-cold*, *regional-warm* and *regional-saved* are the same with `learn.compile(regional=True)`; *valid-cold*, "
+             "*valid-warm* and *valid-saved* with `learn.compile(compile_valid=True)`, the fit's validation compiled too. "
              "**total**: the fit's wall time (`fine_tune` or `fit_one_cycle`, synchronized at its end). **steady epoch**: median "
              "wall time of the last fit's epochs after its first (the first carries the compile), training and validation. "
              "**DataLoader share**: host time between one training batch's `after_batch` and the next one's `before_batch` "

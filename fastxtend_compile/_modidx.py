@@ -43,6 +43,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                       'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback.CompilerCallback._show': ( 'callback.html#compilercallback._show',
                                                                                                    'fastxtend_compile/callback.py'),
+                                            'fastxtend_compile.callback.CompilerCallback._validates_eagerly': ( 'callback.html#compilercallback._validates_eagerly',
+                                                                                                                'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback.CompilerCallback.after_backward': ( 'callback.html#compilercallback.after_backward',
                                                                                                             'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback.CompilerCallback.after_batch': ( 'callback.html#compilercallback.after_batch',

@@ -125,13 +125,14 @@ class CompilerCallback(Callback):
         recompile:bool=False, # Force a compiled model to recompile. Use when freezing/unfreezing a compiled model.
         verbose:bool=False, # Verbose output
         regional:bool=False, # Compile only the model's repeated blocks (e.g. transformer layers): a faster cold compile
+        compile_valid:bool=False, # Compile the validation of a training fit too: its graph seldom pays back there, so it runs eagerly
         compile_opt:bool=True, # Speed up the step of a fastai `Optimizer` too: fused or compiled (see `compile_optimizer`)
         ddp_split:bool=False, # Under DDP, split graphs at DDP's gradient buckets so the all-reduce overlaps the backward
         ddp_compiled_autograd:bool=False, # Under DDP, compile each backward with its all-reduces (DDP's Python reducer)
     ):
         self.settings = compile_settings(fullgraph, dynamic, backend, mode, options)
         self.precision = _MatMulPrecision(MatMulPrecision(matmul_precision).value)
-        store_attr('recompile,verbose,regional,compile_opt')
+        store_attr('recompile,verbose,regional,compile_valid,compile_opt')
         self.ddp = _DDPStrategy(ddp_split, ddp_compiled_autograd)
         if ddp_compiled_autograd and uses_cudagraphs(self.settings):
             raise ValueError(f"ddp_compiled_autograd=True does not run with CUDA graphs (mode={self.settings['mode']!r}): choose one")
@@ -205,12 +206,21 @@ class CompilerCallback(Callback):
         if not self.active: return
         # Compile here, not only before the fit, so a model swapped mid-fit is compiled too
         if self.compiled_model is None or self.compiled_model() is not get_model(self.learn.model): self._compile()
-        eager = self.training and self._measures_eager()
+        measures = self.training and self._measures_eager()
+        eager = measures or self._validates_eagerly()
         one_off = self.learn.iter == self.learn.n_iter - 1 # The last batch, often smaller: not worth a graph of its own
         # Not in training when compiled autograd runs the backwards: an eager backward would all-reduce each gradient alone
         one_off &= not (self.training and self.ddp.in_backward)
         if eager or one_off: self._mark_calls(eager, one_off)
-        self.compile_recorder.batch_start(self.training, self.learn.xb, eager)
+        self.compile_recorder.batch_start(self.training, self.learn.xb, measures)
+
+    def _validates_eagerly(self)->bool:
+        "Whether this is a validation batch of a training fit, which runs eagerly unless `compile_valid`"
+        # A fit's validation is a few batches an epoch, often waiting for the DataLoader: its graph (a recompile for the
+        # evaluation phase, each freeze state) costs more compiling than it saves. `validate` and `get_preds` alone compile
+        if self.training or not self.trained or self.compile_valid: return False
+        self.report.eager_valid += 1
+        return True
 
     def _measures_eager(self)->bool:
         "Whether this training batch runs eagerly to measure the eager step: 3 batches after the first compiled one"

@@ -231,14 +231,17 @@ class CompiledCall:
         return out if like is None else tree_map_only(Tensor, lambda t: _retyped(t, like), out)
 
     def _runs_eagerly(self, leaves:list)->bool:
-        "Whether this call's input shapes are new to a phase that has its graph, and seen once or marked `one_off`"
+        "Whether this call's input shapes are new to its phase: seen once where the phase has a graph, or marked `one_off`"
         # A new shape costs a graph of its own (with `dynamic=False`), which a one-off call would use once: the smaller
-        # last batch of a validation set, a `predict` on one item. It runs eagerly; a shape seen again is compiled
+        # last batch of a validation set, a `predict` on one item. It runs eagerly; a shape seen again is compiled. A
+        # one-off call without gradients runs eagerly even where its phase has no graph yet (a `predict` after a fit)
         if self.eager: return True
         if self.settings.get('dynamic'): return False # Dynamic graphs take new shapes without recompiling
         phase, shapes = (torch.is_grad_enabled(), self.module.training), _shapes(leaves)
         known = self.shapes.setdefault(phase, set())
-        if known and shapes not in known and (self.one_off or not self.eager_calls[phase, shapes]):
+        if shapes in known: return False
+        one_off = self.one_off and (known or not phase[0]) # Not a whole training fit's only shape (one batch an epoch)
+        if one_off or known and not self.eager_calls[phase, shapes]:
             self.eager_calls[phase, shapes] += 1
             return True
         known.add(shapes)

@@ -87,6 +87,7 @@ class CompileReport:
     epoch_steps:int = 0 # Training batches in an epoch
     num_workers:int|None = None # The training DataLoader's worker processes
     eager_calls:dict = field(default_factory=dict) # Calls run eagerly, not compiled for a shape seen once: {(phase, shapes): count}
+    eager_valid:int = 0 # Validation batches of training fits run eagerly, their graph not worth compiling (`compile_valid=False`)
     ddp_split:bool|None = None # Under DDP, whether graphs were split at DDP's gradient buckets; `None` without DDP
     ddp_pieces:list = field(default_factory=list) # The pieces DDPOptimizer split each graph into, with `ddp_split`
     ddp_backward_graphs:int|None = None # The backward graphs compiled autograd captured, with `ddp_compiled_autograd`
@@ -161,6 +162,8 @@ class CompileReport:
         lines += [f"  ran eagerly, a shape seen once and not worth a graph: {n} {'training' if grad else 'validation or inference'}"
                   f" call(s) " + (f"with input {s[0]}" if len(s) == 1 else f"with each of the inputs {'; '.join(s)}")
                   for (grad, n), s in once.items()]
+        if self.eager_valid: lines.append(f"  ran eagerly, validation within the fit: {self.eager_valid} batch(es), whose graph "
+                                          "seldom pays back its compile (`compile_valid=True` compiles it)")
         if self.ddp_split is not None: lines.append(f"  {self.ddp_strategy()}")
         if self.batch_times: lines.append(f"  {self.payoff()}")
         if advice := self.data_advice(): lines.append(f"  {advice}")

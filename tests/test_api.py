@@ -11,7 +11,7 @@ from conftest import two_conv_cnn
 def defaults(f): return {k: v.default for k,v in inspect.signature(f).parameters.items() if k not in ('self', 'kwargs')}
 
 compile_defaults = dict(fullgraph=False, dynamic=False, backend='inductor', mode=None, options=None,
-                        matmul_precision='high', recompile=False, verbose=False, regional=False, compile_opt=True,
+                        matmul_precision='high', recompile=False, verbose=False, regional=False, compile_valid=False, compile_opt=True,
                         ddp_split=False, ddp_compiled_autograd=False)
 
 def test_star_import_gives_the_api():

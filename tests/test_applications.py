@@ -27,13 +27,16 @@ def test_vision_no_graph_breaks(model):
     learn.fit(2)
     breaks, recompiles, fallbacks = compile_counts(learn)
     assert (breaks, fallbacks) == (0, 0)
-    # One graph for training (fastai's `Adam` runs PyTorch's fused kernel, uncompiled) and one for validation, without
-    # gradients; the smaller last validation batch runs eagerly in each epoch rather than compile a graph of its own
+    # One graph, for training (fastai's `Adam` runs PyTorch's fused kernel, uncompiled): the fit's validation runs eagerly
     r = learn.compiler.report
-    assert [e.kind for e in r.events] == ['compile', 'recompile']
+    assert [e.kind for e in r.events] == ['compile'] and r.eager_valid == 2*len(dls.valid) and not r.eager_calls
+    # `validate` alone compiles the evaluation graph, without gradients; its smaller last batch runs eagerly rather than
+    # compile a graph of its own
+    learn.validate()
+    assert [e.kind for e in r.events] == ['compile', 'recompile'] and r.eager_valid == 2*len(dls.valid)
     assert len({e.frame for e in r.events}) == 1 # the model: `Sequential`, or the `forward` of a model class
     last = len(dls.valid_ds) % dls.valid.bs
-    assert last and r.eager_calls == {((False, False), ((last, 1, 8, 8),)): 2}
+    assert last and r.eager_calls == {((False, False), ((last, 1, 8, 8),)): 1}
 
 def test_tabular_no_graph_breaks(cancer):
     learn = tabular_learner(cancer, layers=[32, 16], metrics=accuracy).compile(backend='aot_eager')

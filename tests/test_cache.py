@@ -29,14 +29,14 @@ WORKER = textwrap.dedent('''
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), path=path).compile()
     loaded = None
-    if role == 'train':
+    if role == 'train': # The fit compiles the training graph (its validation runs eagerly), `get_preds` the evaluation one
         with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-2)
+        preds = learn.get_preds(ds_idx=1, with_input=False)[0]
         learn.save('tiny'); learn.save_compile_cache('tiny')
     else:
         learn.load('tiny')
         loaded = learn.load_compile_cache('tiny')
-    preds = learn.get_preds(ds_idx=1, with_input=False)[0] # Compiled: the evaluation graph
-    if role == 'warm':
+        preds = learn.get_preds(ds_idx=1, with_input=False)[0] # Compiled: the evaluation graph
         with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-2) # And the training graph
     print(json.dumps(dict(loaded=loaded, compile_s=learn.compiler.report.compile_seconds, preds=preds.tolist(),
                           hits=counters['inductor']['fxgraph_cache_hit'], misses=counters['inductor']['fxgraph_cache_miss'])))

@@ -99,7 +99,7 @@ def test_ddp_compiled_autograd_traces_the_all_reduce_and_trains_the_same(runs):
         assert r['ca_captures'] >= 1 and r['ca_backward_graphs'] == r['ca_captures'] and r['ca_split'] is False
         backwards = [e for e in r['ca_events'] if e['frame'] == 'backward (compiled autograd)']
         assert len(backwards) == r['ca_captures'] # Named as such, beside the graphs a compiled fit always has
-        assert [e['frame'] for e in r['ca_events'] if e not in backwards] == ['Sequential', 'optimizer step', 'Sequential']
+        assert [e['frame'] for e in r['ca_events'] if e not in backwards] == ['Sequential', 'optimizer step'] # Validation: eager
         assert "payoff: not measured (with `ddp_compiled_autograd` an eager backward" in r['ca_summary']
         assert ("DDP: whole graphs, each backward compiled by compiled autograd with DDP's all-reduces in its graph (DDP's "
                 f"Python reducer, `ddp_compiled_autograd=True`): {r['ca_captures']} backward graph(s)") in r['ca_summary']
@@ -113,8 +113,8 @@ def test_ddp_compiled_autograd_traces_the_all_reduce_and_trains_the_same(runs):
 def test_each_rank_compiles_as_one_process_does(runs):
     ranks, single = runs
     kinds = lambda r: [(e['kind'], e['frame']) for e in r['events']]
-    # Training, its optimizer step, then validation without gradients
-    assert kinds(single)[1][1] == 'optimizer step' and [k for k,_ in kinds(single)] == ['compile', 'compile', 'recompile']
+    # Training and its optimizer step; the fit's validation runs eagerly
+    assert kinds(single)[1][1] == 'optimizer step' and [k for k,_ in kinds(single)] == ['compile', 'compile']
     for r in ranks:
         assert kinds(r) == kinds(single), '\n'.join(e['text'] for e in r['events'])
         assert r['graph_breaks'] == single['graph_breaks'] == 0

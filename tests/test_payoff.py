@@ -36,21 +36,26 @@ def image_learner(path, **kwargs):
                                        bs=16, num_workers=0)
     return vision_learner(dls, resnet18, pretrained=False, metrics=accuracy).compile(backend='aot_eager', **kwargs)
 
-@pytest.mark.parametrize('compile_frozen', [False, True])
-def test_fine_tune_compiles_a_graph_per_phase_and_freeze_state(images, compile_frozen):
-    learn = image_learner(images)
+@pytest.mark.parametrize('compile_frozen,compile_valid', [(False, False), (True, False), (True, True)])
+def test_fine_tune_compiles_a_graph_per_phase_and_freeze_state(images, compile_frozen, compile_valid):
+    learn = image_learner(images, compile_valid=compile_valid)
     n_valid, bs = len(learn.dls.valid_ds), learn.dls.valid.bs
     assert n_valid % bs # The last validation batch is smaller
     with learn.no_bar(), learn.no_logging(): learn.fine_tune(2, compile_frozen=compile_frozen)
     r = learn.compiler.report
     model = [e for e in r.events if e.frame == 'Sequential']
     states = 2 if compile_frozen else 1 # Frozen epochs run eagerly unless `compile_frozen`
-    assert len(model) == r.graphs == 2*states and not r.fallbacks, r # One training and one evaluation graph per state
-    assert [e.during.startswith('training') for e in model] == [True, False]*states
-    if compile_frozen: assert [e.reason for e in model[2:]] == [plain_reason('requires_grad mismatch')]*2
-    epochs = 2 + compile_frozen # The smaller last batch ran eagerly in each compiled validation
+    phases = [True, False] if compile_valid else [True] # A training graph, and an evaluation one if validation compiles
+    assert len(model) == r.graphs == len(phases)*states and not r.fallbacks, r
+    assert [e.during.startswith('training') for e in model] == phases*states
+    if compile_frozen: assert [e.reason for e in model[len(phases):]] == [plain_reason('requires_grad mismatch')]*len(phases)
+    epochs = 2 + compile_frozen # Validations of compiled fits
     assert r.num_workers == 0 and r.epoch_steps == len(learn.dls.train) # What the payoff and the DataLoader advice read
-    assert r.eager_calls == {((False, False), ((n_valid % bs, 3, 32, 32),)): epochs}
+    if compile_valid: # The smaller last batch ran eagerly in each compiled validation
+        assert r.eager_calls == {((False, False), ((n_valid % bs, 3, 32, 32),)): epochs} and not r.eager_valid
+    else:
+        assert not r.eager_calls and r.eager_valid == epochs*len(learn.dls.valid)
+        assert f"ran eagerly, validation within the fit: {r.eager_valid} batch(es)" in r.summary()
 
 def test_regional_compiles_a_vision_learners_residual_blocks_once_per_shape_and_phase(images):
     "vision_learner's model is `Sequential(body, head)`: `regional=True` compiles ResNet-18's residual blocks, not the two halves"
@@ -60,13 +65,16 @@ def test_regional_compiles_a_vision_learners_residual_blocks_once_per_shape_and_
     with learn.no_bar(), learn.no_logging(): learn.fine_tune(1)
     assert all(is_compiled(b) for b in blocks) and not any(is_compiled(m) for m in (learn.model, *learn.model))
     r = learn.compiler.report
-    # 8 blocks of 7 parameter shapes (4 stages; stages 2-4 open with a downsampling block): a training and an evaluation
-    # graph for each shape, twins of the same shape sharing theirs
+    # 8 blocks of 7 parameter shapes (4 stages; stages 2-4 open with a downsampling block): a training graph for each
+    # shape, twins of the same shape sharing theirs; the fit's validation runs eagerly
+    assert r.graphs == 7 and not r.recompiles and not r.fallbacks, r
+    # `validate` alone compiles an evaluation graph for each shape
+    with learn.no_bar(): learn.validate()
     assert r.graphs == 14 and len(r.recompiles) == 7 and not r.fallbacks, r
     assert {e.frame for e in r.events} == {'BasicBlock'}
     assert f"recompile of BasicBlock during validation, 7 times, {sum(e.seconds for e in r.recompiles):.2f}s in all: " in r.summary()
     # The smaller last validation batch ran eagerly through every block: one line for the blocks' input shapes
-    once = [l for l in r.summary().splitlines() if 'ran eagerly' in l]
+    once = [l for l in r.summary().splitlines() if 'a shape seen once' in l]
     assert len(once) == 1 and len(r.eager_calls) > 1 and "validation or inference call(s) with each of the inputs " in once[0], once
 
 def test_a_one_off_shape_runs_eagerly_and_compiles_when_seen_again(images):
@@ -74,9 +82,12 @@ def test_a_one_off_shape_runs_eagerly_and_compiles_when_seen_again(images):
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
     graphs = lambda: counters['stats']['unique_graphs']
     g, item = graphs(), learn.dls.valid_ds.items[0]
-    with learn.no_bar(): preds = [learn.predict(item) for _ in range(2)] # A batch of one, the last of its DataLoader
+    # A batch of one, the last of its DataLoader: eager, though no evaluation graph was compiled yet (validation was eager)
+    with learn.no_bar(): preds = [learn.predict(item) for _ in range(2)]
     assert graphs() == g and learn.compiler.report.eager_calls[(False, False), ((1, 3, 32, 32),)] == 2
     fct.test_close(preds[0][2], preds[1][2])
+    with learn.no_bar(): learn.validate() # Compiles the evaluation graph
+    g = graphs()
     x, m = torch.randn(3, 3, 32, 32, device=learn.dls.device), learn.model.eval()
     with torch.no_grad():
         out = m(x) # Called directly with a new shape: eager the first time...

@@ -27,8 +27,9 @@ class Toy(nn.Module):
         return x * 2
 
 def test_report_records_compiles_and_recompile_reasons(digits, capsys):
-    # SGD's step is compiled (fastai's default `Adam` runs PyTorch's fused kernel: nothing to compile)
-    learn = Learner(digits, two_conv_cnn(), opt_func=partial(SGD, mom=0.9)).compile(backend=BACKEND, verbose=True)
+    # SGD's step is compiled (fastai's default `Adam` runs PyTorch's fused kernel: nothing to compile); the fit's
+    # validation too, without gradients (`compile_valid=True`)
+    learn = Learner(digits, two_conv_cnn(), opt_func=partial(SGD, mom=0.9)).compile(backend=BACKEND, verbose=True, compile_valid=True)
     learn.fit(1)
     r = learn.compiler.report
     assert r.graphs == 3 and r.graph_breaks == 0 and not r.fallbacks
@@ -79,7 +80,7 @@ def test_fallback_on_a_python_value_guard_warns():
     assert 'dynamic=True' not in str(rec[0].message) # Advice for shapes doesn't apply
 
 def test_long_compile_is_announced(digits, capsys):
-    learn = Learner(digits, two_conv_cnn()).compile(backend=BACKEND)
+    learn = Learner(digits, two_conv_cnn()).compile(backend=BACKEND, compile_valid=True)
     learn.compiler.compile_recorder.notice_after = 0.
     learn.fit(1)
     out = capsys.readouterr().out # Printed above fastai's progress bar, from the main thread, naming the phase
