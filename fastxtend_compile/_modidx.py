@@ -414,6 +414,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                  'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report.CompileReport.summary': ( 'report.html#compilereport.summary',
                                                                                               'fastxtend_compile/report.py'),
+                                          'fastxtend_compile.report._by_id': ('report.html#_by_id', 'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report._fix': ('report.html#_fix', 'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report._ms': ('report.html#_ms', 'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report._shape_text': ( 'report.html#_shape_text',

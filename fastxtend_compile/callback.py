@@ -207,7 +207,9 @@ class CompilerCallback(Callback):
         # Compile here, not only before the fit, so a model swapped mid-fit is compiled too
         if self.compiled_model is None or self.compiled_model() is not get_model(self.learn.model): self._compile()
         measures = self.training and self._measures_eager()
-        eager = measures or self._validates_eagerly()
+        validates = self._validates_eagerly()
+        if validates: self.report.eager_valid += 1
+        eager = measures or validates
         one_off = self.learn.iter == self.learn.n_iter - 1 # The last batch, often smaller: not worth a graph of its own
         # Not in training when compiled autograd runs the backwards: an eager backward would all-reduce each gradient alone
         one_off &= not (self.training and self.ddp.in_backward)
@@ -218,9 +220,7 @@ class CompilerCallback(Callback):
         "Whether this is a validation batch of a training fit, which runs eagerly unless `compile_valid`"
         # A fit's validation is a few batches an epoch, often waiting for the DataLoader: its graph (a recompile for the
         # evaluation phase, each freeze state) costs more compiling than it saves. `validate` and `get_preds` alone compile
-        if self.training or not self.trained or self.compile_valid: return False
-        self.report.eager_valid += 1
-        return True
+        return not self.training and self.trained and not self.compile_valid
 
     def _measures_eager(self)->bool:
         "Whether this training batch runs eagerly to measure the eager step: 3 batches after the first compiled one"

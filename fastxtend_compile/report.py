@@ -196,6 +196,10 @@ _torch_dir, _entry_file = str(Path(torch.__file__).parent), _call_module.__code_
 
 def _shapes(xb)->tuple: return tuple(tuple(o.shape) for o in xb if isinstance(o, torch.Tensor))
 
+def _by_id(metrics:list)->dict:
+    "`metrics` by `id`, kept alive: TorchDynamo keeps only the last 64, and a dropped one's id may be reused by a new one"
+    return {id(m): m for m in metrics}
+
 class CompileRecorder:
     "Fill a `CompileReport` from TorchDynamo's compilation metrics and compile callbacks while a fit runs"
     def __init__(self,
@@ -206,7 +210,7 @@ class CompileRecorder:
     ):
         store_attr()
         self.log_handler, self.froze, self.training, self.shapes, self.compiling = None, set(), None, (), False
-        self.seen, self.graph_breaks0, self.started, self.batch_t = set(), 0, 0., 0.
+        self.seen, self.graph_breaks0, self.started, self.batch_t = {}, 0, 0., 0.
         self.eager = False # The batch running now runs eagerly, to measure the eager step
         self.sync = None # Waits for the device to finish its work (`torch.cuda.synchronize`), where work is asynchronous
         self.batch_end = None # When the last sampled training batch ended, to time the wait for the next one
@@ -235,7 +239,7 @@ class CompileRecorder:
             ddp_split_logger.setLevel(min(self.ddp_shown, logging.INFO))
             ddp_split_logger.addFilter(self._on_ddp_log)
         self.compiling, self.batch_t, self.training, self.sync, self.batch_end = False, time.perf_counter(), None, sync, None
-        self.seen = set(map(id, compilation_metrics())) # Those of earlier compiles, which are not this fit's
+        self.seen = _by_id(compilation_metrics()) # Those of earlier compiles, which are not this fit's
         self.graph_breaks0 = graph_break_count() - self.report.graph_breaks
         add_compile_callbacks(self._on_start, self._on_end)
         # TorchDynamo records no compilation metric when a frame hits the recompile limit, only this log line
@@ -300,7 +304,7 @@ class CompileRecorder:
         "Turn compilation metrics added since the last call into `CompileEvent`s"
         metrics = compilation_metrics()
         new = [m for m in metrics if id(m) not in self.seen]
-        self.seen = set(map(id, metrics))
+        self.seen = _by_id(metrics)
         for m in new:
             if m.fail_type or m.co_name is None: continue # Failed (see `_on_log`), or not a frame (a lazy backward graph)
             raw, name = m.recompile_reason or '', self._name(m.co_name, m.co_filename, m.co_firstlineno)

@@ -43,6 +43,25 @@ def test_report_records_compiles_and_recompile_reasons(digits, capsys):
     assert f"ran eagerly, a shape seen once and not worth a graph: 1 validation or inference call(s) with input {last}×1×8×8" in out
     assert re.search(r"(paid|did not pay): compiled step [\d.]+ ms against [\d.]+ ms eager", out)
 
+class _Record:
+    "A TorchDynamo compile record, as the recorder reads one"
+    __slots__ = ('co_name', 'co_filename', 'co_firstlineno', 'fail_type', 'recompile_reason', 'entire_frame_compile_time_s')
+    def __init__(self, name): self.co_name, self.co_filename, self.co_firstlineno, self.fail_type, self.recompile_reason, self.entire_frame_compile_time_s = name, 'm.py', 1, None, None, 0.1
+
+def test_a_record_reusing_a_dropped_ones_id_is_counted(monkeypatch):
+    "TorchDynamo keeps its last 64 compile records: a new one that reuses the id of one it dropped is still new"
+    import fastxtend_compile.report as report
+    records = [_Record('old')]
+    monkeypatch.setattr(report, 'compilation_metrics', lambda: list(records))
+    r = CompileReport()
+    recorder = report.CompileRecorder(r)
+    recorder.start(None)
+    records.clear() # Dropped: freed, unless the recorder holds it
+    records += [_Record(f'new{i}') for i in range(3)] # Where CPython puts them: the freed record's memory, if it is free
+    recorder.collect()
+    recorder.stop()
+    assert [e.frame for e in r.events] == [f'new{i} (m.py:1)' for i in range(3)], r.events
+
 def test_graph_breaks_counted():
     learn = synth_learner(cbs=CompilerCallback(backend=BACKEND))
     learn.model = Toy()
