@@ -139,6 +139,7 @@ class CompilerCallback(Callback):
         self.report = CompileReport()
         self.compile_recorder = CompileRecorder(self.report)
         self.compiled_model = None # Weak reference to the model this callback compiled
+        self.calls = () # Weak references to its compiled calls (its blocks' with `regional`), which each batch may mark
         self.freeze_changed = True # Parameters were frozen or unfrozen since the last compile (`recompile=True`)
         self.fits = 0 # Fits running: fastai runs `before_fit` again for a `validate` or `get_preds` inside a fit
         self.active = False # Compiling during this fit; `restore` undoes the fit's changes while set
@@ -148,7 +149,7 @@ class CompilerCallback(Callback):
         # Compiles compiled autograd's backward graphs, with `ddp_compiled_autograd`
         self.backward_compiler = partial(torch.compile, **{k: self.settings[k] for k in ('backend', 'mode', 'options')})
 
-    def __getstate__(self): return {**self.__dict__, 'compiled_model': None} # A copy compiles its model afresh
+    def __getstate__(self): return {**self.__dict__, 'compiled_model': None, 'calls': ()} # A copy compiles its model afresh
 
     @property
     def matmul_precision(self)->str:
@@ -231,9 +232,7 @@ class CompilerCallback(Callback):
         if not r.eager_times: r.measured_from = len(r.batch_times)
         return True
 
-    def _compiled_calls(self)->list:
-        model = None if self.compiled_model is None else self.compiled_model()
-        return [] if model is None else [c for m in model.modules() if isinstance(c := compiled_call(m), CompiledCall)]
+    def _compiled_calls(self)->list: return [c for r in self.calls if (c := r()) is not None]
 
     def _mark_calls(self, eager:bool, one_off:bool):
         "Tell the model's compiled calls that this batch runs eagerly, or is a one-off not worth a graph of its own"
@@ -282,6 +281,8 @@ class CompilerCallback(Callback):
         if inner is model: self.learn.model = compiled
         elif compiled is not inner: model.module = compiled # `inner` was an `OptimizedModule`
         self.compiled_model = weakref.ref(compiled)
+        # Found once here, not by walking the model's modules at each batch that marks them
+        self.calls = tuple(weakref.ref(c) for m in compiled.modules() if isinstance(c := compiled_call(m), CompiledCall))
         self.compile_recorder.phase_shapes = {}
 
     def restore(self):
@@ -303,7 +304,7 @@ class CompilerCallback(Callback):
         model = None if self.compiled_model is None else self.compiled_model()
         if model is not None: uncompile_model(model)
         if self.learn is not None and self.learn.opt is not None: uncompile_optimizer(self.learn.opt)
-        self.compiled_model = None
+        self.compiled_model, self.calls = None, ()
 
     def _refused(self):
         "The compile was refused (`fullgraph=True` with a graph break): leave the Learner as it was without this callback"
