@@ -24,6 +24,9 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
     regional-saved the same in a new process with a fresh cache dir, after learn.load_compile_cache() of regional-cold's
     valid-cold, valid-warm, valid-saved   the same with learn.compile(compile_valid=True): the fit's validation compiled
                   too (its evaluation graph), as before the library ran it eagerly
+    precompile-cold, precompile-warm, precompile-saved   the same with learn.compile(precompile=True): TorchDynamo's traced
+                  code saved with the compile cache, so the warm and saved arms don't trace the model (torch 2.15+;
+                  inductor only, so left out of a default run with another backend)
 
     python bench/workflow.py --workflows vision,vision-big,tabular,text --arms eager,compile-cold,compile-warm,compile-ro --out DIR
     python bench/workflow.py --smoke --out /tmp/wf-smoke     # CI: every workflow, tiny, on the CPU
@@ -39,10 +42,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 ARMS = ('eager', 'compile-cold', 'compile-warm', 'compile-saved', 'compile-ro', 'regional-cold', 'regional-warm', 'regional-saved',
-        'valid-cold', 'valid-warm', 'valid-saved')
+        'valid-cold', 'valid-warm', 'valid-saved', 'precompile-cold', 'precompile-warm', 'precompile-saved')
 ARM_MODE = {a: None if a == 'eager' else 'reduce-overhead' if a == 'compile-ro' else 'default' for a in ARMS}
-# learn.compile arguments of an arm: `regional-*` compile the repeated blocks, `valid-*` the fit's validation too
-ARM_KWARGS = {a: dict(regional=True) if a.startswith('regional') else dict(compile_valid=True) for a in ARMS if a.startswith(('regional', 'valid'))}
+# learn.compile arguments of an arm, by the start of its name: `regional-*` compile the repeated blocks, `valid-*` the fit's
+# validation too, `precompile-*` save TorchDynamo's traced code with the compile cache
+PREFIX_KWARGS = dict(regional=dict(regional=True), valid=dict(compile_valid=True), precompile=dict(precompile=True))
+ARM_KWARGS = {a: PREFIX_KWARGS[a.split('-')[0]] for a in ARMS if a.split('-')[0] in PREFIX_KWARGS}
 COLD_OF = {a: a.rsplit('-', 1)[0] + '-cold' for a in ARMS if a.endswith(('-warm', '-saved'))} # Arms that start from what a cold run left
 
 # Sizes: `gpu` is the default, `smoke` a tiny CPU check of the same code paths. `--config` overrides either.
@@ -431,7 +436,9 @@ def render_md(data)->str:
     L.append(f"`python bench/workflow.py {' '.join(meta.get('argv', []))}`. Each arm is a process of its own; *compile-cold* and "
              "*compile-ro* start with an empty `TORCHINDUCTOR_CACHE_DIR`, *compile-warm* reuses compile-cold's; *compile-saved* starts empty too, after `learn.load_compile_cache()` of the file compile-cold saved; "
              "*regional-cold*, *regional-warm* and *regional-saved* are the same with `learn.compile(regional=True)`; *valid-cold*, "
-             "*valid-warm* and *valid-saved* with `learn.compile(compile_valid=True)`, the fit's validation compiled too. "
+             "*valid-warm* and *valid-saved* with `learn.compile(compile_valid=True)`, the fit's validation compiled too; "
+             "*precompile-cold*, *precompile-warm* and *precompile-saved* with `learn.compile(precompile=True)`, TorchDynamo's "
+             "traced code saved with the compile cache. "
              "**total**: the fit's wall time (`fine_tune` or `fit_one_cycle`, synchronized at its end). **steady epoch**: median "
              "wall time of the last fit's epochs after its first (the first carries the compile), training and validation. "
              "**DataLoader share**: host time between one training batch's `after_batch` and the next one's `before_batch` "
@@ -538,6 +545,7 @@ def main():
             import torch
             args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
     args.backend = args.backend or ('aot_eager' if args.smoke else None)
+    if not arms_given and args.backend not in (None, 'inductor'): arms = [a for a in arms if not a.startswith('precompile')]
     args.timeout = args.timeout or (120 if args.smoke else 600)
     num_workers = args.num_workers if args.num_workers is not None else (0 if args.smoke or args.device == 'cpu' else None)
     overrides = json.loads(args.config)

@@ -4,7 +4,8 @@
 
 # %% ../nbs/07_cache.ipynb #0928bd4b
 from __future__ import annotations
-import hashlib, json, os, platform, tempfile, warnings, zipfile
+import json, os, platform, tempfile, warnings, zipfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -14,22 +15,11 @@ from fastcore.xtras import join_path_file
 from fastai.learner import Learner
 from fastai.torch_core import rank_distrib
 
-from .core import inner_model, model_device
+from .core import inner_model, model_device, model_fingerprint
 from .internals import inductor_cache_dir, cpp_kernel_files
 
 # %% auto #0
-__all__ = ['model_fingerprint', 'device_name', 'compile_cache_header']
-
-# %% ../nbs/07_cache.ipynb #948b7302
-def model_fingerprint(
-    model:nn.Module, # Model, perhaps compiled or wrapped by DDP
-)->str:
-    "The model's class and parameter count, and a hash of its module classes and parameter and buffer shapes and dtypes"
-    model = inner_model(model)
-    h = hashlib.sha256()
-    for n,m in model.named_modules(): h.update(f'{n}:{type(m).__qualname__};'.encode())
-    for n,t in (*model.named_parameters(), *model.named_buffers()): h.update(f'{n}:{tuple(t.shape)}:{t.dtype};'.encode())
-    return f'{type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters, #{h.hexdigest()[:12]}'
+__all__ = ['device_name', 'compile_cache_header']
 
 # %% ../nbs/07_cache.ipynb #bf3fc962
 def device_name(
@@ -91,7 +81,8 @@ def save_compile_cache(self:Learner,
 )->Path|None:
     "Save the code `torch.compile` generated in this process, for `load_compile_cache` in another"
     if rank_distrib(): return None # Rank 0 saves, as `Learner.save` does
-    saved = torch.compiler.save_cache_artifacts()
+    cb = getattr(self, 'compiler', None)
+    with cb.precompile.saving() if cb is not None else nullcontext(): saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         warnings.warn("Not saving a compile cache: nothing compiled in this process is cached. Fit the compiled Learner first.")
         return None

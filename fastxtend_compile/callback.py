@@ -5,6 +5,7 @@
 # %% ../nbs/02_callback.ipynb #a89011f9
 from __future__ import annotations
 import warnings, weakref
+from contextlib import contextmanager
 from functools import partial
 from typing import Callable, Dict, Union
 
@@ -21,7 +22,8 @@ from .core import *
 from .report import *
 from .internals import (
     compiled_call, optimize_ddp, set_optimize_ddp, uses_python_reducer, python_reducer_settings, restore_python_reducer_settings,
-    compiled_autograd, compiled_autograd_captures, aot_autograd_cache, set_aot_autograd_cache)
+    compiled_autograd, compiled_autograd_captures, aot_autograd_cache, set_aot_autograd_cache,
+    precompile_supported, caching_precompile, set_caching_precompile, precompile_guard_logger, dropped_guard)
 from .optimizer import compile_optimizer, uncompile_optimizer
 
 # %% auto #0
@@ -41,6 +43,50 @@ class _MatMulPrecision:
     def restore(self):
         if self.old is not None: torch.set_float32_matmul_precision(self.old)
         self.old = None
+
+# %% ../nbs/02_callback.ipynb #7b2e4d91
+class _Precompile:
+    "Have TorchDynamo keep the code it traces during a fit, for the compile cache, quietly, and restore its setting"
+    def __init__(self,
+        on:bool, # Asked for: `precompile=True`
+        backend:str|Callable, # The `torch.compile` backend: TorchDynamo saves only inductor's code with its own
+    ):
+        if not isinstance(on, bool): raise TypeError(f"precompile must be True or False, not {on!r}")
+        if on and backend != 'inductor':
+            raise ValueError(f"precompile=True needs backend='inductor', not {backend!r}: TorchDynamo saves its precompiled "
+                             "code only with inductor's")
+        if on and not precompile_supported():
+            warnings.warn(f"precompile=True needs torch 2.15 or newer: torch {torch.__version__} cannot load the code it "
+                          "precompiled for a model whose parameters have gradients. Compiling without it.")
+            on = False
+        self.on, self.old = on, None
+
+    @staticmethod
+    def _shows(record)->bool: return not dropped_guard(record)
+
+    def set(self):
+        "From now on, TorchDynamo keeps the code it traces, and drops guards on globals without a warning for each"
+        if not self.on or self.old is not None: return
+        self.old = caching_precompile()
+        set_caching_precompile(True)
+        precompile_guard_logger.addFilter(self._shows)
+
+    def restore(self):
+        "Put TorchDynamo's setting back"
+        if self.old is None: return
+        set_caching_precompile(self.old)
+        precompile_guard_logger.removeFilter(self._shows)
+        self.old = None
+
+    @contextmanager
+    def saving(self):
+        "A context in which the code precompiled so far is saved with `torch.compiler.save_cache_artifacts`"
+        during_fit = self.old is not None
+        self.set()
+        try: yield
+        finally:
+            if not during_fit: self.restore()
+
 
 # %% ../nbs/02_callback.ipynb #5d1f0c3a
 class _DDPStrategy:
@@ -129,6 +175,7 @@ class CompilerCallback(Callback):
         compile_opt:bool=True, # Speed up the step of a fastai `Optimizer` too: fused or compiled (see `compile_optimizer`)
         ddp_split:bool=False, # Under DDP, split graphs at DDP's gradient buckets so the all-reduce overlaps the backward
         ddp_compiled_autograd:bool=False, # Under DDP, compile each backward with its all-reduces (DDP's Python reducer)
+        precompile:bool=False, # Save TorchDynamo's traced code with the compile cache too: a warm start skips tracing (torch 2.15+)
     ):
         self.settings = compile_settings(fullgraph, dynamic, backend, mode, options)
         self.precision = _MatMulPrecision(MatMulPrecision(matmul_precision).value)
@@ -136,6 +183,10 @@ class CompilerCallback(Callback):
         self.ddp = _DDPStrategy(ddp_split, ddp_compiled_autograd)
         if ddp_compiled_autograd and uses_cudagraphs(self.settings):
             raise ValueError(f"ddp_compiled_autograd=True does not run with CUDA graphs (mode={self.settings['mode']!r}): choose one")
+        if ddp_compiled_autograd and precompile:
+            raise ValueError("Choose ddp_compiled_autograd=True or precompile=True, not both: compiled autograd's backward graphs "
+                             "are not precompiled")
+        self.precompile = _Precompile(precompile, self.settings['backend'])
         self.report = CompileReport()
         self.compile_recorder = CompileRecorder(self.report)
         self.compiled_model = None # Weak reference to the model this callback compiled
@@ -174,6 +225,7 @@ class CompilerCallback(Callback):
         train = self.learn.dls.train # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
         self.report.epoch_steps, self.report.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)
         self.precision.set(device)
+        self.precompile.set()
         if self.compile_opt and self.learn.opt is not None: # `create_opt` makes an eager optimizer: check at every fit
             # Parameter shapes never change, and CUDA graphs don't suit a step that updates its inputs in place
             compile_optimizer(self.learn.opt, **{**self.settings, 'dynamic': False, 'mode': None, 'fullgraph': False})
@@ -292,6 +344,7 @@ class CompilerCallback(Callback):
             self.active = False
             self.compile_recorder.stop()
             self.precision.restore()
+            self.precompile.restore()
             self.report.ddp_backward_graphs = self.ddp.backward_graphs()
             if self.marked: self._mark_calls(False, False)
             for c in self._compiled_calls(): # What ran eagerly rather than compile a graph for a shape seen once

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #de0ba488
 from __future__ import annotations
-import shutil, sys, warnings
+import hashlib, shutil, sys, warnings
 from collections import Counter
 from enum import Enum
 from typing import Callable, Dict, Union
@@ -20,7 +20,8 @@ from .internals import *
 # %% auto #0
 __all__ = ['CompileMode', 'MatMulPrecision', 'check_backend', 'compile_settings', 'cannot_compile_reason', 'graph_break_reason',
            'GraphBreakError', 'uses_cudagraphs', 'compiled_entry', 'CompiledCall', 'unwrap_model', 'inner_model',
-           'model_device', 'compiled_settings', 'is_compiled', 'repeated_blocks', 'compile_model', 'uncompile_model']
+           'model_device', 'compiled_settings', 'is_compiled', 'repeated_blocks', 'compile_model', 'uncompile_model',
+           'model_fingerprint']
 
 # %% ../nbs/00_core.ipynb #69462bf1
 class _CheckedEnum(str, Enum):
@@ -149,12 +150,14 @@ def _call_module(module:nn.Module, *args, **kwargs): return module._call_impl(*a
 
 def compiled_entry(
     name:str, # Name of the compiled function, as TorchDynamo's logs and the report show it
+    key:str|None=None, # What tells apart the code TorchDynamo precompiles for functions of the same `name`
     **settings # `torch.compile` settings, from `compile_settings`
 )->Callable:
     "`torch.compile` of a function of its own that calls the module it is given as `nn.Module.__call__` does"
     # TorchDynamo traces a module called from a function of ours whole, `nn.Sequential` included. Compiled as
     # `module._call_impl` (torch's `Module.compile`), its first frames are torch's, which some versions skip
-    return torch.compile(own_function(_call_module, f'{name}_call'), **settings)
+    name = f'{name}_call'
+    return torch.compile(own_function(_call_module, name, name if key is None else f'{name}_{key}'), **settings)
 
 # %% ../nbs/00_core.ipynb #99a028bd
 def _observer(hook:Callable)->bool:
@@ -202,8 +205,19 @@ class CompiledCall:
         # traced frozen would keep its parameters frozen. One function per freeze state compiles each once, on any torch
         self.trains, self.shapes = trains, {} # `shapes`: input shapes compiled for, by phase (gradients on, training mode)
         self.unchecked = trains not in self.entries # A new entry's first call must capture a graph, or the model runs eagerly
-        if self.unchecked: self.entries[trains] = compiled_entry(type(self.module).__name__, **self.settings)
+        if self.unchecked:
+            loads = precompiled_loads()
+            self.entries[trains] = compiled_entry(type(self.module).__name__, self._precompile_key(trains), **self.settings)
+            self.unchecked = precompiled_loads() == loads # Code TorchDynamo precompiled has its graphs: nothing to check
         self.entry = self.entries[trains]
+
+    def _precompile_key(self, trains:tuple)->str|None:
+        "What the code TorchDynamo precompiles for this entry is for: the model, the settings, the freeze state and the hooks"
+        # TorchDynamo finds precompiled code by the function's name, and it leaves out guards it can't save: this key keeps
+        # another model's code, or another freeze state's (some torch versions don't guard `requires_grad`), from loading
+        if not caching_precompile(): return None
+        what = (model_fingerprint(self.module), sorted((k, str(v)) for k,v in self.settings.items()), trains, list(map(_hook_owner, self.hooks)))
+        return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
 
     def _hooks(self)->tuple: return tuple(h for d in self.hook_dicts if d for h in d.values())
 
@@ -351,3 +365,14 @@ def uncompile_model(
     model = unwrap_model(model)
     for m in model.modules(): set_compiled_call(m, None)
     return model
+
+# %% ../nbs/00_core.ipynb #948b7302
+def model_fingerprint(
+    model:nn.Module, # Model, perhaps compiled or wrapped by DDP
+)->str:
+    "The model's class and parameter count, and a hash of its module classes and parameter and buffer shapes and dtypes"
+    model = inner_model(model)
+    h = hashlib.sha256()
+    for n,m in model.named_modules(): h.update(f'{n}:{type(m).__qualname__};'.encode())
+    for n,t in (*model.named_parameters(), *model.named_buffers()): h.update(f'{n}:{tuple(t.shape)}:{t.dtype};'.encode())
+    return f'{type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters, #{h.hexdigest()[:12]}'

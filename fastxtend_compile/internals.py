@@ -10,20 +10,27 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.torch_version import TorchVersion
 
 # %% auto #0
-__all__ = ['recompile_limit_logger', 'ddp_split_logger', 'own_function', 'set_compiled_call', 'compiled_call',
-           'is_optimized_module', 'graph_break_error', 'add_compile_callbacks', 'remove_compile_callbacks',
-           'recompile_limit_hit', 'compilation_metrics', 'graph_break_count', 'graphs_compiled', 'hook_dicts',
-           'optimize_ddp', 'set_optimize_ddp', 'ddp_split_pieces', 'uses_python_reducer', 'python_reducer_settings',
-           'restore_python_reducer_settings', 'compiled_autograd', 'aot_autograd_cache', 'set_aot_autograd_cache',
-           'compiled_autograd_captures', 'without_dynamo_marks', 'fused_kernel_devices', 'dynamo_supported',
-           'inductor_cxx', 'inductor_options', 'explain', 'inductor_cache_dir', 'cpp_kernel_files']
+__all__ = ['recompile_limit_logger', 'ddp_split_logger', 'precompile_guard_logger', 'own_function', 'set_compiled_call',
+           'compiled_call', 'is_optimized_module', 'graph_break_error', 'add_compile_callbacks',
+           'remove_compile_callbacks', 'recompile_limit_hit', 'compilation_metrics', 'graph_break_count',
+           'graphs_compiled', 'hook_dicts', 'optimize_ddp', 'set_optimize_ddp', 'ddp_split_pieces',
+           'uses_python_reducer', 'python_reducer_settings', 'restore_python_reducer_settings', 'compiled_autograd',
+           'aot_autograd_cache', 'set_aot_autograd_cache', 'compiled_autograd_captures', 'without_dynamo_marks',
+           'fused_kernel_devices', 'dynamo_supported', 'inductor_cxx', 'inductor_options', 'explain',
+           'inductor_cache_dir', 'cpp_kernel_files', 'precompile_supported', 'caching_precompile',
+           'set_caching_precompile', 'precompiled_loads', 'dropped_guard']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
-def own_function(f:Callable, name:str)->Callable:
+def own_function(
+    f:Callable, # Function to copy
+    name:str, # The copy's name, as TorchDynamo's logs show it
+    qualname:str|None=None, # Its qualified name, by which TorchDynamo finds code it precompiled for it; `name` if `None`
+)->Callable:
     "A copy of `f` with a code object of its own: TorchDynamo keeps a cache, and a recompile limit, per code object"
-    code = f.__code__.replace(co_name=name, co_qualname=name)
+    code = f.__code__.replace(co_name=name, co_qualname=qualname or name)
     return types.FunctionType(code, f.__globals__, name, f.__defaults__, f.__closure__)
 
 # %% ../nbs/06_internals.ipynb #64307042
@@ -181,7 +188,8 @@ def explain(f:Callable, *args, **kwargs):
     def call(*a, **k): return f(*a, **k)
     # A code object of its own, so the explained call neither reuses nor leaves behind compiled code
     call = own_function(call, 'explained_call')
-    torch._dynamo.optimize(accumulate, nopython=False, guard_export_fn=out_guards.extend)(call)(*args, **kwargs)
+    with torch._dynamo.config.patch(caching_precompile=False): # Its backend can't be saved with precompiled code
+        torch._dynamo.optimize(accumulate, nopython=False, guard_export_fn=out_guards.extend)(call)(*args, **kwargs)
     return ExplainOutput(graphs, len(graphs), len(break_reasons), break_reasons, op_count, ops_per_graph, out_guards)
 
 # %% ../nbs/06_internals.ipynb #09911ce8
@@ -210,3 +218,29 @@ def cpp_kernel_files()->list:
     for f in root.glob('??/*.cpp'):
         if f.stat().st_size <= longest + 1024 and f.read_text(errors='replace').strip() in probes: keys.add(f.name.split('.')[0])
     return sorted(str(f.relative_to(root)) for k in keys for f in (root/k[1:3]).glob(f'{k}.*') if f.is_file())
+
+# %% ../nbs/06_internals.ipynb #5e1c0a7d
+def precompile_supported()->bool:
+    "Whether TorchDynamo loads the code it precompiled for a model here: torch 2.15 or newer"
+    # torch 2.11 to 2.14 fail to load the guards of a model whose parameters have gradients, as they have after a first
+    # batch ("assigned grad expected to be a Tensor or None but got grad of type _Missing", in `_unpickle_tensor`)
+    return TorchVersion(torch.__version__) >= '2.15'
+
+def caching_precompile()->bool:
+    "Whether TorchDynamo keeps the code it traces for the compile cache (`torch._dynamo.config.caching_precompile`)"
+    return torch._dynamo.config.caching_precompile
+
+def set_caching_precompile(on:bool):
+    "Have TorchDynamo keep the code it traces, for `torch.compiler.save_cache_artifacts`, and look for it at each `torch.compile`"
+    torch._dynamo.config.caching_precompile = on
+
+def precompiled_loads()->int:
+    "How many `torch.compile`s in this process found code TorchDynamo traced before, in its cache, and installed it"
+    return torch._dynamo.utils.counters['dynamo_cache']['dynamo_cache_hit']
+
+precompile_guard_logger = logging.getLogger('torch._dynamo.guards') # Warns of each guard that precompiled code goes without
+
+def dropped_guard(record:logging.LogRecord)->bool:
+    "Whether `record` is TorchDynamo's warning that precompiled code goes without a guard (on a global: a module, a builtin)"
+    return 'is dropped with caching_precompile=True' in str(record.msg)
+

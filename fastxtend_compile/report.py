@@ -88,6 +88,7 @@ class CompileReport:
     num_workers:int|None = None # The training DataLoader's worker processes
     eager_calls:dict = field(default_factory=dict) # Calls run eagerly, not compiled for a shape seen once: {(phase, shapes): count}
     eager_valid:int = 0 # Validation batches of training fits run eagerly, their graph not worth compiling (`compile_valid=False`)
+    precompiled:int = 0 # Compiled functions whose code TorchDynamo loaded precompiled from the compile cache, not traced again
     ddp_split:bool|None = None # Under DDP, whether graphs were split at DDP's gradient buckets; `None` without DDP
     ddp_pieces:list = field(default_factory=list) # The pieces DDPOptimizer split each graph into, with `ddp_split`
     ddp_backward_graphs:int|None = None # The backward graphs compiled autograd captured, with `ddp_compiled_autograd`
@@ -162,6 +163,8 @@ class CompileReport:
         lines += [f"  ran eagerly, a shape seen once and not worth a graph: {n} {'training' if grad else 'validation or inference'}"
                   f" call(s) " + (f"with input {s[0]}" if len(s) == 1 else f"with each of the inputs {'; '.join(s)}")
                   for (grad, n), s in once.items()]
+        if self.precompiled: lines.append(f"  loaded precompiled: {self.precompiled} compiled function(s) from the compile cache, "
+                                          "not traced again (`precompile=True`)")
         if self.eager_valid: lines.append(f"  ran eagerly, validation within the fit: {self.eager_valid} batch(es), whose graph "
                                           "seldom pays back its compile (`compile_valid=True` compiles it)")
         if self.ddp_split is not None: lines.append(f"  {self.ddp_strategy()}")
@@ -211,6 +214,7 @@ class CompileRecorder:
         store_attr()
         self.log_handler, self.froze, self.training, self.shapes, self.compiling = None, set(), None, (), False
         self.seen, self.graph_breaks0, self.started, self.batch_t = {}, 0, 0., 0.
+        self.loads0 = 0 # Precompiled code TorchDynamo had loaded in this process when the fit began
         self.eager = False # The batch running now runs eagerly, to measure the eager step
         self.sync = None # Waits for the device to finish its work (`torch.cuda.synchronize`), where work is asynchronous
         self.batch_end = None # When the last sampled training batch ended, to time the wait for the next one
@@ -241,6 +245,7 @@ class CompileRecorder:
         self.compiling, self.batch_t, self.training, self.sync, self.batch_end = False, time.perf_counter(), None, sync, None
         self.seen = _by_id(compilation_metrics()) # Those of earlier compiles, which are not this fit's
         self.graph_breaks0 = graph_break_count() - self.report.graph_breaks
+        self.loads0 = precompiled_loads()
         add_compile_callbacks(self._on_start, self._on_end)
         # TorchDynamo records no compilation metric when a frame hits the recompile limit, only this log line
         self.log_handler = logging.Handler(logging.WARNING)
@@ -256,6 +261,7 @@ class CompileRecorder:
             ddp_split_logger.setLevel(self.ddp_log_level)
             self.ddp_log_level = None
         self.collect(self.during)
+        self.report.precompiled += precompiled_loads() - self.loads0
         self.training = None
 
     def _on_log(self, record:logging.LogRecord):

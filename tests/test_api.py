@@ -12,7 +12,7 @@ def defaults(f): return {k: v.default for k,v in inspect.signature(f).parameters
 
 compile_defaults = dict(fullgraph=False, dynamic=False, backend='inductor', mode=None, options=None,
                         matmul_precision='high', recompile=False, verbose=False, regional=False, compile_valid=False, compile_opt=True,
-                        ddp_split=False, ddp_compiled_autograd=False)
+                        ddp_split=False, ddp_compiled_autograd=False, precompile=False)
 
 def test_star_import_gives_the_api():
     ns = {}
@@ -47,6 +47,8 @@ def test_enums():
     (dict(matmul_precision='low'), "'low' is not a valid MatMulPrecision; choose one of"),
     (dict(backend='inductr'), "Unknown torch.compile backend 'inductr'; choose one of: "),
     (dict(mode='max-autotune', options={'epilogue_fusion': True}), "Pass either `mode` or `options` to torch.compile, not both"),
+    (dict(precompile=True, backend='aot_eager'), "precompile=True needs backend='inductor', not 'aot_eager': TorchDynamo saves its precompiled code only with inductor's"),
+    (dict(precompile=True, ddp_compiled_autograd=True), "Choose ddp_compiled_autograd=True or precompile=True, not both"),
 ])
 def test_bad_arguments_refused_before_anything_changes(kwargs, message):
     learn = synth_learner()

@@ -6,6 +6,7 @@ from fastai.learner import Learner
 from fastai.data.core import DataLoaders
 from fastxtend_compile import *
 from fastxtend_compile.cache import model_fingerprint
+from fastxtend_compile.internals import precompile_supported, caching_precompile, precompile_guard_logger
 
 # Each role runs in a process of its own with an empty TORCHINDUCTOR_CACHE_DIR: `train` compiles cold and saves the
 # weights and the compile cache; `warm` loads both, predicts and trains, compiling from the cache
@@ -42,13 +43,13 @@ WORKER = textwrap.dedent('''
                           hits=counters['inductor']['fxgraph_cache_hit'], misses=counters['inductor']['fxgraph_cache_miss'])))
 ''')
 
-def _run(role, path, tmp):
+def _run(role, path, tmp, worker=WORKER):
     cache = tmp/f'inductor-{role}'
     cache.mkdir()
     env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': str(cache)}
-    out = subprocess.run([sys.executable, '-c', WORKER, role, str(path)], capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, '-c', worker, role, str(path)], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), 'stderr': out.stderr}
 
 @pytest.fixture(scope='module')
 def trained(tmp_path_factory):
@@ -158,3 +159,72 @@ def test_nothing_to_save(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match='Not saving a compile cache: nothing compiled in this process is cached'):
         assert learn.save_compile_cache('x') is None
     assert not (tmp_path/'models'/'x.compile').exists()
+
+# `precompile=True`: `cold` compiles a body/head model frozen, then unfrozen (its parameters have gradients by then), and
+# saves the compile cache; `warm`, in a fresh process with an empty inductor cache, loads it and trains the same way
+PRECOMPILE_WORKER = textwrap.dedent('''
+    import json, sys, warnings
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    from fastcore.foundation import L
+    from fastai.learner import Learner
+    from fastai.data.core import DataLoaders
+    from fastai.torch_core import set_seed, params
+    from fastxtend_compile import *
+    role, path = sys.argv[1], sys.argv[2]
+    set_seed(0)
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(320, 8, generator=g); y = (X[:, :4].sum(1) > 0).long()
+    dls = DataLoaders.from_dsets(TensorDataset(X[:256], y[:256]), TensorDataset(X[256:], y[256:]), bs=32)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.ReLU()), nn.Linear(16, 2))
+    learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), path=path, splitter=lambda m: L(m[0], m[1]).map(params))
+    learn.compile(precompile=True)
+    loaded = learn.load_compile_cache('pre') if role == 'warm' else None
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        with learn.no_bar(), learn.no_logging():
+            learn.freeze(); learn.fit(1, 1e-2)
+            learn.unfreeze(); learn.fit(1, 1e-2)
+    if role == 'cold': learn.save_compile_cache('pre')
+    r = learn.compiler.report
+    print(json.dumps(dict(loaded=loaded, graphs=r.graphs, precompiled=r.precompiled, summary=r.summary(),
+                          warnings=[str(w.message) for w in ws], weights=[p.tolist() for p in learn.model.parameters()])))
+''')
+
+@pytest.mark.skipif(not precompile_supported(), reason='torch before 2.15 cannot load precompiled code of a model with gradients')
+def test_precompiled_warm_start_traces_nothing(tmp_path):
+    path = tmp_path/'learner'
+    cold = _run('cold', path, tmp_path, PRECOMPILE_WORKER)
+    assert (cold['graphs'], cold['precompiled']) == (2, 0), cold['summary'] # A graph per freeze state
+    warm = _run('warm', path, tmp_path, PRECOMPILE_WORKER)
+    assert warm['loaded'] is True
+    # Both freeze states' code loaded precompiled: nothing traced, nothing compiled, and no warning that it captured nothing
+    assert (warm['graphs'], warm['precompiled']) == (0, 2), warm['summary']
+    assert 'loaded precompiled: 2 compiled function(s) from the compile cache, not traced again' in warm['summary']
+    assert warm['warnings'] == cold['warnings'] == []
+    for run in (cold, warm): assert 'is dropped with caching_precompile' not in run['stderr'] # TorchDynamo's notes, kept quiet
+    # The same training, step for step: the frozen graph left the body alone, the unfrozen one trained it
+    for a,b in zip(cold['weights'], warm['weights']): torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=0)
+
+def test_precompile_is_on_only_during_a_fit(tmp_path):
+    "TorchDynamo's setting and its quieted logger are put back after a fit, and after one that raises"
+    from fastai.callback.core import Callback
+    class Boom(Callback):
+        def after_batch(self):
+            if self.training and self.iter == 1: raise RuntimeError('boom')
+    seen = []
+    class Sees(Callback):
+        def after_batch(self): seen.append(caching_precompile())
+    filters = list(precompile_guard_logger.filters)
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        learn = _learner(tmp_path).compile(precompile=True)
+    on = not [w for w in ws if 'precompile=True needs torch 2.15' in str(w.message)]
+    assert on == precompile_supported() and learn.compiler.precompile.on == on
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, cbs=Sees())
+        with pytest.raises(RuntimeError, match='boom'): learn.fit(1, cbs=Boom())
+    assert set(seen) == {on}
+    assert not caching_precompile() and precompile_guard_logger.filters == filters

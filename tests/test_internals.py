@@ -185,3 +185,63 @@ def test_aot_autograd_cache_is_set_and_read():
         set_aot_autograd_cache(True)
         assert aot_autograd_cache()
     finally: set_aot_autograd_cache(old)
+
+def test_precompiled_code_is_saved_and_found_by_qualified_name():
+    "While `caching_precompile` is on, TorchDynamo keeps the code it traces, quietly drops guards on globals, and finds it again by name"
+    import uuid
+    def f(x): return torch.relu(x) + 1
+    name = f'internals_precompile_{uuid.uuid4().hex}' # No earlier run's code to find
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    old = caching_precompile()
+    set_caching_precompile(True)
+    precompile_guard_logger.addHandler(handler)
+    try:
+        assert caching_precompile()
+        torch.compile(own_function(f, 'f_call', name), backend='inductor')(torch.ones(3))
+        assert any(dropped_guard(r) for r in records) # `torch`, a global module, is no longer guarded
+        torch.compiler.save_cache_artifacts() # Writes the precompiled code into TorchDynamo's cache
+        loads, graphs = precompiled_loads(), graphs_compiled()
+        g = torch.compile(own_function(f, 'f_call', name), backend='inductor') # The same qualified name: found
+        assert precompiled_loads() == loads + 1
+        assert torch.equal(g(torch.ones(3)), f(torch.ones(3))) and graphs_compiled() == graphs # Run, not traced again
+        torch.compile(own_function(f, 'f_call', name + '_other'), backend='inductor') # Another name: not found
+        assert precompiled_loads() == loads + 1
+    finally:
+        precompile_guard_logger.removeHandler(handler)
+        set_caching_precompile(old)
+    assert not caching_precompile()
+
+def test_own_function_qualified_name():
+    def f(x): return x
+    g = own_function(f, 'a_call', 'a_call_0123')
+    assert g.__name__ == 'a_call' and g.__qualname__ == 'a_call_0123' and g.__code__.co_name == 'a_call'
+    assert own_function(f, 'b_call').__qualname__ == 'b_call'
+
+@pytest.mark.skipif(precompile_supported(), reason="this torch loads precompiled code")
+def test_precompiled_code_of_a_model_with_gradients_does_not_load_on_older_torch(tmp_path):
+    "Why `precompile_supported` is torch 2.15 or newer: before, TorchDynamo fails to load the guards of parameters with gradients"
+    import subprocess, sys, textwrap
+    script = textwrap.dedent('''
+        import sys, torch
+        from torch import nn
+        from fastxtend_compile.internals import own_function, set_caching_precompile
+        set_caching_precompile(True)
+        def call(m, x): return m(x)
+        m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        m(torch.ones(1, 4)).sum().backward() # Gradients, as after a first batch
+        entry = lambda: torch.compile(own_function(call, 'seq_call'), backend='inductor')
+        if sys.argv[1] == 'save':
+            entry()(m, torch.ones(1, 4)).sum().backward()
+            open(sys.argv[2], 'wb').write(torch.compiler.save_cache_artifacts()[0])
+        else:
+            torch.compiler.load_cache_artifacts(open(sys.argv[2], 'rb').read())
+            try: entry()
+            except TypeError as e: print(e)
+    ''')
+    for role, cache in (('save', 'a'), ('load', 'b')):
+        env = {**__import__('os').environ, 'TORCHINDUCTOR_CACHE_DIR': str(tmp_path/cache)}
+        out = subprocess.run([sys.executable, '-c', script, role, str(tmp_path/'artifacts.bin')], capture_output=True, text=True, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+    assert 'assigned grad expected to be a Tensor or None but got grad of type _Missing' in out.stdout
