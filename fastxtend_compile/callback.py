@@ -64,8 +64,14 @@ class _Precompile:
     @staticmethod
     def _shows(record)->bool: return not dropped_guard(record)
 
-    def set(self):
+    def set(self,
+        ddp:bool=False, # The fit runs under DistributedDataParallel
+    ):
         "From now on, TorchDynamo keeps the code it traces, and drops guards on globals without a warning for each"
+        if self.on and ddp:
+            warnings.warn("precompile=True is left out under DistributedDataParallel, where this library doesn't support it yet: "
+                          "the model compiles as without it")
+            self.on = False
         if not self.on or self.old is not None: return
         self.old = caching_precompile()
         set_caching_precompile(True)
@@ -225,7 +231,7 @@ class CompilerCallback(Callback):
         train = self.learn.dls.train # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
         self.report.epoch_steps, self.report.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)
         self.precision.set(device)
-        self.precompile.set()
+        self.precompile.set(ddp=isinstance(model, DistributedDataParallel))
         if self.compile_opt and self.learn.opt is not None: # `create_opt` makes an eager optimizer: check at every fit
             # Parameter shapes never change, and CUDA graphs don't suit a step that updates its inputs in place
             compile_optimizer(self.learn.opt, **{**self.settings, 'dynamic': False, 'mode': None, 'fullgraph': False})
