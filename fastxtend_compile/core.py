@@ -216,7 +216,8 @@ class CompiledCall:
         # TorchDynamo finds precompiled code by the function's name, and it leaves out guards it can't save: this key keeps
         # another model's code, or another freeze state's (some torch versions don't guard `requires_grad`), from loading
         if not caching_precompile(): return None
-        what = (model_fingerprint(self.module), sorted((k, str(v)) for k,v in self.settings.items()), trains, list(map(_hook_owner, self.hooks)))
+        settings = sorted((k, str(v)) for k,v in self.settings.items())
+        what = (model_fingerprint(self.module), settings, trains, list(map(_hook_owner, self.hooks)))
         return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
 
     def _hooks(self)->tuple: return tuple(h for d in self.hook_dicts if d for h in d.values())
