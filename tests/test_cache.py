@@ -187,9 +187,10 @@ PRECOMPILE_WORKER = textwrap.dedent('''
         with learn.no_bar(), learn.no_logging():
             learn.freeze(); learn.fit(1, 1e-2)
             learn.unfreeze(); learn.fit(1, 1e-2)
+            preds = learn.get_preds(ds_idx=1)[0] # The evaluation graph: code of its own beside the unfrozen training graph's
     if role == 'cold': learn.save_compile_cache('pre')
     r = learn.compiler.report
-    print(json.dumps(dict(loaded=loaded, graphs=r.graphs, precompiled=r.precompiled, summary=r.summary(),
+    print(json.dumps(dict(loaded=loaded, graphs=r.graphs, precompiled=r.precompiled, summary=r.summary(), preds=preds.tolist(),
                           warnings=[str(w.message) for w in ws], weights=[p.tolist() for p in learn.model.parameters()])))
 ''')
 
@@ -197,16 +198,18 @@ PRECOMPILE_WORKER = textwrap.dedent('''
 def test_precompiled_warm_start_traces_nothing(tmp_path):
     path = tmp_path/'learner'
     cold = _run('cold', path, tmp_path, PRECOMPILE_WORKER)
-    assert (cold['graphs'], cold['precompiled']) == (2, 0), cold['summary'] # A graph per freeze state
+    assert (cold['graphs'], cold['precompiled']) == (3, 0), cold['summary'] # A training graph per freeze state, an evaluation one
     warm = _run('warm', path, tmp_path, PRECOMPILE_WORKER)
     assert warm['loaded'] is True
-    # Both freeze states' code loaded precompiled: nothing traced, nothing compiled, and no warning that it captured nothing
+    # Both freeze states' code loaded precompiled (the unfrozen one's with the evaluation graph): nothing traced, nothing
+    # compiled, and no warning that it captured nothing
     assert (warm['graphs'], warm['precompiled']) == (0, 2), warm['summary']
     assert 'loaded precompiled: 2 compiled function(s) from the compile cache, not traced again' in warm['summary']
     assert warm['warnings'] == cold['warnings'] == []
     for run in (cold, warm): assert 'is dropped with caching_precompile' not in run['stderr'] # TorchDynamo's notes, kept quiet
     # The same training, step for step: the frozen graph left the body alone, the unfrozen one trained it
-    for a,b in zip(cold['weights'], warm['weights']): torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=0)
+    for a,b in zip(cold['weights'] + [cold['preds']], warm['weights'] + [warm['preds']]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=0)
 
 def test_precompile_is_on_only_during_a_fit(tmp_path):
     "TorchDynamo's setting and its quieted logger are put back after a fit, and after one that raises"
