@@ -97,6 +97,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                         'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback._Precompile.__init__': ( 'callback.html#_precompile.__init__',
                                                                                                  'fastxtend_compile/callback.py'),
+                                            'fastxtend_compile.callback._Precompile._cannot': ( 'callback.html#_precompile._cannot',
+                                                                                                'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback._Precompile._shows': ( 'callback.html#_precompile._shows',
                                                                                                'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback._Precompile.restore': ( 'callback.html#_precompile.restore',

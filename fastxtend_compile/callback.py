@@ -10,6 +10,7 @@ from functools import partial
 from typing import Callable, Dict, Union
 
 import torch
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from fastcore.basics import store_attr, patch
 from fastcore.meta import delegates
@@ -64,13 +65,23 @@ class _Precompile:
     @staticmethod
     def _shows(record)->bool: return not dropped_guard(record)
 
+    @staticmethod
+    def _cannot(model:nn.Module|None, ddp:bool)->str|None:
+        "Why TorchDynamo's precompiled code can't serve this fit, if it can't"
+        if ddp: return "under DistributedDataParallel, where this library doesn't support it yet"
+        # TorchDynamo would trace the model, find it can't save its code, and keep it out of the compile cache: with it the
+        # AOTAutograd cache entry of its graph, which a warm start then misses (slower than without `precompile`)
+        local = next((type(m) for m in (model.modules() if model is not None else ()) if '<locals>' in type(m).__qualname__), None)
+        if local is not None: return (f"for this model: TorchDynamo can't save the code of `{local.__qualname__}`, a class defined "
+                                      "inside a function (define it at the top level of a module)")
+
     def set(self,
+        model:nn.Module|None=None, # The model the fit compiles, to check that TorchDynamo can save its code
         ddp:bool=False, # The fit runs under DistributedDataParallel
     ):
         "From now on, TorchDynamo keeps the code it traces, and drops guards on globals without a warning for each"
-        if self.on and ddp:
-            warnings.warn("precompile=True is left out under DistributedDataParallel, where this library doesn't support it yet: "
-                          "the model compiles as without it")
+        if self.on and (why := self._cannot(model, ddp)):
+            warnings.warn(f"precompile=True is left out {why}. The model compiles as without it")
             self.on = False
         if not self.on or self.old is not None: return
         self.old = caching_precompile()
@@ -231,7 +242,7 @@ class CompilerCallback(Callback):
         train = self.learn.dls.train # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
         self.report.epoch_steps, self.report.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)
         self.precision.set(device)
-        self.precompile.set(ddp=isinstance(model, DistributedDataParallel))
+        self.precompile.set(inner_model(model), ddp=isinstance(model, DistributedDataParallel))
         if self.compile_opt and self.learn.opt is not None: # `create_opt` makes an eager optimizer: check at every fit
             # Parameter shapes never change, and CUDA graphs don't suit a step that updates its inputs in place
             compile_optimizer(self.learn.opt, **{**self.settings, 'dynamic': False, 'mode': None, 'fullgraph': False})

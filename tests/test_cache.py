@@ -241,3 +241,23 @@ def test_precompile_is_left_out_under_ddp():
     assert not p.on and not caching_precompile()
     p.set() # For good, with a note once
     assert not caching_precompile()
+
+@pytest.mark.skipif(not precompile_supported(), reason='torch before 2.15 cannot load precompiled code of a model with gradients')
+def test_precompile_is_left_out_for_a_class_defined_in_a_function(tmp_path):
+    "TorchDynamo can't save the code of such a model and would keep its graph out of the compile cache: it compiles as without `precompile`"
+    from fastai.callback.core import Callback
+    def build():
+        class Local(nn.Module):
+            def __init__(self): super().__init__(); self.lin = nn.Linear(8, 2)
+            def forward(self, x): return self.lin(x)
+        return Local()
+    seen = []
+    class Sees(Callback):
+        def after_batch(self): seen.append(caching_precompile())
+    learn = _learner(tmp_path, build()).compile(precompile=True)
+    with pytest.warns(UserWarning) as ws, learn.no_bar(), learn.no_logging(): learn.fit(1, cbs=Sees())
+    assert [str(w.message) for w in ws if 'precompile' in str(w.message)] == [
+        "precompile=True is left out for this model: TorchDynamo can't save the code of "
+        "`test_precompile_is_left_out_for_a_class_defined_in_a_function.<locals>.build.<locals>.Local`, a class defined inside a "
+        "function (define it at the top level of a module). The model compiles as without it"]
+    assert set(seen) == {False} and not learn.compiler.precompile.on and learn.compiler.report.graphs == 1
