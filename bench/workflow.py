@@ -183,8 +183,8 @@ def build_tabular(w, c, data, device, num_workers):
 
 def build_text(w, c, data, device, num_workers):
     import numpy as np, torch
-    from torch import nn
     from fastai.text.all import Transform, TensorText, Datasets, Categorize, Learner, CrossEntropyLossFlat, accuracy
+    from text_model import TextClassifier # A class defined in this function would leave `precompile=True` out
 
     class Tokens(Transform):
         "Item index -> its token ids"
@@ -194,18 +194,6 @@ def build_text(w, c, data, device, num_workers):
     class Label(Transform):
         def __init__(self, labels): self.labels = labels
         def encodes(self, i:int): return self.labels[i]
-
-    class TextClassifier(nn.Module):
-        "Token and position embeddings, a pre-norm transformer encoder, mean pooling, a linear head"
-        def __init__(self, vocab, seq, d, layers, heads, n_out):
-            super().__init__()
-            self.tok, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.randn(1, seq, d) * 0.02)
-            layer = nn.TransformerEncoderLayer(d, heads, 4*d, dropout=0.1, activation='gelu', batch_first=True, norm_first=True)
-            self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-            self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, n_out)
-        def forward(self, x):
-            h = self.encoder(self.tok(x) + self.pos[:, :x.shape[1]])
-            return self.head(self.norm(h).mean(1))
 
     # Random tokens; each sequence plants 8 tokens of its class's group of 8 token ids, at random places
     rng = np.random.default_rng(0)
