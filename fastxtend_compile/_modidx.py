@@ -101,6 +101,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                 'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback._Precompile._shows': ( 'callback.html#_precompile._shows',
                                                                                                'fastxtend_compile/callback.py'),
+                                            'fastxtend_compile.callback._Precompile._turn_on': ( 'callback.html#_precompile._turn_on',
+                                                                                                 'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback._Precompile.restore': ( 'callback.html#_precompile.restore',
                                                                                                 'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback._Precompile.saving': ( 'callback.html#_precompile.saving',

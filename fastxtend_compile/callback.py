@@ -66,23 +66,26 @@ class _Precompile:
     def _shows(record)->bool: return not dropped_guard(record)
 
     @staticmethod
-    def _cannot(model:nn.Module|None, ddp:bool)->str|None:
+    def _cannot(model:nn.Module, ddp:bool)->str|None:
         "Why TorchDynamo's precompiled code can't serve this fit, if it can't"
         if ddp: return "under DistributedDataParallel, where this library doesn't support it yet"
         # TorchDynamo would trace the model, find it can't save its code, and keep it out of the compile cache: with it the
         # AOTAutograd cache entry of its graph, which a warm start then misses (slower than without `precompile`)
-        local = next((type(m) for m in (model.modules() if model is not None else ()) if '<locals>' in type(m).__qualname__), None)
+        local = next((c for c in map(type, model.modules()) if '<locals>' in c.__qualname__), None)
         if local is not None: return (f"for this model: TorchDynamo can't save the code of `{local.__qualname__}`, a class defined "
                                       "inside a function (define it at the top level of a module)")
 
     def set(self,
-        model:nn.Module|None=None, # The model the fit compiles, to check that TorchDynamo can save its code
+        model:nn.Module, # The model the fit compiles, to check that TorchDynamo can save its code
         ddp:bool=False, # The fit runs under DistributedDataParallel
     ):
-        "From now on, TorchDynamo keeps the code it traces, and drops guards on globals without a warning for each"
+        "For this fit, TorchDynamo keeps the code it traces, and drops guards on globals without a warning for each"
         if self.on and (why := self._cannot(model, ddp)):
             warnings.warn(f"precompile=True is left out {why}. The model compiles as without it")
             self.on = False
+        self._turn_on()
+
+    def _turn_on(self):
         if not self.on or self.old is not None: return
         self.old = caching_precompile()
         set_caching_precompile(True)
@@ -99,7 +102,7 @@ class _Precompile:
     def saving(self):
         "A context in which the code precompiled so far is saved with `torch.compiler.save_cache_artifacts`"
         during_fit = self.old is not None
-        self.set()
+        self._turn_on()
         try: yield
         finally:
             if not during_fit: self.restore()

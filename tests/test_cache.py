@@ -235,11 +235,11 @@ def test_precompile_is_on_only_during_a_fit(tmp_path):
 @pytest.mark.skipif(not precompile_supported(), reason='torch before 2.15 cannot load precompiled code of a model with gradients')
 def test_precompile_is_left_out_under_ddp():
     from fastxtend_compile.callback import _Precompile
-    p = _Precompile(True, 'inductor')
+    p, model = _Precompile(True, 'inductor'), nn.Linear(2, 2)
     with pytest.warns(UserWarning, match="precompile=True is left out under DistributedDataParallel, where this library doesn't support it yet"):
-        p.set(ddp=True)
+        p.set(model, ddp=True)
     assert not p.on and not caching_precompile()
-    p.set() # For good, with a note once
+    p.set(model) # For good, with a note once
     assert not caching_precompile()
 
 @pytest.mark.skipif(not precompile_supported(), reason='torch before 2.15 cannot load precompiled code of a model with gradients')
