@@ -8,25 +8,30 @@ from fastxtend_compile import *
 from fastxtend_compile.cache import model_fingerprint
 from fastxtend_compile.internals import precompile_supported, caching_precompile, precompile_guard_logger
 
-# Each role runs in a process of its own with an empty TORCHINDUCTOR_CACHE_DIR: `train` compiles cold and saves the
-# weights and the compile cache; `warm` loads both, predicts and trains, compiling from the cache
-WORKER = textwrap.dedent('''
-    import json, sys, time, warnings
-    warnings.simplefilter('ignore')
+# What each worker starts with: its role and path, and the same seeded data
+DATA = textwrap.dedent('''
+    import json, sys, warnings
     import torch
     from torch import nn
     from torch.utils.data import TensorDataset
+    from fastcore.foundation import L
     from fastai.learner import Learner
     from fastai.data.core import DataLoaders
-    from fastai.torch_core import set_seed
+    from fastai.torch_core import set_seed, params
     from fastxtend_compile import *
-    from torch._dynamo.utils import counters
     role, path = sys.argv[1], sys.argv[2]
     set_seed(0) # Before the DataLoaders: they draw the seed of their shuffling
     g = torch.Generator().manual_seed(0)
     X = torch.randn(320, 8, generator=g); y = (X[:, :4].sum(1) > 0).long()
     dls = DataLoaders.from_dsets(TensorDataset(X[:256], y[:256]), TensorDataset(X[256:], y[256:]), bs=32)
     torch.manual_seed(0)
+''')
+
+# Each role runs in a process of its own with an empty TORCHINDUCTOR_CACHE_DIR: `train` compiles cold and saves the
+# weights and the compile cache; `warm` loads both, predicts and trains, compiling from the cache
+WORKER = DATA + textwrap.dedent('''
+    warnings.simplefilter('ignore')
+    from torch._dynamo.utils import counters
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), path=path).compile()
     loaded = None
@@ -162,22 +167,7 @@ def test_nothing_to_save(tmp_path, monkeypatch):
 
 # `precompile=True`: `cold` compiles a body/head model frozen, then unfrozen (its parameters have gradients by then), and
 # saves the compile cache; `warm`, in a fresh process with an empty inductor cache, loads it and trains the same way
-PRECOMPILE_WORKER = textwrap.dedent('''
-    import json, sys, warnings
-    import torch
-    from torch import nn
-    from torch.utils.data import TensorDataset
-    from fastcore.foundation import L
-    from fastai.learner import Learner
-    from fastai.data.core import DataLoaders
-    from fastai.torch_core import set_seed, params
-    from fastxtend_compile import *
-    role, path = sys.argv[1], sys.argv[2]
-    set_seed(0)
-    g = torch.Generator().manual_seed(0)
-    X = torch.randn(320, 8, generator=g); y = (X[:, :4].sum(1) > 0).long()
-    dls = DataLoaders.from_dsets(TensorDataset(X[:256], y[:256]), TensorDataset(X[256:], y[256:]), bs=32)
-    torch.manual_seed(0)
+PRECOMPILE_WORKER = DATA + textwrap.dedent('''
     model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.ReLU()), nn.Linear(16, 2))
     learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), path=path, splitter=lambda m: L(m[0], m[1]).map(params))
     learn.compile(precompile=True)
