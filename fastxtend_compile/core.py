@@ -6,6 +6,7 @@
 from __future__ import annotations
 import hashlib, shutil, sys, warnings
 from collections import Counter
+from contextlib import contextmanager
 from enum import Enum
 from typing import Callable, Dict, Union
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn, Tensor
 from torch.utils._pytree import tree_map_only, tree_flatten, tree_unflatten
 from fastai.torch_core import TensorBase, get_model
+from fastai.layers import ToTensorBase
 from fastai.callback.hook import Hook
 
 from .internals import *
@@ -109,10 +111,27 @@ def _stripped(args:tuple, kwargs:dict, leaves:list, spec):
     if like is None: return args, kwargs, None
     return *tree_unflatten([_plain(o) if isinstance(o, TensorBase) else o for o in leaves], spec), like
 
-def _retyped(t:Tensor, like:TensorBase)->Tensor:
-    res = t.as_subclass(type(like))
-    res.set_meta(like, as_copy=True)
+def _retyped(t:Tensor, cls:type, like:TensorBase|None)->Tensor:
+    res = t.as_subclass(cls)
+    if like is not None: res.set_meta(like, as_copy=True)
     return res
+
+def _casts(module:nn.Module)->list:
+    "fastai's `ToTensorBase` layers in `module`: each casts the tensor it gets to a fastai type"
+    return [m for m in module.modules() if isinstance(m, ToTensorBase)]
+
+def _pass_through(x): return x
+
+@contextmanager
+def _casts_deferred(casts:list):
+    "fastai's `ToTensorBase` layers `casts` pass their input through, for TorchDynamo: their cast is applied to the outputs"
+    # TorchDynamo fails on a fastai tensor made inside a graph (torch 2.15 recurses into fastai's `Tensor.as_subclass`,
+    # 2.11 errors in `TensorBase.__torch_function__`): `DynamicUnet` ends with a `ToTensorBase`
+    olds = [m.tensor_cls for m in casts]
+    for m in casts: m.tensor_cls = _pass_through
+    try: yield
+    finally:
+        for m,old in zip(casts, olds): m.tensor_cls = old
 
 # %% ../nbs/00_core.ipynb #b74ed760
 def graph_break_reason(
@@ -185,6 +204,7 @@ class CompiledCall:
         # CUDA graphs overwrite their outputs at the next replay, and fastai keeps outputs around (Recorder, metrics, preds)
         self.cudagraphs = uses_cudagraphs(settings)
         self.hook_dicts = hook_dicts(module)
+        self.casts = _casts(module)
         self.eager = False # Set by `CompilerCallback` for a batch that runs eagerly, to measure what compiling gains
         self.one_off = False # Set by `CompilerCallback` for a batch it knows is a one-off: the last, often smaller, one
         self.eager_calls = Counter() # Calls run eagerly rather than compiled for a shape seen once, by (phase, shapes)
@@ -235,7 +255,8 @@ class CompiledCall:
         args, kwargs, like = _stripped(args, kwargs, leaves, spec)
         if self.cudagraphs: torch.compiler.cudagraph_mark_step_begin()
         graphs = graphs_compiled() if self.unchecked else 0
-        try: out = self.entry(self.module, *args, **kwargs)
+        try:
+            with _casts_deferred(self.casts): out = self.entry(self.module, *args, **kwargs)
         except graph_break_error() as e:
             if not self.settings.get('fullgraph'): raise
             set_compiled_call(self.module, None)
@@ -243,7 +264,9 @@ class CompiledCall:
             raise _graph_break_error(e, removed=self.on_refused is not None) from e
         if self.unchecked: self._check_captured(graphs)
         if self.cudagraphs: out = tree_map_only(Tensor, torch.clone, out)
-        return out if like is None else tree_map_only(Tensor, lambda t: _retyped(t, like), out)
+        # Typed as eager fastai types them: as its inputs, or as its last `ToTensorBase` casts them
+        cls = self.casts[-1].tensor_cls if self.casts else None if like is None else type(like)
+        return out if cls is None else tree_map_only(Tensor, lambda t: _retyped(t, cls, like), out)
 
     def _runs_eagerly(self, leaves:list)->bool:
         "Whether this call's input shapes are new to its phase: seen once where the phase has a graph, or marked `one_off`"

@@ -18,7 +18,7 @@ from fastai.callback.core import Callback, CancelFitException
 from fastai.learner import Learner
 
 from .core import *
-from .core import _plain
+from .core import _plain, _casts, _casts_deferred
 from .internals import compiled_call, set_compiled_call, explain
 from .callback import CompilerCallback
 
@@ -117,7 +117,7 @@ class DynamoExplainCallback(Callback):
 
     def explain(self):
         "Run `torch._dynamo.explain` on one batch, as training would compile it, leaving other compiled code alone"
-        with untouched(self.learn) as model, learner_autocast(self.learn):
+        with untouched(self.learn) as model, learner_autocast(self.learn), _casts_deferred(_casts(model)): # As `CompiledCall` runs it
             xb,_ = one_plain_batch(self.learn)
             self.explain_output = explain(model, *xb)
         if self.print_results: print(self.summary())

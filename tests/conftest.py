@@ -37,6 +37,20 @@ def text_dls():
     df = pd.DataFrame(dict(text=texts, label=['pos' if i%2 else 'neg' for i in range(96)]))
     return TextDataLoaders.from_df(df, text_col='text', label_col='label', valid_pct=0.25, seed=0, bs=16, seq_len=16, num_workers=0)
 
+def segmentation_dls(path, n=24, size=32, bs=4):
+    "Images with a bright square on noise and their masks, written as PNG files with PIL, through `SegmentationDataLoaders`"
+    from PIL import Image
+    (path/'images').mkdir(parents=True, exist_ok=True); (path/'masks').mkdir(exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        mask = np.zeros((size, size), np.uint8)
+        x, y = rng.integers(2, size//2, 2)
+        mask[y:y+size//3, x:x+size//3] = 1
+        img = (rng.normal(100, 20, (size, size, 3)) + mask[..., None]*80).clip(0, 255).astype(np.uint8)
+        Image.fromarray(img).save(path/'images'/f'{i}.png'); Image.fromarray(mask).save(path/'masks'/f'{i}.png')
+    return SegmentationDataLoaders.from_label_func(path, get_image_files(path/'images'), lambda o: path/'masks'/o.name,
+                                                   codes=['background', 'square'], valid_pct=0.25, seed=0, bs=bs, num_workers=0)
+
 def two_conv_cnn(n_out=10):
     "The issue's plain two-conv CNN for 1×8×8 images"
     return nn.Sequential(nn.Conv2d(1,16,3,padding=1), nn.ReLU(), nn.Conv2d(16,16,3,padding=1), nn.ReLU(),

@@ -9,7 +9,9 @@ from fastai.tabular.learner import tabular_learner
 import fastai.callback.schedule
 from fastxtend_compile import *
 from fastxtend_compile.internals import compiled_call
-from conftest import two_conv_cnn, digits_dls, cancer_dls, text_dls, EAGER_PRECISION
+from fastai.layers import ToTensorBase
+from fastai.vision.all import unet_learner, resnet18
+from conftest import two_conv_cnn, digits_dls, cancer_dls, text_dls, segmentation_dls, assert_fit_close, EAGER_PRECISION
 
 def compile_counts(learn):
     r = learn.compiler.report
@@ -67,6 +69,29 @@ def test_text_batches_are_plain_inside_the_model():
     out = learn.model(xb) # ...and so does the compiled call when it's given a typed batch directly
     assert set(seen) == {torch.Tensor} and type(out) is type(xb)
 
+def test_unet_fine_tunes_as_one_graph_with_eager_types(tmp_path):
+    "`unet_learner`'s `DynamicUnet` casts its output to `TensorBase` (`ToTensorBase`): compiled, it trains and predicts as eager"
+    learns = []
+    for compiled in (False, True):
+        set_seed(0, reproducible=True)
+        dls = segmentation_dls(tmp_path) # Of its own: a DataLoader's shuffling draws from a generator it keeps
+        learn = unet_learner(dls, resnet18, pretrained=False, path=tmp_path)
+        if compiled: learn.compile(backend='aot_eager', **EAGER_PRECISION)
+        learn.fine_tune(1)
+        learns.append(learn)
+    eager, learn = learns
+    r = learn.compiler.report
+    assert (r.graph_breaks, r.fallbacks) == (0, []) and [e.kind for e in r.events] == ['compile'] # The frozen epoch ran eagerly
+    assert_fit_close(eager.model, learn.model)
+    (p_eager, _), (p, _) = eager.get_preds(), learn.get_preds()
+    assert type(p) is type(p_eager) is TensorBase # Not a `TensorImage`, which fastai would decode as an image
+    torch.testing.assert_close(p, p_eager, rtol=1e-4, atol=1e-4)
+    cast = learn.model.layers[-1]
+    assert isinstance(cast, ToTensorBase) and cast.tensor_cls is TensorBase # As before the compiled calls
+    learn.export('unet.pkl')
+    mask = load_learner(tmp_path/'unet.pkl').predict(dls.valid_ds.items[0])[0]
+    assert mask.shape == (32, 32) and set(mask.unique().tolist()) <= {0, 1}
+
 @pytest.mark.parametrize('make_learner', [lambda: Learner(digits_dls(), two_conv_cnn(), metrics=accuracy),
                                           lambda: tabular_learner(cancer_dls(), layers=[64, 32], metrics=accuracy)],
                          ids=['digits', 'breast_cancer_tabular'])
@@ -117,3 +142,11 @@ def test_load_learner_removes_compiler_callback(tmp_path):
     torch.save(learn, tmp_path/'with_cb.pkl', pickle_module=cloudpickle) # what fastxtend's export could leave behind
     loaded = load_learner(tmp_path/'with_cb.pkl')
     assert not any(isinstance(cb, CompilerCallback) for cb in loaded.cbs) and not is_compiled(loaded.model)
+
+def test_unet_explains_as_one_graph(tmp_path):
+    "`DynamoExplainCallback` traces `DynamicUnet` as the compiled call runs it, its `ToTensorBase` passing the tensor through"
+    cb = DynamoExplainCallback(print_results=False)
+    learn = unet_learner(segmentation_dls(tmp_path), resnet18, pretrained=False, cbs=cb)
+    learn.fit(1)
+    assert (cb.explain_output.graph_count, cb.explain_output.graph_break_count) == (1, 0)
+    assert learn.model.layers[-1].tensor_cls is TensorBase
