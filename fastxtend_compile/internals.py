@@ -5,6 +5,7 @@
 # %% ../nbs/06_internals.ipynb #0fe3d8bd
 from __future__ import annotations
 import logging, types
+from collections import Counter
 from contextlib import contextmanager
 from typing import Callable
 
@@ -15,7 +16,7 @@ from torch.torch_version import TorchVersion
 # %% auto #0
 __all__ = ['recompile_limit_logger', 'ddp_split_logger', 'precompile_guard_logger', 'own_function', 'set_compiled_call',
            'compiled_call', 'is_optimized_module', 'graph_break_error', 'add_compile_callbacks',
-           'remove_compile_callbacks', 'recompile_limit_hit', 'compilation_metrics', 'graph_break_count',
+           'remove_compile_callbacks', 'recompile_limit_hit', 'compilation_metrics', 'graph_break_reasons',
            'graphs_compiled', 'hook_dicts', 'optimize_ddp', 'set_optimize_ddp', 'ddp_split_pieces',
            'uses_python_reducer', 'python_reducer_settings', 'restore_python_reducer_settings', 'compiled_autograd',
            'aot_autograd_cache', 'set_aot_autograd_cache', 'compiled_autograd_captures', 'without_dynamo_marks',
@@ -73,9 +74,9 @@ def compilation_metrics()->list:
     "TorchDynamo's record of each frame compile in this process (`co_name`, `recompile_reason`, `fail_type`...)"
     return list(torch._dynamo.utils.get_compilation_metrics())
 
-def graph_break_count()->int:
-    "Graph breaks TorchDynamo hit in this process"
-    return sum(torch._dynamo.utils.counters['graph_break'].values())
+def graph_break_reasons()->Counter:
+    "Graph breaks TorchDynamo hit in this process, counted by its reason for each"
+    return Counter(torch._dynamo.utils.counters['graph_break'])
 
 def graphs_compiled()->int:
     "Graphs TorchDynamo captured in this process"

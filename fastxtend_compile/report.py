@@ -5,6 +5,7 @@
 # %% ../nbs/01_report.ipynb #7c9aeb0e
 from __future__ import annotations
 import logging, re, time, warnings
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from fastcore.basics import store_attr, groupby
 
-from .core import _call_module
+from .core import _call_module, graph_break_reason
 from .internals import *
 
 # %% auto #0
@@ -79,7 +80,7 @@ class CompileReport:
     "What the compiler did during a fit, and whether it paid"
     events:list = field(default_factory=list) # Every `CompileEvent`, in order
     compile_seconds:float = 0. # Wall-clock time spent compiling, backward graphs included
-    graph_breaks:int = 0 # Graph breaks TorchDynamo hit
+    break_reasons:dict = field(default_factory=dict) # Graph breaks TorchDynamo hit, counted by its reason for each
     batch_times:list = field(default_factory=list) # (seconds, compiled during this batch) for each compiled training batch
     eager_times:list = field(default_factory=list) # Seconds of each training batch run eagerly to measure the eager step
     measured_from:int = 0 # Index of the first compiled batch in `batch_times` the eager step is compared with
@@ -93,6 +94,10 @@ class CompileReport:
     ddp_pieces:list = field(default_factory=list) # The pieces DDPOptimizer split each graph into, with `ddp_split`
     ddp_backward_graphs:int|None = None # The backward graphs compiled autograd captured, with `ddp_compiled_autograd`
 
+    @property
+    def graph_breaks(self)->int:
+        "Number of graph breaks TorchDynamo hit"
+        return sum(self.break_reasons.values())
     @property
     def graphs(self)->int:
         "Number of frames compiled, first compiles and recompiles"
@@ -157,6 +162,9 @@ class CompileReport:
         lines = [f"torch.compile: {self.graphs} graph(s) compiled in {self.compile_seconds:.1f}s, "
                  f"{self.graph_breaks} graph break(s), {len(self.recompiles)} recompile(s), {len(self.fallbacks)} eager fallback(s)"]
         # A regional model's twins recompile alike, and its blocks each see a one-off batch at a shape of their own: one line each
+        lines += [f"  graph break{f' ({n} times)' if n > 1 else ''}: {graph_break_reason(r)}"
+                  for r,n in Counter(self.break_reasons).most_common()]
+        if self.break_reasons: lines.append("  `DynamoExplainCallback` shows the file and line of each graph break")
         alike = groupby([e for e in self.events if e.kind != 'compile'], lambda e: (e.kind, e.frame, e.during, e.reason))
         lines += [f"  {es[0].text(es)}" for es in alike.values()]
         once = groupby(self.eager_calls.items(), lambda o: (o[0][0][0], o[1]), lambda o: _shape_text(o[0][1])) # By (grad, count)
@@ -213,7 +221,7 @@ class CompileRecorder:
     ):
         store_attr()
         self.log_handler, self.froze, self.training, self.shapes, self.compiling = None, set(), None, (), False
-        self.seen, self.graph_breaks0, self.started, self.batch_t = {}, 0, 0., 0.
+        self.seen, self.breaks0, self.started, self.batch_t = {}, Counter(), 0., 0.
         self.loads0 = 0 # Precompiled code TorchDynamo had loaded in this process when the fit began
         self.eager = False # The batch running now runs eagerly, to measure the eager step
         self.sync = None # Waits for the device to finish its work (`torch.cuda.synchronize`), where work is asynchronous
@@ -244,7 +252,8 @@ class CompileRecorder:
             ddp_split_logger.addFilter(self._on_ddp_log)
         self.compiling, self.batch_t, self.training, self.sync, self.batch_end = False, time.perf_counter(), None, sync, None
         self.seen = _by_id(compilation_metrics()) # Those of earlier compiles, which are not this fit's
-        self.graph_breaks0 = graph_break_count() - self.report.graph_breaks
+        self.breaks0 = graph_break_reasons() # Those of earlier compiles, less those of this report's earlier fits
+        self.breaks0.subtract(self.report.break_reasons)
         self.loads0 = precompiled_loads()
         add_compile_callbacks(self._on_start, self._on_end)
         # TorchDynamo records no compilation metric when a frame hits the recompile limit, only this log line
@@ -320,7 +329,9 @@ class CompileRecorder:
                               self._reason(raw, during) if again else '', raw, during)
             self.report.events.append(ev)
         if new and self.training is not None: self.phase_shapes[self.training] = self.shapes
-        self.report.graph_breaks = graph_break_count() - self.graph_breaks0
+        breaks = graph_break_reasons()
+        breaks.subtract(self.breaks0)
+        self.report.break_reasons = {k:n for k,n in breaks.items() if n > 0}
 
     @property
     def during(self)->str:

@@ -2,7 +2,7 @@
 import logging, pickle, pytest, torch
 from torch import nn
 from fastxtend_compile.internals import *
-from fastxtend_compile.core import compiled_entry
+from fastxtend_compile.core import compiled_entry, graph_break_reason
 
 def _fresh_compiled(f): return torch.compile(own_function(f, 'internals_test_call'), backend='eager')
 
@@ -63,13 +63,15 @@ def test_compilation_metrics_describe_each_frame():
     assert new[0].entire_frame_compile_time_s >= 0 and new[0].co_filename == __file__ and new[0].co_firstlineno > 0
 
 def test_graph_and_graph_break_counters():
-    graphs, breaks = graphs_compiled(), graph_break_count()
+    graphs, breaks = graphs_compiled(), graph_break_reasons()
     def f(x):
         x = x + 1
         print('break')
         return x * 2
     _fresh_compiled(f)(torch.ones(1))
-    assert graphs_compiled() - graphs == 2 and graph_break_count() - breaks == 1
+    new = graph_break_reasons() - breaks
+    assert graphs_compiled() - graphs == 2 and sum(new.values()) == 1
+    assert '`print`' in graph_break_reason(next(iter(new))) # Its reason, as TorchDynamo words it
 
 def test_hook_dicts_see_every_kind_of_hook():
     m = nn.Sequential(nn.Linear(1, 1))

@@ -66,7 +66,12 @@ def test_graph_breaks_counted():
     learn = synth_learner(cbs=CompilerCallback(backend=BACKEND))
     learn.model = Toy()
     learn.fit(1)
-    assert learn.compiler.report.graph_breaks >= 2
+    r = learn.compiler.report
+    assert r.graph_breaks >= 2 and r.graph_breaks == sum(r.break_reasons.values())
+    lines = r.summary().splitlines()
+    prints = [l for l in lines if l.startswith('  graph break') and "builtin operator `print`" in l]
+    assert len(prints) == 1, lines # One line per reason, with how often it broke the graph
+    assert "  `DynamoExplainCallback` shows the file and line of each graph break" in lines
 
 def test_fallback_to_eager_always_warns():
     class Varying(DataLoader):
