@@ -143,7 +143,7 @@ def graph_break_reason(
         return "data-dependent control flow: Python branches on a tensor's value here (use `torch.where` or `torch.cond`)"
     expl = next((l.removeprefix('Explanation: ') for l in lines if l.startswith('Explanation:')), lines[0])
     hint = next((l for l in lines if l.startswith('Hint:')), None)
-    return expl if hint is None else f"{expl}. {hint}"
+    return expl if hint is None else f"{expl.rstrip('.')}. {hint}"
 
 # %% ../nbs/00_core.ipynb #c890bfc6
 class GraphBreakError(RuntimeError):
