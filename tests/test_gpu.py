@@ -10,7 +10,9 @@ from fastai.torch_core import set_seed
 from fastai.metrics import accuracy
 import fastai.callback.schedule
 from fastxtend_compile import *
-from conftest import digits_dls, bn_cnn, body_head_splitter
+from fastai.torch_core import TensorBase
+from fastai.vision.all import unet_learner, resnet18
+from conftest import digits_dls, bn_cnn, body_head_splitter, segmentation_dls
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 
@@ -88,3 +90,18 @@ def test_debug_compile_before_a_fit_runs_where_the_model_is():
     assert next(learn.model.parameters()).device.type == 'cpu'
     stages = learn.debug_compile(backend='aot_eager', show=False)
     assert [s.backend for s in stages] == ['eager', 'aot_eager'] and all(s.ok for s in stages), [str(s) for s in stages]
+
+@pytest.mark.parametrize('mode', [None, 'reduce-overhead'])
+def test_unet_compiles_on_the_gpu(tmp_path, mode):
+    "`unet_learner` in bf16, compiled by inductor: one training graph, and `TensorBase` outputs as eager computes them"
+    set_seed(0, reproducible=True)
+    learn = unet_learner(segmentation_dls(tmp_path), resnet18, pretrained=False).to_bf16().compile(mode=mode)
+    learn.fine_tune(1)
+    r = learn.compiler.report
+    assert r.graph_breaks == 0 and not r.fallbacks and [e.kind for e in r.events][:1] == ['compile'], r.summary()
+    xb, _ = learn.dls.one_batch()
+    learn.model.eval()
+    with torch.no_grad(), torch.autocast('cuda', dtype=torch.bfloat16):
+        out, eager = learn.model(xb), learn.model._call_impl(xb) # Compiled, then eager: the same weights
+    assert type(out) is type(eager) is TensorBase
+    torch.testing.assert_close(out.float(), eager.float(), rtol=5e-2, atol=5e-2) # bf16, other kernels
