@@ -161,10 +161,10 @@ class CompileReport:
         "The report as a few readable lines"
         lines = [f"torch.compile: {self.graphs} graph(s) compiled in {self.compile_seconds:.1f}s, "
                  f"{self.graph_breaks} graph break(s), {len(self.recompiles)} recompile(s), {len(self.fallbacks)} eager fallback(s)"]
-        # A regional model's twins recompile alike, and its blocks each see a one-off batch at a shape of their own: one line each
         lines += [f"  graph break{f' ({n} times)' if n > 1 else ''}: {graph_break_reason(r)}"
                   for r,n in Counter(self.break_reasons).most_common()]
         if self.break_reasons: lines.append("  `DynamoExplainCallback` shows the file and line of each graph break")
+        # A regional model's twins recompile alike, and its blocks each see a one-off batch at a shape of their own: one line each
         alike = groupby([e for e in self.events if e.kind != 'compile'], lambda e: (e.kind, e.frame, e.during, e.reason))
         lines += [f"  {es[0].text(es)}" for es in alike.values()]
         once = groupby(self.eager_calls.items(), lambda o: (o[0][0][0], o[1]), lambda o: _shape_text(o[0][1])) # By (grad, count)
