@@ -7,6 +7,8 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
                 pretrained=False) (.to_bf16() on CUDA) -> fine_tune
     vision-big  the same with larger images already at their training size and resnet50: the GPU, not the DataLoader,
                 bounds it
+    segmentation  PNG images and masks on disk -> SegmentationDataLoaders.from_label_func(aug_transforms) ->
+                unet_learner(resnet34, pretrained=False) (.to_bf16() on CUDA) -> fine_tune
     tabular     a synthetic DataFrame -> TabularDataLoaders.from_df(Categorify, FillMissing, Normalize) ->
                 tabular_learner(layers=[200,100]) -> fit_one_cycle
     text        synthetic token sequences -> fastai Datasets/DataLoaders -> a transformer encoder classifier
@@ -58,6 +60,9 @@ WORKFLOWS = {
     'vision-big': dict(
         gpu=dict(n=4000, size=224, bs=64, epochs=2, arch='resnet50', classes=5, valid_pct=0.2, stored=224),
         smoke=dict(n=40, size=32, bs=8, epochs=1, arch='resnet50', classes=3, valid_pct=0.2, stored=32)),
+    'segmentation': dict(
+        gpu=dict(n=2000, size=192, bs=16, epochs=2, arch='resnet34', valid_pct=0.2),
+        smoke=dict(n=24, size=32, bs=4, epochs=1, arch='resnet34', valid_pct=0.25)),
     'tabular': dict(
         gpu=dict(rows=200_000, bs=1024, epochs=3, layers=[200, 100], valid_pct=0.2),
         smoke=dict(rows=3000, bs=256, epochs=2, layers=[200, 100], valid_pct=0.2)),
@@ -71,6 +76,9 @@ def describe(w:str, c:dict)->str:
     if w.startswith('vision'):
         return (f"{c['n']} JPEGs stored at {c['stored']} px, {c['classes']} classes, Resize({c['size']}) + aug_transforms, "
                 f"{c['arch']} (pretrained=False), bs {c['bs']}, fine_tune({c['epochs']})")
+    if w == 'segmentation':
+        return (f"{c['n']} PNG images and masks at {c['size']} px, a square to find on a patterned background, aug_transforms, "
+                f"unet_learner({c['arch']}, pretrained=False), bs {c['bs']}, fine_tune({c['epochs']})")
     if w == 'tabular':
         return f"{c['rows']:,} rows, 4 categorical + 6 continuous columns, tabular_learner(layers={c['layers']}), bs {c['bs']}, fit_one_cycle({c['epochs']})"
     return (f"{c['n']:,} sequences of {c['seq']} tokens, vocab {c['vocab']}, nn.TransformerEncoder {c['layers']} layers, "
@@ -109,19 +117,41 @@ def _write_images(args):
         d.mkdir(parents=True, exist_ok=True)
         Image.fromarray(_pattern(cls, size, rng)).save(d/f'{i}.jpg', quality=90)
 
+def _in_parallel(write, root:Path, items:list, size:int)->float:
+    "Seconds `write` took on chunks of `items` (image files of `size` px in `root`), in worker processes unless they are few"
+    from concurrent.futures import ProcessPoolExecutor
+    workers = max(1, min(8, os.cpu_count() or 1))
+    chunks = [(str(root), items[j::workers*4], size, j) for j in range(workers*4)]
+    t = time.perf_counter()
+    if workers == 1 or len(items) < 200:
+        for ch in chunks: write(ch)
+    else:
+        with ProcessPoolExecutor(workers) as ex: list(ex.map(write, chunks))
+    return time.perf_counter() - t
+
 def write_images(root:Path, c:dict)->dict:
     "JPEG files in `root/train/<class>` and `root/valid/<class>`, written in parallel"
-    from concurrent.futures import ProcessPoolExecutor
     nv = n_valid(c['n'], c['valid_pct'], c['bs'])
     items = [('valid' if i < nv else 'train', i % c['classes'], i) for i in range(c['n'])]
-    workers = max(1, min(8, os.cpu_count() or 1))
-    chunks = [(str(root), items[j::workers*4], c['stored'], j) for j in range(workers*4)]
-    t = time.perf_counter()
-    if workers == 1 or c['n'] < 200:
-        for ch in chunks: _write_images(ch)
-    else:
-        with ProcessPoolExecutor(workers) as ex: list(ex.map(_write_images, chunks))
-    return dict(train=c['n'] - nv, valid=nv, write_s=time.perf_counter() - t)
+    return dict(train=c['n'] - nv, valid=nv, write_s=_in_parallel(_write_images, root, items, c['stored']))
+
+def _write_segmentation(args):
+    root, items, size, seed = args
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    for i in items:
+        img, mask = _pattern(i % 5, size, rng), np.zeros((size, size), np.uint8)
+        s = rng.integers(size//6, size//3)
+        x, y = rng.integers(0, size - s, 2)
+        mask[y:y+s, x:x+s] = 1
+        img[y:y+s, x:x+s] = (img[y:y+s, x:x+s] * 0.4 + 150).astype(np.uint8) # A lighter, flatter square
+        Image.fromarray(img).save(Path(root)/'images'/f'{i}.png'); Image.fromarray(mask).save(Path(root)/'masks'/f'{i}.png')
+
+def write_segmentation(root:Path, c:dict)->dict:
+    "PNG images in `root/images` and their masks (0: background, 1: the square) in `root/masks`, written in parallel"
+    for d in ('images', 'masks'): (root/d).mkdir(parents=True, exist_ok=True)
+    return dict(n=c['n'], write_s=_in_parallel(_write_segmentation, root, list(range(c['n'])), c['size']))
 
 # ---------------------------------------------------------------------------------------------------------------------
 # One arm, in this process (`--child`)
@@ -147,6 +177,19 @@ def build_vision(w, c, data, device, num_workers):
     dls = ImageDataLoaders.from_folder(data, train='train', valid='valid', item_tfms=Resize(c['size']),
                                        batch_tfms=aug_transforms(), bs=c['bs'], device=device, **kw)
     learn = vision_learner(dls, getattr(fv, c['arch']), pretrained=False, metrics=accuracy)
+    if device == 'cuda': learn = learn.to_bf16()
+    return learn, lambda: learn.fine_tune(c['epochs'])
+
+def _mask_of(image:Path)->Path: return image.parent.parent/'masks'/image.name
+
+def build_segmentation(w, c, data, device, num_workers):
+    from fastai.vision.all import SegmentationDataLoaders, get_image_files, aug_transforms, unet_learner, Dice
+    import fastai.vision.all as fv
+    kw = {} if num_workers is None else dict(num_workers=num_workers)
+    dls = SegmentationDataLoaders.from_label_func(data, get_image_files(Path(data)/'images'), _mask_of, codes=['background', 'square'],
+                                                  valid_pct=c['valid_pct'], seed=0, batch_tfms=aug_transforms(), bs=c['bs'],
+                                                  device=device, **kw)
+    learn = unet_learner(dls, getattr(fv, c['arch']), pretrained=False, metrics=Dice())
     if device == 'cuda': learn = learn.to_bf16()
     return learn, lambda: learn.fine_tune(c['epochs'])
 
@@ -216,7 +259,8 @@ def _num(v):
     try: return float(v)
     except Exception: return str(v)
 
-BUILDERS = {'vision': build_vision, 'vision-big': build_vision, 'tabular': build_tabular, 'text': build_text}
+BUILDERS = {'vision': build_vision, 'vision-big': build_vision, 'segmentation': build_segmentation, 'tabular': build_tabular,
+            'text': build_text}
 
 def child(spec:dict)->dict:
     t_start = time.perf_counter()
@@ -560,6 +604,12 @@ def main():
                     meta['data'][w] = write_images(data, c)
                     print(f"{w}: wrote {c['n']} JPEG files at {c['stored']} px in {meta['data'][w]['write_s']:.1f}s "
                           f"({meta['data'][w]['valid']} for validation)", flush=True)
+                spec['data'] = str(data)
+            if w == 'segmentation':
+                data = Path(args.data_dir)/w if args.data_dir else tmp/f'data-{w}'
+                if not (data/'images').exists():
+                    meta['data'][w] = write_segmentation(data, c)
+                    print(f"{w}: wrote {c['n']} PNG images and masks at {c['size']} px in {meta['data'][w]['write_s']:.1f}s", flush=True)
                 spec['data'] = str(data)
             spec_base[w] = spec
         with open(out/'arms.log', 'w') as log:
