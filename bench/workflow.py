@@ -451,7 +451,7 @@ def summarize(rec)->dict:
                 data_share=median(e.get('data_share') for e in train_eps), epochs=[e['wall_s'] for e in rec.get('epochs') or []],
                 compile_s=comp.get('compile_s'), graphs=comp.get('graphs'), recompiles=comp.get('recompiles'),
                 fallbacks=comp.get('fallbacks'), graph_breaks=comp.get('graph_breaks'), eager_calls=comp.get('eager_calls'),
-                accuracy=vals.get('accuracy'), valid_loss=vals.get('valid_loss'), peak=rec.get('peak_mem_gb'))
+                metric=vals.get('dice', vals.get('accuracy')), valid_loss=vals.get('valid_loss'), peak=rec.get('peak_mem_gb'))
 
 def f(v, spec='.1f', none='—'): return none if v is None else format(v, spec)
 
@@ -490,7 +490,7 @@ def render_md(data)->str:
         eager = [summarize(r) for r in wr if r['arm'] == 'eager' and r.get('status') == 'ok']
         e_total, e_steady = median(s['total_s'] for s in eager), median(s['steady_s'] for s in eager)
         L += ["| arm | runs | total s | × eager | steady epoch s | × eager | compile s | graphs | recompiles | fallbacks "
-              "| graph breaks | epoch s | DataLoader share | accuracy |",
+              "| graph breaks | epoch s | DataLoader share | accuracy (Dice for segmentation) |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
         notes = []
         for a in ARMS:
@@ -504,7 +504,7 @@ def render_md(data)->str:
                 continue
             ss = [summarize(r) for r in good]
             m = {k: median(s[k] for s in ss) for k in ('total_s', 'steady_s', 'data_share', 'compile_s', 'graphs', 'recompiles',
-                                                       'fallbacks', 'graph_breaks', 'accuracy')}
+                                                       'fallbacks', 'graph_breaks', 'metric')}
             n_ep = max(len(s['epochs']) for s in ss)
             eps = [median(s['epochs'][i] for s in ss if i < len(s['epochs'])) for i in range(n_ep)]
             total = f(m['total_s'], '.2f' if smoke else '.1f')
@@ -515,7 +515,7 @@ def render_md(data)->str:
                      f"{f(m['compile_s']) if compiled else ''} | {f(m['graphs'], 'g') if compiled else ''} | "
                      f"{f(m['recompiles'], 'g') if compiled else ''} | {f(m['fallbacks'], 'g') if compiled else ''} | "
                      f"{f(m['graph_breaks'], 'g') if compiled else ''} | {', '.join(f'{e:.2f}' for e in eps)} | "
-                     f"{f(m['data_share'], '.0%')} | {f(m['accuracy'], '.3f')} |")
+                     f"{f(m['data_share'], '.0%')} | {f(m['metric'], '.3f')} |")
             for r in good[:1]:
                 if compiled and (r.get('compile') or {}).get('payoff'): notes.append(f"- {a}, the report: {r['compile']['payoff']}")
                 if 'cache_loaded' in r:
