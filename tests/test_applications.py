@@ -11,7 +11,7 @@ from fastxtend_compile import *
 from fastxtend_compile.internals import compiled_call
 from fastai.layers import ToTensorBase
 from fastai.vision.all import unet_learner, resnet18
-from conftest import two_conv_cnn, digits_dls, cancer_dls, text_dls, segmentation_dls, assert_fit_close, EAGER_PRECISION
+from conftest import two_conv_cnn, digits_dls, cancer_dls, text_dls, segmentation_dls, assert_moved_alike, EAGER_PRECISION
 
 def compile_counts(learn):
     r = learn.compiler.report
@@ -77,6 +77,7 @@ def test_unet_fine_tunes_as_one_graph_with_eager_types(tmp_path):
         dls = segmentation_dls(tmp_path) # Of its own: a DataLoader's shuffling draws from a generator it keeps
         learn = unet_learner(dls, resnet18, pretrained=False, path=tmp_path)
         if compiled: learn.compile(backend='aot_eager', **EAGER_PRECISION)
+        else: start = [p.detach().clone() for p in learn.model.parameters()] # The same seeded weights in both
         learn.fine_tune(1)
         learns.append(learn)
     eager, learn = learns
@@ -84,10 +85,11 @@ def test_unet_fine_tunes_as_one_graph_with_eager_types(tmp_path):
     assert (r.graph_breaks, r.fallbacks) == (0, []) and [e.kind for e in r.events] == ['compile'] # The frozen epoch ran eagerly
     # On a GPU the encoder's weights, unfrozen for 4 steps at lr 2e-5, are a few Adam steps from where they started, and
     # Adam turns the other kernels' rounding into whole steps (2% of one BatchNorm bias's norm, H200): the predictions tell
-    if not torch.cuda.is_available(): assert_fit_close(eager.model, learn.model)
+    if not torch.cuda.is_available(): assert_moved_alike(eager.model, learn.model, start)
     (p_eager, _), (p, _) = eager.get_preds(), learn.get_preds()
     assert type(p) is type(p_eager) is TensorBase # Not a `TensorImage`, which fastai would decode as an image
-    torch.testing.assert_close(p.softmax(1), p_eager.softmax(1), **(dict(rtol=0, atol=1e-2) if torch.cuda.is_available() else {}))
+    # Probabilities, from weights that drift as above: 5e-5 apart on the CPU
+    torch.testing.assert_close(p.softmax(1), p_eager.softmax(1), rtol=0, atol=1e-2 if torch.cuda.is_available() else 1e-3)
     cast = learn.model.layers[-1]
     assert isinstance(cast, ToTensorBase) and cast.tensor_cls is TensorBase # As before the compiled calls
     learn.export('unet.pkl')
