@@ -262,6 +262,8 @@ class CompiledCall:
             set_compiled_call(self.module, None)
             if self.on_refused is not None: self.on_refused()
             raise _graph_break_error(e, removed=self.on_refused is not None) from e
+        except traced_op_error() as e: out = e # Raised below, out of this handler, so eager's error isn't chained to it
+        if isinstance(out, traced_op_error()): self._raise_as_eager(out, *tree_unflatten(leaves, spec))
         if self.unchecked: self._check_captured(graphs)
         if self.cudagraphs: out = tree_map_only(Tensor, torch.clone, out)
         # Typed as eager fastai types them: as its inputs, or as its last `ToTensorBase` casts them
@@ -284,6 +286,16 @@ class CompiledCall:
             return True
         known.add(shapes)
         return False
+
+    def _raise_as_eager(self, error:Exception, args:tuple, kwargs:dict):
+        "Raise what eager raises for this call, where TorchDynamo failed to run one of its operations while tracing it"
+        # A bug of the model's (a shape or device that doesn't fit) reaches TorchDynamo as an error about its fake tensors:
+        # eager's error says it in the model's terms, at the model's line, as it would without compiling
+        buffers = [(b, b.clone()) for b in self.module.buffers()]
+        self.module._call_impl(*args, **kwargs)
+        with torch.no_grad(): # Eager ran it, so the compiler failed, not the model: undo its running statistics
+            for b,old in buffers: b.copy_(old)
+        raise error
 
     def _check_captured(self, graphs_before:int):
         "Warn when the first call captured no graph: TorchDynamo skipped the model, which then runs eagerly"

@@ -15,7 +15,7 @@ from torch.torch_version import TorchVersion
 
 # %% auto #0
 __all__ = ['recompile_limit_logger', 'ddp_split_logger', 'precompile_guard_logger', 'own_function', 'set_compiled_call',
-           'compiled_call', 'is_optimized_module', 'graph_break_error', 'add_compile_callbacks',
+           'compiled_call', 'is_optimized_module', 'graph_break_error', 'traced_op_error', 'add_compile_callbacks',
            'remove_compile_callbacks', 'recompile_limit_hit', 'compilation_metrics', 'graph_break_reasons',
            'graphs_compiled', 'hook_dicts', 'optimize_ddp', 'set_optimize_ddp', 'ddp_split_pieces',
            'uses_python_reducer', 'python_reducer_settings', 'restore_python_reducer_settings', 'compiled_autograd',
@@ -50,6 +50,10 @@ def is_optimized_module(model:nn.Module)->bool:
 def graph_break_error()->type:
     "The exception TorchDynamo raises at a graph break with `fullgraph=True`"
     return torch._dynamo.exc.Unsupported
+
+def traced_op_error()->type:
+    "The exception TorchDynamo raises when an operation of the code it traces fails on its fake tensors (a shape that doesn't fit)"
+    return torch._dynamo.exc.TorchRuntimeError
 
 # %% ../nbs/06_internals.ipynb #04c06fd6
 def add_compile_callbacks(on_start:Callable, on_end:Callable):

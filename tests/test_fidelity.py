@@ -15,7 +15,7 @@ from fastai.vision.models import resnet18
 import fastai.callback.schedule # fine_tune, fit_one_cycle
 import fastxtend_compile
 from fastxtend_compile import *
-from fastxtend_compile.internals import graphs_compiled
+from fastxtend_compile.internals import graphs_compiled, compiled_call, traced_op_error
 from conftest import two_conv_cnn, bn_cnn, body_head_splitter, digits_dls, text_dls, EAGER_PRECISION, GRAD_TOL
 
 BACKEND = 'aot_eager' # Traces forward and backward like inductor, without its C++ compile time
@@ -283,6 +283,35 @@ def test_keyboard_interrupt_in_frozen_epoch_then_fit_compiles(digits):
     quiet_fit(learn, 1)
     assert is_compiled(learn.model)
     assert any(e.kind == 'compile' and e.frame == 'Sequential' for e in learn.compiler.report.events), learn.compiler.report.events
+
+def test_a_models_own_bug_raises_eagers_error(digits):
+    "A shape that doesn't fit fails TorchDynamo's trace with an error about fake tensors: the user gets eager's error"
+    errors = []
+    for compiled in (False, True):
+        learn = Learner(digits, nn.Sequential(nn.Flatten(), nn.Linear(60, 10))) # The digits have 64 pixels
+        if compiled: learn.compile(backend=BACKEND)
+        with pytest.raises(RuntimeError) as e: quiet_fit(learn, 1)
+        errors.append(e.value)
+    eager, comp = errors
+    assert type(comp) is type(eager) is RuntimeError and str(comp) == str(eager)
+    assert str(comp).endswith('mat1 and mat2 shapes cannot be multiplied (64x64 and 60x10)')
+    assert comp.__cause__ is None and comp.__context__ is None # Not chained to TorchDynamo's
+    assert not learn.compiler.active # The fit's changes were undone, as for any error
+    learn.model[1] = nn.Linear(64, 10) # Fixed (and given to a new optimizer, as fastai needs), the model trains compiled
+    before = learn.model[1].weight.detach().clone()
+    quiet_fit(learn, 1, reset_opt=True)
+    assert not torch.equal(before, learn.model[1].weight) and learn.compiler.report.graphs >= 1, learn.compiler.report.events
+
+def test_a_trace_that_fails_where_eager_runs_raises_the_compilers_error():
+    "Where eager runs what TorchDynamo's trace failed on, its error stands, and eager's run leaves no running statistics"
+    model = compile_model(bn_cnn(), **compile_settings(backend=BACKEND))
+    call, failure = compiled_call(model), traced_op_error()('the compiler failed')
+    def fail(*args, **kwargs): raise failure
+    call.entry = fail
+    before = [b.clone() for b in model.buffers()]
+    with pytest.raises(traced_op_error()) as e: model(torch.randn(4, 1, 8, 8))
+    assert e.value is failure
+    assert all(torch.equal(a, b) for a,b in zip(before, model.buffers()))
 
 @pytest.mark.parametrize('how', ['instance', 'class'])
 def test_removing_compiler_returns_learner_to_eager(digits, how):

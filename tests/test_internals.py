@@ -30,6 +30,9 @@ def test_optimized_module_and_unsupported():
         return -x
     with pytest.raises(graph_break_error()): torch.compile(f, backend='eager', fullgraph=True)(torch.ones(1))
 
+def test_traced_op_error_is_what_a_shape_that_does_not_fit_raises():
+    with pytest.raises(traced_op_error(), match='fake tensors'): torch.compile(nn.Linear(3, 2), backend='eager')(torch.ones(4, 5))
+
 def test_compile_callbacks_run_around_each_compile():
     seen = []
     start, end = (lambda *a: seen.append('start')), (lambda *a: seen.append('end'))
