@@ -262,8 +262,9 @@ class CompiledCall:
             set_compiled_call(self.module, None)
             if self.on_refused is not None: self.on_refused()
             raise _graph_break_error(e, removed=self.on_refused is not None) from e
-        except traced_op_error() as e: out = e # Raised below, out of this handler, so eager's error isn't chained to it
-        if isinstance(out, traced_op_error()): self._raise_as_eager(out, *tree_unflatten(leaves, spec))
+        except traced_op_error() as e: failed = e # Raised below, out of this handler, so eager's error isn't chained to it
+        else: failed = None
+        if failed is not None: self._raise_as_eager(failed, *tree_unflatten(leaves, spec))
         if self.unchecked: self._check_captured(graphs)
         if self.cudagraphs: out = tree_map_only(Tensor, torch.clone, out)
         # Typed as eager fastai types them: as its inputs, or as its last `ToTensorBase` casts them

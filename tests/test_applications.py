@@ -11,7 +11,7 @@ from fastxtend_compile import *
 from fastxtend_compile.internals import compiled_call
 from fastai.layers import ToTensorBase
 from fastai.vision.all import unet_learner, resnet18
-from conftest import two_conv_cnn, digits_dls, cancer_dls, text_dls, segmentation_dls, assert_moved_alike, EAGER_PRECISION
+from conftest import two_conv_cnn, digits_dls, cancer_dls, text_dls, segmentation_dls, assert_fit_close, EAGER_PRECISION
 
 def compile_counts(learn):
     r = learn.compiler.report
@@ -85,7 +85,7 @@ def test_unet_fine_tunes_as_one_graph_with_eager_types(tmp_path):
     assert (r.graph_breaks, r.fallbacks) == (0, []) and [e.kind for e in r.events] == ['compile'] # The frozen epoch ran eagerly
     # On a GPU the encoder's weights, unfrozen for 4 steps at lr 2e-5, are a few Adam steps from where they started, and
     # Adam turns the other kernels' rounding into whole steps (2% of one BatchNorm bias's norm, H200): the predictions tell
-    if not torch.cuda.is_available(): assert_moved_alike(eager.model, learn.model, start)
+    if not torch.cuda.is_available(): assert_fit_close(eager.model, learn.model, start)
     (p_eager, _), (p, _) = eager.get_preds(), learn.get_preds()
     assert type(p) is type(p_eager) is TensorBase # Not a `TensorImage`, which fastai would decode as an image
     # Probabilities, from weights that drift as above: 5e-5 apart on the CPU
