@@ -14,10 +14,12 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1])) # The repository's `fastxtend_compile`, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from torch import nn
 import torch.nn.functional as F
+from procs import library_version, versions
 
 ARMS = {
     # name: (training loop, torch.compile mode or None for eager, regional)
@@ -77,6 +79,20 @@ class GPT(nn.Module):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for b in self.blocks: x = b(x)
         return self.head(self.ln_f(x))
+
+class TextClassifier(nn.Module):
+    """The workflow benchmark's text model (bench/workflow.py): token and position embeddings, a pre-norm transformer
+    encoder, mean pooling, a linear head. At a module's top level, where TorchDynamo can save its code (`precompile=True`)"""
+    def __init__(self, vocab, seq, d, layers, heads, n_out):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.randn(1, seq, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, heads, 4*d, dropout=0.1, activation='gelu', batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, n_out)
+
+    def forward(self, x):
+        h = self.encoder(self.tok(x) + self.pos[:, :x.shape[1]])
+        return self.head(self.norm(h).mean(1))
 
 def make_model(cfg):
     if cfg['kind'] == 'resnet':
@@ -172,7 +188,7 @@ def hand_loop(args, cfg, model, batches, device, mode, regional, timer):
         timer.step_done(i)
     return {}
 
-def fastai_loop(args, cfg, model, batches, device, mode, regional, timer):
+def fastai_loop(args, cfg, model, batches, device, mode, regional, timer, cbs=()):
     "`Learner.fit` for exactly warmup+steps batches, no validation, no progress bar or logging"
     from fastcore.basics import noop
     from fastai.callback.core import Callback
@@ -197,7 +213,7 @@ def fastai_loop(args, cfg, model, batches, device, mode, regional, timer):
     dls = DataLoaders(DataLoader(Batches(batches, args.warmup + args.steps), bs=None),
                       DataLoader(Batches(batches, 0), bs=None), device=device)
     opt_func = Adam if args.opt == 'fastai_adam' else partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True))
-    cbs = [TimeSteps()]
+    cbs = [TimeSteps(), *cbs]
     if device.type == 'cuda':
         from fastai.callback.fp16 import MixedPrecision
         cbs.append(MixedPrecision(amp_mode='bf16'))
@@ -211,7 +227,7 @@ def fastai_loop(args, cfg, model, batches, device, mode, regional, timer):
         kwargs = dict(backend=args.backend, mode=None if mode == 'default' else mode, **json.loads(args.compile_kwargs))
         if regional:
             if 'regional' not in inspect.signature(CompilerCallback.__init__).parameters:
-                raise Skip(f"fastxtend_compile {fxc_version()} has no `regional` option on `learn.compile`")
+                raise Skip(f"fastxtend_compile {library_version()} has no `regional` option on `learn.compile`")
             kwargs['regional'] = True
         learn.compile(**kwargs)
         info['compile_kwargs'] = {k:str(v) for k,v in kwargs.items()}
@@ -227,24 +243,82 @@ def fastai_loop(args, cfg, model, batches, device, mode, regional, timer):
 class Skip(Exception): "The arm cannot run with this version of the library"
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Profiling a fastai arm (`--profile FILE`): where the time goes that compiling doesn't save
 
-def fxc_version()->str:
-    try: import fastxtend_compile; v = fastxtend_compile.__version__
-    except Exception as e: return f'not importable: {e}'
-    if v != 'unknown': return v
-    import configparser # Not installed, imported from the checkout: its settings.ini has the version
-    cp = configparser.ConfigParser()
-    cp.read(Path(__file__).resolve().parents[1]/'settings.ini')
-    return cp.get('DEFAULT', 'version', fallback='unknown') + ' (checkout)'
+PACKAGES = ('fastxtend_compile', 'fastai', 'fastcore', 'fastprogress', 'torch')
 
-def env_info(device)->dict:
-    import fastai, torchvision
-    try: import triton; triton_v = triton.__version__
-    except ImportError: triton_v = None
-    fxc_v = fxc_version()
-    return dict(device=torch.cuda.get_device_name(device) if device.type == 'cuda' else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
-                torch=torch.__version__, cuda=torch.version.cuda, triton=triton_v, fastai=fastai.__version__,
-                torchvision=torchvision.__version__, python=platform.python_version(), fastxtend_compile=fxc_v)
+def _package(file:str)->str|None:
+    if 'torchinductor' in file or file.startswith(os.environ.get('TORCHINDUCTOR_CACHE_DIR') or '\0'): return 'compiled code'
+    return next((k for k in PACKAGES if f'/{k}/' in file), None)
+
+def python_profile(py, steps:int)->list:
+    "Host time per step by package (each package's own Python and the C functions it calls), and the top functions"
+    import io, pstats
+    st = pstats.Stats(py)
+    by_pkg, total = {}, 0.
+    for (file, line, fn), (cc, nc, tt, ct, callers) in st.stats.items():
+        if file == '~': # A C function: count it for the package of the Python that called it most
+            caller = max(callers.items(), key=lambda kv: kv[1][2], default=None)
+            pkg = (caller and _package(caller[0][0])) or 'other'
+        else: pkg = _package(file) or 'other'
+        by_pkg[pkg] = by_pkg.get(pkg, 0.) + tt
+        total += tt
+    lines = ["", f"Host time under cProfile: {total/steps*1e3:.2f} ms/step, by the package whose code spends it:"]
+    lines += [f"  {k:18s} {v/steps*1e3:6.2f} ms/step  {v/total:5.1%}" for k,v in sorted(by_pkg.items(), key=lambda kv: -kv[1])]
+    out = io.StringIO()
+    pstats.Stats(py, stream=out).sort_stats('tottime').print_stats(25)
+    table = out.getvalue()
+    return lines + ["", "Top Python functions by own time:", table[table.find('   ncalls'):]]
+
+def profile(args)->dict:
+    """Train a fastai arm for `warmup` steps, then `steps` under torch.profiler (operators, kernel launches, device time)
+    and `steps` more under cProfile (host time by package); write the report to `args.profile`"""
+    import cProfile
+    from torch.profiler import profile as torch_profile, ProfilerActivity
+    from fastai.callback.core import Callback
+    loop, mode, regional = ARMS[args.arm]
+    if loop != 'fastai': raise Skip('--profile profiles the fastai arms')
+    device = torch.device(args.device)
+    cuda = device.type == 'cuda'
+    cfg = WORKLOADS[args.workload]['smoke' if args.smoke else 'full']
+    if cuda: torch.set_float32_matmul_precision('high')
+    def sync():
+        if cuda: torch.cuda.synchronize()
+    class Profile(Callback):
+        order = 1000
+        def before_batch(self):
+            if not self.training: return
+            if self.iter == args.warmup:
+                sync()
+                self.prof = torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA]*cuda)
+                self.prof.__enter__(); self.t0 = time.perf_counter()
+            if self.iter == args.warmup + args.steps: # torch.profiler's steps are done: Python's next
+                sync()
+                self.wall = time.perf_counter() - self.t0
+                self.prof.__exit__(None, None, None)
+                self.py = cProfile.Profile(); self.py.enable()
+        def after_fit(self): self.py.disable()
+    prof = Profile()
+    torch.manual_seed(0)
+    model = make_model(cfg).to(device)
+    batches = make_batches(cfg, device, typed=not args.plain)
+    steps, args.steps = args.steps, 2*args.steps # The fit runs both profiled stretches
+    fastai_loop(args, cfg, model, batches, device, mode, regional, StepTimer(device, args.warmup), cbs=[prof])
+    args.steps = steps
+    ev = prof.prof.key_averages()
+    launches = sum(e.count for e in ev if e.key in ('cudaLaunchKernel', 'cuLaunchKernel', 'cudaLaunchKernelExC', 'cuLaunchKernelEx'))
+    dev_attr = 'self_device_time_total' if hasattr(ev[0], 'self_device_time_total') else 'self_cuda_time_total'
+    dev_total = sum(getattr(e, dev_attr, 0) for e in ev)
+    lines = [f"{args.workload}, {args.opt}, {args.arm}, {versions(args.device)['device']}, torch {torch.__version__}",
+             f"wall {prof.wall/steps*1e3:.2f} ms/step (profiled); device busy {dev_total/steps/1e3:.2f} ms/step; "
+             f"{launches/steps:.0f} kernel launches/step",
+             "", "Top operators by self CPU time:", ev.table(sort_by='self_cpu_time_total', row_limit=15)]
+    if cuda: lines += ["Top operators by device time:", ev.table(sort_by=dev_attr, row_limit=12)]
+    lines += python_profile(prof.py, steps)
+    Path(args.profile).write_text('\n'.join(lines))
+    return dict(status='profiled', reason=f'wrote {args.profile}')
+
+# ---------------------------------------------------------------------------------------------------------------------
 
 def run(args)->dict:
     device = torch.device(args.device)
@@ -285,6 +359,7 @@ def main():
     p.add_argument('--smoke', action='store_true', help='tiny workload sizes')
     p.add_argument('--plain', action='store_true', help="feed the fastai arms plain tensors, not fastai's typed ones")
     p.add_argument('--phase', default='cold', help='label only: cold or warm (bench.py reuses the cache dir for warm)')
+    p.add_argument('--profile', default=None, help="a fastai arm: profile its steady steps into this file instead of timing them")
     p.add_argument('--result', required=True, help='where to write the JSON result')
     args = p.parse_args()
     if args.warmup < 1: p.error('--warmup must be at least 1')
@@ -294,8 +369,8 @@ def main():
                cache_dir=os.environ.get('TORCHINDUCTOR_CACHE_DIR'))
     rc = 0
     try:
-        rec['env'] = env_info(torch.device(args.device))
-        rec.update(run(args))
+        rec['env'] = versions(args.device)
+        rec.update(profile(args) if args.profile else run(args))
     except Skip as e: rec.update(status='skipped', reason=str(e))
     except Exception as e:
         traceback.print_exc()

@@ -1,4 +1,4 @@
-"""Benchmark fastai + `learn.compile()` against hand-written PyTorch loops, eager and compiled.
+"""Step time: fastai + `learn.compile()` against hand-written PyTorch loops, eager and compiled, on batches already on the device.
 
 Runs each arm (see `arm.py`) in its own process with a fresh `TORCHINDUCTOR_CACHE_DIR`, then, for the arms in
 `--warm`, a second process reusing that cache, and writes `results.json`, `results.md`, `results.png` and `arms.log`
@@ -6,19 +6,21 @@ to `--out`:
 
     python bench/bench.py --device cuda --workloads resnet18,small --out /tmp/part1
     python bench/bench.py --device cuda --workloads gpt --out /tmp/part2
-    python bench/bench.py --merge /tmp/part1/results.json /tmp/part2/results.json --out bench/results
+    python bench/bench.py --merge /tmp/part1/results.json /tmp/part2/results.json --out bench/results/step_time/latest
+    python bench/bench.py --device cuda --profile --workloads resnet18 --arms fastai_compile --opts fastai_adam --out DIR
 
     python bench/bench.py --device cpu --smoke --out /tmp/bench-smoke   # CI: a few minutes on 2 CPU cores
 
 Exits with status 1 when an arm failed or timed out (after writing the results).
 """
 from __future__ import annotations
-import argparse, datetime, json, os, shutil, subprocess, signal, sys, tempfile, time
+import argparse, datetime, json, shutil, sys, tempfile, time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from arm import ARMS, OPTS, WORKLOADS, describe # Light: importing it loads torch, not fastai
+from procs import arm_env, env_line, git_commit, log_process, run_jobs, run_process
 
 LABELS = {
     'hand_eager': 'hand eager', 'hand_compile': 'hand compile', 'hand_compile_ro': 'hand compile RO',
@@ -62,28 +64,18 @@ def plan(args)->list:
 def run_job(args, job, cache_root:Path, log)->dict:
     w, a, o, phase = job
     cache = cache_root/f'{w}-{a}-{o}' # The warm job reuses its cold job's cache
-    cache.mkdir(exist_ok=True)
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache/'triton'), PYTHONUNBUFFERED='1')
     result = cache_root/f'{w}-{a}-{o}-{phase}.json'
-    cmd = [sys.executable, str(HERE/'arm.py'), '--workload', w, '--arm', a, '--opt', o, '--phase', phase,
-           '--device', args.device, '--steps', str(args.steps), '--warmup', str(args.warmup), '--backend', args.backend,
-           '--compile-kwargs', args.compile_kwargs, '--result', str(result)] + ['--smoke']*args.smoke + ['--plain']*args.plain
-    t0 = time.perf_counter()
-    # Own process group, so a timeout also ends inductor's compile workers
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try: out, _ = p.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-    wall = time.perf_counter() - t0
-    tail = '\n'.join(out.splitlines()[-60:])
-    log.write(f"\n===== {' '.join(job)} ({wall:.1f}s, exit {p.returncode})\n$ {' '.join(cmd)}\n{tail}\n")
-    log.flush()
+    cmd = [sys.executable, HERE/'arm.py', '--workload', w, '--arm', a, '--opt', o, '--phase', phase,
+           '--device', args.device, '--steps', args.steps, '--warmup', args.warmup, '--backend', args.backend,
+           '--compile-kwargs', args.compile_kwargs, '--result', result] + ['--smoke']*args.smoke + ['--plain']*args.plain
+    if args.profile: cmd += ['--profile', Path(args.out)/f'profile_{w}_{a}_{o}.txt']
+    fin = run_process(cmd, arm_env(cache), args.timeout)
+    tail = log_process(log, ' '.join(job), cmd, fin)
     if result.exists(): rec = json.loads(result.read_text())
     else:
-        rec = dict(workload=w, arm=a, opt=o, phase=phase, status='timeout' if wall >= args.timeout else 'error',
-                   reason=f'timed out after {args.timeout}s' if wall >= args.timeout else f'exit {p.returncode}, no result')
-    rec['process_s'] = wall
+        rec = dict(workload=w, arm=a, opt=o, phase=phase, status='timeout' if fin.timed_out else 'error',
+                   reason=f'timed out after {args.timeout}s' if fin.timed_out else f'exit {fin.rc}, no result')
+    rec['process_s'] = fin.wall
     if rec['status'] == 'error': rec['log_tail'] = tail[-3000:]
     return rec
 
@@ -94,13 +86,6 @@ def fmt_progress(rec)->str:
     if rec.get('peak_mem_gb') is not None: s += f", peak {rec['peak_mem_gb']:.2f} GB"
     return s + f", process {rec['process_s']:.0f}s"
 
-def git_commit()->str|None:
-    try:
-        sha = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=HERE, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(['git', 'status', '--porcelain', '--', '../fastxtend_compile'], cwd=HERE, capture_output=True, text=True).stdout.strip()
-        return sha + ('+dirty' if dirty else '')
-    except Exception: return None
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Report
 
@@ -110,8 +95,8 @@ def ok(idx, w, a, o, phase='cold'):
     r = idx.get((w, a, o, phase))
     return r if r and r.get('status') == 'ok' else None
 
-def targets(idx, workloads)->list:
-    "(target, workload, measured, goal, passed or None when not measured) for each of the issue's targets"
+def goals(idx, workloads)->list:
+    "(goal, workload, measured, bound, passed or None when not measured): what `learn.compile()` should reach"
     res = []
     def add(name, w, val, goal, fmt, passed):
         res.append((name, w, '—' if val is None else fmt.format(val), goal, None if val is None else passed(val)))
@@ -160,10 +145,7 @@ def render_md(data)->str:
     smoke = any(r.get('smoke') for r in recs)
     L = ["# fastxtend_compile benchmark", ""]
     if env:
-        L.append(f"**{env.get('device')}** · torch {env.get('torch')} (CUDA {env.get('cuda')}) · triton {env.get('triton')} · "
-                 f"fastai {env.get('fastai')} · torchvision {env.get('torchvision')} · Python {env.get('python')} · "
-                 f"fastxtend_compile {env.get('fastxtend_compile')} (git {meta.get('git') or 'unknown'}) · {meta.get('date')}")
-        L.append("")
+        L += [env_line(env, meta), ""]
     if smoke: L += ["**CPU smoke run: tiny sizes, timings mean nothing.**", ""]
     r0 = next((r for r in recs if r.get('status') == 'ok'), recs[0] if recs else {})
     L.append(f"Median step time over {r0.get('steps')} timed steps after {r0.get('warmup')} warm-up steps, "
@@ -194,9 +176,9 @@ def render_md(data)->str:
                 cells.append('' if r is None else f"{r['median_ms']:.2f}" + (f" ({r['median_ms']/ceil['median_ms']:.2f}×)" if ceil else ''))
             L.append(f"| {w} | {OPT_LABELS[o]} | " + " | ".join(cells) + " |")
     L.append("")
-    # Targets
-    L += ["## Targets", "", "| target | workload | measured | goal | |", "|---|---|---:|---:|---|"]
-    for name, w, val, goal, passed in targets(idx, workloads):
+    # Goals
+    L += ["## Goals", "", "| goal | workload | measured | bound | |", "|---|---|---:|---:|---|"]
+    for name, w, val, goal, passed in goals(idx, workloads):
         L.append(f"| {name} | {w} | {val} | {goal} | {'not measured' if passed is None else 'PASS' if passed else '**FAIL**'} |")
     L.append("")
     # Details per workload
@@ -271,7 +253,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--device', default='cuda', choices=['cuda', 'cpu'])
     p.add_argument('--out', default=None, help='folder for results.{json,md,png} and arms.log '
-                   '(default: bench/results; smoke: fxc-bench-smoke in the temp folder)')
+                   '(default: bench/results/step_time/latest; smoke: fxc-bench-smoke in the temp folder)')
     p.add_argument('--workloads', default=None, help=f"comma-separated, of {','.join(WORKLOADS)} (default: all; smoke: resnet18,gpt)")
     p.add_argument('--arms', default=None, help=f"comma-separated, of {','.join(ARMS)} (default: {','.join(DEFAULT_ARMS)}, "
                                                 "plus fastai_compile_regional on gpt; reduce-overhead arms are skipped on CPU)")
@@ -287,9 +269,12 @@ def main():
     p.add_argument('--budget', type=float, default=None, help='start no arm process after this many seconds (the rest are skipped)')
     p.add_argument('--smoke', action='store_true', help='tiny sizes and few steps: checks that every code path runs')
     p.add_argument('--plain', action='store_true', help="feed the fastai arms plain tensors instead of fastai's typed ones")
+    p.add_argument('--profile', action='store_true', help="profile the fastai arms' steady steps instead of timing them: "
+                   "torch.profiler's operators and kernel launches, and host time by package (profile_*.txt in --out)")
     p.add_argument('--merge', nargs='+', metavar='RESULTS_JSON', help='only combine these results.json files into --out')
     args = p.parse_args()
-    out = Path(args.out or (Path(tempfile.gettempdir())/'fxc-bench-smoke' if args.smoke else HERE/'results'))
+    out = Path(args.out or (Path(tempfile.gettempdir())/'fxc-bench-smoke' if args.smoke else HERE/'results'/'step_time'/'latest'))
+    args.out = str(out)
     if args.merge:
         write_outputs(merge(args.merge), out)
         return
@@ -302,24 +287,19 @@ def main():
     if args.device == 'cpu' and args.arms and any(ARMS[a][1] == 'reduce-overhead' for a in args.arms.split(',')):
         print("Skipping the reduce-overhead arms: CUDA graphs need a GPU")
     jobs = plan(args)
+    if args.profile: jobs = [j for j in jobs if j[1].startswith('fastai') and j[3] == 'cold']
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(date=datetime.datetime.now().isoformat(timespec='seconds'), git=git_commit(), argv=sys.argv[1:])
     print(f"{len(jobs)} arm processes on {args.device}: {args.workloads}; {args.steps} steps after {args.warmup} warm-up, "
           f"backend {args.backend}, timeout {args.timeout:.0f}s each", flush=True)
-    records, t0 = [], time.perf_counter()
-    cache_root = Path(tempfile.mkdtemp(prefix='fxc-bench-'))
+    t0, cache_root = time.perf_counter(), Path(tempfile.mkdtemp(prefix='fxc-bench-'))
+    write = (lambda recs: None) if args.profile else lambda recs: write_outputs(data(meta, recs), out, chart=False, quiet=True)
     try:
         with open(out/'arms.log', 'w') as log:
-            for i, job in enumerate(jobs):
-                print(f"[{i+1}/{len(jobs)} {time.perf_counter()-t0:4.0f}s] {' '.join(job):<46}", end=' ', flush=True)
-                if args.budget and time.perf_counter() - t0 > args.budget:
-                    rec = dict(zip(('workload', 'arm', 'opt', 'phase'), job), status='skipped', reason=f'over the --budget of {args.budget:.0f}s')
-                else: rec = run_job(args, job, cache_root, log)
-                records.append(rec)
-                print(fmt_progress(rec), flush=True)
-                write_outputs(data(meta, records), out, chart=False, quiet=True) # So a killed run leaves what it measured
+            records = run_jobs(jobs, ('workload', 'arm', 'opt', 'phase'), lambda job: run_job(args, job, cache_root, log),
+                               write, fmt_progress, args.budget)
     finally: shutil.rmtree(cache_root, ignore_errors=True)
-    write_outputs(data(meta, records), out)
+    if not args.profile: write_outputs(data(meta, records), out)
     failed = [r for r in records if r['status'] in ('error', 'timeout')]
     print(f"Done in {time.perf_counter()-t0:.0f}s; {len(failed)} of {len(records)} arm processes failed")
     if failed: sys.exit(1)

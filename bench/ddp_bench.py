@@ -2,7 +2,7 @@
 
 One command runs everything and writes `ddp.md` and `ddp.json` to `--out`:
 
-    NCCL_NVLS_ENABLE=0 python bench/ddp_bench.py --gpus 2 --repeat 3 --out bench/results/ddp_h200x2
+    NCCL_NVLS_ENABLE=0 python bench/ddp_bench.py --gpus 2 --repeat 3 --out bench/results/ddp/latest
 
 It starts a 1-GPU launch as a plain process (no DDP, as one GPU trains), then `--repeat` launches of
 `torchrun --standalone --nproc_per_node=GPUS`. In each launch every workload trains once per mode, the modes in turn
@@ -21,13 +21,14 @@ later ones warm (compile times are not what this measures; bench/workflow.py mea
 A worker (`--worker`) is what the launches run; run one directly only to debug.
 """
 from __future__ import annotations
-import argparse, datetime, gc, json, os, platform, subprocess, sys, tempfile, time
+import argparse, datetime, gc, json, os, sys, tempfile, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT)) # The repository's `fastxtend_compile`, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arm import make_model # The same ResNet-18 and GPT-style models as the single-GPU benchmark
+from arm import make_model # The same ResNet-18 and GPT-style models as the step-time benchmark
+from procs import arm_env, run_process, versions
 
 # Multicast over NVLink can take a shared host's GPUs out of service: keep it off in every process started here
 SAFE_ENV = dict(NCCL_NVLS_ENABLE='0', TORCH_SYMM_MEM_DISABLE_MULTICAST='1', NVSHMEM_DISABLE_NVLS='1')
@@ -244,28 +245,16 @@ def worker(args):
                       f"first step {res['first_step_s']:.1f}s, {res['step_ms']:.1f} ms/step, {res['samples_per_s']:.0f} samples/s")
                       + f" ({time.time()-t0:.0f}s)", flush=True)
                 results.append(res)
-                Path(args.result).write_text(json.dumps(dict(results=results, env=environment(device)), indent=1))
+                Path(args.result).write_text(json.dumps(dict(results=results, env=versions(device.type)), indent=1))
     if world > 1: torch.distributed.barrier()
-
-def environment(device)->dict:
-    import torch, fastai
-    env = dict(torch=torch.__version__, fastai=fastai.__version__, python=platform.python_version(), device=str(device))
-    try:
-        import accelerate
-        env['accelerate'] = accelerate.__version__
-    except ImportError: pass
-    if device.type == 'cuda': env['gpu'] = torch.cuda.get_device_name(device)
-    return env
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Driver: the launches and the table
 
 def launch(args, world:int, modes:list, result:Path, timeout:float, cache:str)->tuple:
     "Run one launch of `world` processes, each training every workload in each of `modes`; (exit code or 'timeout', seconds)"
-    env = {k:v for k,v in os.environ.items() if k not in DIST_ENV}
-    env.update(SAFE_ENV, PYTHONUNBUFFERED='1', OMP_NUM_THREADS=env.get('OMP_NUM_THREADS', '1' if args.smoke else '4'),
-               TORCHINDUCTOR_CACHE_DIR=cache)
-    env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(ROOT), env.get('PYTHONPATH')]))
+    env = {k:v for k,v in arm_env(cache).items() if k not in DIST_ENV}
+    env.update(SAFE_ENV, OMP_NUM_THREADS=env.get('OMP_NUM_THREADS', '1' if args.smoke else '4'))
     wargs = ['--worker', '--result', str(result), '--workloads', args.workloads, '--modes', ','.join(modes), '--device', args.device,
              '--backend', args.backend, '--steps', str(args.steps), '--warmup', str(args.warmup)]
     wargs += ['--data', args.data] if args.data else []
@@ -274,14 +263,8 @@ def launch(args, world:int, modes:list, result:Path, timeout:float, cache:str)->
     cmd = [sys.executable, me, *wargs] if world == 1 else \
           [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={world}', me, *wargs]
     print(f"$ {' '.join(cmd)}", flush=True)
-    t0 = time.time()
-    p = subprocess.Popen(cmd, env=env, start_new_session=True)
-    try: rc = p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, 9) # torchrun and its workers
-        p.wait()
-        rc = 'timeout'
-    return rc, time.time() - t0
+    fin = run_process(cmd, env, timeout, capture=False) # The ranks print as they go
+    return 'timeout' if fin.timed_out else fin.rc, fin.wall
 
 MODE_NAMES = {'eager': 'eager', 'compile': 'learn.compile()', 'compile-split': 'learn.compile(ddp_split=True)',
               'compile-nosplit': 'learn.compile(ddp_split=False)',
@@ -398,7 +381,7 @@ def driver(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--out', default=str(ROOT/'bench'/'results'), help='Folder for ddp.md and ddp.json')
+    p.add_argument('--out', default=str(ROOT/'bench'/'results'/'ddp'/'latest'), help='Folder for ddp.md and ddp.json')
     p.add_argument('--gpus', type=int, default=2, help='Processes of the multi-GPU launch')
     p.add_argument('--repeat', type=int, default=1, help='Multi-GPU launches, each running every mode in turn: medians and spread')
     p.add_argument('--workloads', default='resnet18,gpt,vision')

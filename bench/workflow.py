@@ -20,37 +20,49 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
     compile-saved learn.compile() in a new process with a fresh cache dir, after learn.load_compile_cache() of the file
                   compile-cold saved with learn.save_compile_cache(): a warm start on another machine
     compile-ro    learn.compile(mode='reduce-overhead') (CUDA graphs), fresh cache dir; CUDA only
-    regional-cold learn.compile(regional=True): only the repeated blocks (ResNet's residual blocks, transformer
-                  layers), each compiled once for its twins; fresh cache dir
-    regional-warm the same in a new process reusing regional-cold's cache dir
-    regional-saved the same in a new process with a fresh cache dir, after learn.load_compile_cache() of regional-cold's
+    regional-cold, regional-warm, regional-saved   the same with learn.compile(regional=True): only the repeated blocks
+                  (ResNet's residual blocks, transformer layers), each compiled once for its twins
     valid-cold, valid-warm, valid-saved   the same with learn.compile(compile_valid=True): the fit's validation compiled
-                  too (its evaluation graph), as before the library ran it eagerly
+                  too (its evaluation graph), where learn.compile() runs it eagerly
     precompile-cold, precompile-warm, precompile-saved   the same with learn.compile(precompile=True): TorchDynamo's traced
                   code saved with the compile cache, so the warm and saved arms don't trace the model (torch 2.15+;
                   inductor only, so left out of a default run with another backend)
 
     python bench/workflow.py --workflows vision,vision-big,tabular,text --arms eager,compile-cold,compile-warm,compile-ro --out DIR
     python bench/workflow.py --smoke --out /tmp/wf-smoke     # CI: every workflow, tiny, on the CPU
+    python bench/workflow.py --workflows vision --arms compile-cold --compile-kwargs '{"options": {"loop_ordering_after_fusion": false}}'
+                                                             # inductor's options, against the default compile
+
+A kind of compile is one entry of `KINDS`, which gives it its three arms. Each compiled arm's record has TorchDynamo's
+compile time by phase (`phases`): where a cold or warm start's seconds go.
 
 Writes DIR/workflow.json (every number), DIR/workflow.md (a table per workflow) and DIR/arms.log (each process's
 command and the end of its output), rewriting them after every arm. Exits with status 1 when an arm failed.
 """
 from __future__ import annotations
-import argparse, datetime, json, os, platform, shutil, signal, statistics, subprocess, sys, tempfile, time
+import argparse, datetime, json, os, shutil, statistics, sys, tempfile, time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from procs import ROOT, arm_env, env_line, git_commit, log_process, run_jobs, run_process, versions
 
-ARMS = ('eager', 'compile-cold', 'compile-warm', 'compile-saved', 'compile-ro', 'regional-cold', 'regional-warm', 'regional-saved',
-        'valid-cold', 'valid-warm', 'valid-saved', 'precompile-cold', 'precompile-warm', 'precompile-saved')
+# A compiled arm is a kind of `learn.compile()` call started one of three ways: `cold`, with a fresh inductor cache;
+# `warm`, a new process on the cold run's cache; `saved`, a fresh cache after `learn.load_compile_cache()` of the file
+# the cold run wrote with `learn.save_compile_cache()` (a warm start on another machine). A kind of compile to measure
+# is one entry here: its `learn.compile` arguments and a few words for the tables.
+KINDS = {
+    'compile':    ({}, '`learn.compile()`'),
+    'regional':   (dict(regional=True), '`learn.compile(regional=True)`: only the repeated blocks compiled'),
+    'valid':      (dict(compile_valid=True), "`learn.compile(compile_valid=True)`: the fit's validation compiled too"),
+    'precompile': (dict(precompile=True), "`learn.compile(precompile=True)`: TorchDynamo's traced code saved with the compile cache"),
+}
+STARTS = ('cold', 'warm', 'saved')
+ARMS = ('eager', *(f'compile-{s}' for s in STARTS), 'compile-ro', *(f'{k}-{s}' for k in KINDS if k != 'compile' for s in STARTS))
 ARM_MODE = {a: None if a == 'eager' else 'reduce-overhead' if a == 'compile-ro' else 'default' for a in ARMS}
-# learn.compile arguments of an arm, by the start of its name: `regional-*` compile the repeated blocks, `valid-*` the fit's
-# validation too, `precompile-*` save TorchDynamo's traced code with the compile cache
-PREFIX_KWARGS = dict(regional=dict(regional=True), valid=dict(compile_valid=True), precompile=dict(precompile=True))
-ARM_KWARGS = {a: PREFIX_KWARGS[a.split('-')[0]] for a in ARMS if a.split('-')[0] in PREFIX_KWARGS}
+ARM_KWARGS = {a: KINDS[a.split('-')[0]][0] for a in ARMS if a != 'eager'}
 COLD_OF = {a: a.rsplit('-', 1)[0] + '-cold' for a in ARMS if a.endswith(('-warm', '-saved'))} # Arms that start from what a cold run left
+INDUCTOR_ONLY = ('precompile',) # Kinds left out of a default run with another backend
 
 # Sizes: `gpu` is the default, `smoke` a tiny CPU check of the same code paths. `--config` overrides either.
 WORKFLOWS = {
@@ -156,20 +168,6 @@ def write_segmentation(root:Path, c:dict)->dict:
 # ---------------------------------------------------------------------------------------------------------------------
 # One arm, in this process (`--child`)
 
-def env_info(device:str)->dict:
-    import torch, fastai
-    try: import triton; triton_v = triton.__version__
-    except Exception: triton_v = None
-    try: import torchvision; tv = torchvision.__version__
-    except Exception: tv = None
-    try: import fastxtend_compile; fxc = getattr(fastxtend_compile, '__version__', None)
-    except Exception: fxc = None
-    cuda = device == 'cuda'
-    return dict(device=torch.cuda.get_device_name() if cuda else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
-                torch=torch.__version__, cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if cuda else None,
-                triton=triton_v, fastai=fastai.__version__, torchvision=tv, python=platform.python_version(),
-                fastxtend_compile=fxc, fastxtend_compile_path=str(Path(fastxtend_compile.__file__).parent) if fxc is not None else None)
-
 def build_vision(w, c, data, device, num_workers):
     from fastai.vision.all import ImageDataLoaders, Resize, aug_transforms, vision_learner, accuracy
     import fastai.vision.all as fv
@@ -227,7 +225,7 @@ def build_tabular(w, c, data, device, num_workers):
 def build_text(w, c, data, device, num_workers):
     import numpy as np, torch
     from fastai.text.all import Transform, TensorText, Datasets, Categorize, Learner, CrossEntropyLossFlat, accuracy
-    from text_model import TextClassifier # A class defined in this function would leave `precompile=True` out
+    from arm import TextClassifier # A class defined in this function would leave `precompile=True` out
 
     class Tokens(Transform):
         "Item index -> its token ids"
@@ -261,6 +259,13 @@ def _num(v):
 
 BUILDERS = {'vision': build_vision, 'vision-big': build_vision, 'segmentation': build_segmentation, 'tabular': build_tabular,
             'text': build_text}
+
+def compile_phases()->str|None:
+    "TorchDynamo's compile time by phase (tracing, AOTAutograd, inductor's code generation, cache loads), as it prints it"
+    try:
+        from torch._dynamo.utils import compile_times
+        return compile_times(repr='str')
+    except Exception: return None
 
 def child(spec:dict)->dict:
     t_start = time.perf_counter()
@@ -341,7 +346,7 @@ def child(spec:dict)->dict:
                num_workers=getattr(getattr(learn.dls.train, 'fake_l', None), 'num_workers', None),
                train_batches=len(learn.dls.train), valid_batches=len(learn.dls.valid),
                valid_last_batch=len(learn.dls.valid_ds) % c['bs'], total_s=total, setup_s=setup_s, epochs=epochs,
-               warnings=warns[:20], env=env_info(device))
+               warnings=warns[:20], env=versions(device))
     if cuda: res['peak_mem_gb'] = torch.cuda.max_memory_allocated() / 2**30
     if mode is not None:
         cb = getattr(learn, 'compiler', None)
@@ -358,7 +363,8 @@ def child(spec:dict)->dict:
                 eager_step_s=get('eager_step'), report_data_share=get('data_share'),
                 compiled_batches=get('batch_times', len),
                 events=get('events', lambda es: [dict(kind=e.kind, frame=e.frame, seconds=e.seconds, reason=e.reason, during=e.during) for e in es]),
-                payoff=r.payoff() if hasattr(r, 'payoff') else None, summary=r.summary() if hasattr(r, 'summary') else str(r))
+                payoff=r.payoff() if hasattr(r, 'payoff') else None, summary=r.summary() if hasattr(r, 'summary') else str(r),
+                phases=compile_phases())
             print(res['compile']['summary'])
     if spec.get('load_cache'): res.update(cache_loaded=cache_loaded, load_cache_s=load_cache_s)
     if spec.get('save_cache'):
@@ -384,13 +390,6 @@ def plan(workflows, arms, repeat, smoke_default=False)->list:
                 jobs.append((w, a, rep))
     return jobs
 
-def git_commit()->str|None:
-    try:
-        sha = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(['git', 'status', '--porcelain', '--', 'fastxtend_compile'], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        return sha + ('+dirty' if dirty else '')
-    except Exception: return None
-
 def run_job(args, job, spec_base, caches:dict, tmp:Path, log)->dict:
     w, arm, rep = job
     if arm == 'compile-ro' and args.device != 'cuda':
@@ -407,27 +406,15 @@ def run_job(args, job, spec_base, caches:dict, tmp:Path, log)->dict:
     if arm.endswith('-saved'): spec['load_cache'] = str(tmp/f'{w}-{COLD_OF[arm]}-{rep}')
     spec_path, result = tmp/f'{w}-{arm}-{rep}.spec.json', tmp/f'{w}-{arm}-{rep}.json'
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache/'triton'), PYTHONUNBUFFERED='1')
-    env['PYTHONPATH'] = os.pathsep.join([str(ROOT)] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p])
-    cmd = [sys.executable, str(Path(__file__).resolve()), '--child', str(spec_path), '--result', str(result)]
-    t0 = time.perf_counter()
-    # Own process group, so a timeout also ends inductor's compile workers and the DataLoader's
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try: out, _ = p.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-    wall = time.perf_counter() - t0
-    tail = '\n'.join(out.splitlines()[-80:])
-    log.write(f"\n===== {w} {arm} run {rep} ({wall:.1f}s, exit {p.returncode}, TORCHINDUCTOR_CACHE_DIR={cache})\n$ {' '.join(cmd)}\n{tail}\n")
-    log.flush()
-    if result.exists() and p.returncode == 0: rec = json.loads(result.read_text())
+    cmd = [sys.executable, Path(__file__).resolve(), '--child', spec_path, '--result', result]
+    fin = run_process(cmd, arm_env(cache), args.timeout, cwd=ROOT)
+    tail = log_process(log, f"{w} {arm} run {rep} (TORCHINDUCTOR_CACHE_DIR={cache})", cmd, fin, lines=80)
+    if result.exists() and fin.rc == 0: rec = json.loads(result.read_text())
     else:
-        timed_out = wall >= args.timeout
-        rec = dict(workflow=w, arm=arm, repeat=rep, status='timeout' if timed_out else 'error',
-                   reason=f'timed out after {args.timeout:.0f}s' if timed_out else f'exit {p.returncode}: ' + (out.strip().splitlines() or [''])[-1][:300],
+        rec = dict(workflow=w, arm=arm, repeat=rep, status='timeout' if fin.timed_out else 'error',
+                   reason=f'timed out after {args.timeout:.0f}s' if fin.timed_out else f'exit {fin.rc}: ' + tail.strip().rsplit('\n', 1)[-1][:300],
                    log_tail=tail[-3000:])
-    rec['process_wall_s'] = wall
+    rec['process_wall_s'] = fin.wall
     return rec
 
 def median(xs):
@@ -460,17 +447,13 @@ def render_md(data)->str:
     smoke = meta.get('smoke')
     L = ["# fastai workflows: eager against `learn.compile()`", ""]
     if env:
-        L.append(f"**{env.get('device')}** · torch {env.get('torch')} (CUDA {env.get('cuda')}) · triton {env.get('triton')} · "
-                 f"fastai {env.get('fastai')} · torchvision {env.get('torchvision')} · Python {env.get('python')} · "
-                 f"fastxtend_compile {env.get('fastxtend_compile')} (git {meta.get('git') or 'unknown'}) · {meta.get('date')}")
-        L.append("")
+        L += [env_line(env, meta), ""]
     if smoke: L += ["**CPU smoke run: tiny sizes, timings mean nothing.**", ""]
+    kinds = '; '.join(f"*{k}-cold*, *{k}-warm* and *{k}-saved* with {doc}" for k, (_, doc) in KINDS.items() if k != 'compile')
     L.append(f"`python bench/workflow.py {' '.join(meta.get('argv', []))}`. Each arm is a process of its own; *compile-cold* and "
-             "*compile-ro* start with an empty `TORCHINDUCTOR_CACHE_DIR`, *compile-warm* reuses compile-cold's; *compile-saved* starts empty too, after `learn.load_compile_cache()` of the file compile-cold saved; "
-             "*regional-cold*, *regional-warm* and *regional-saved* are the same with `learn.compile(regional=True)`; *valid-cold*, "
-             "*valid-warm* and *valid-saved* with `learn.compile(compile_valid=True)`, the fit's validation compiled too; "
-             "*precompile-cold*, *precompile-warm* and *precompile-saved* with `learn.compile(precompile=True)`, TorchDynamo's "
-             "traced code saved with the compile cache. "
+             "*compile-ro* (`mode='reduce-overhead'`) start with an empty `TORCHINDUCTOR_CACHE_DIR`, *compile-warm* reuses "
+             "compile-cold's; *compile-saved* starts empty too, after `learn.load_compile_cache()` of the file compile-cold saved; "
+             f"{kinds}. "
              "**total**: the fit's wall time (`fine_tune` or `fit_one_cycle`, synchronized at its end). **steady epoch**: median "
              "wall time of the last fit's epochs after its first (the first carries the compile), training and validation. "
              "**DataLoader share**: host time between one training batch's `after_batch` and the next one's `before_batch` "
@@ -528,6 +511,10 @@ def render_md(data)->str:
                      "then the unfrozen epochs.", ""]
     return '\n'.join(L) + '\n'
 
+def results(meta:dict, records:list)->dict:
+    "What workflow.json holds: the first arm's versions, the run's settings and every arm's record"
+    return dict(env=next((r['env'] for r in records if r.get('env')), {}), meta=meta, records=records)
+
 def write_outputs(data, out:Path):
     out.mkdir(parents=True, exist_ok=True)
     (out/'workflow.json').write_text(json.dumps(data, indent=1))
@@ -546,7 +533,7 @@ def main():
     p.add_argument('--workflows', default=None, help=f"comma-separated, of {','.join(WORKFLOWS)} (default: all)")
     p.add_argument('--arms', default=None, help=f"comma-separated, of {','.join(ARMS)} (default: all; with --smoke, compile-warm "
                    "on tabular only; compile-ro is skipped on the CPU)")
-    p.add_argument('--out', default=None, help='folder for workflow.json, workflow.md, arms.log (default: workflow-results, or fxc-workflow-smoke in the temp folder)')
+    p.add_argument('--out', default=None, help='folder for workflow.json, workflow.md, arms.log (default: bench/results/workflow/latest; smoke: fxc-workflow-smoke in the temp folder)')
     p.add_argument('--repeat', type=int, default=1, help='runs of each arm (compile-warm reuses the same run\'s compile-cold cache)')
     p.add_argument('--smoke', action='store_true', help='tiny sizes on the CPU: checks that every workflow and arm runs')
     p.add_argument('--device', default=None, choices=['cuda', 'cpu'], help='default: cuda when available (cpu with --smoke)')
@@ -577,11 +564,11 @@ def main():
             import torch
             args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
     args.backend = args.backend or ('aot_eager' if args.smoke else None)
-    if not arms_given and args.backend not in (None, 'inductor'): arms = [a for a in arms if not a.startswith('precompile')]
+    if not arms_given and args.backend not in (None, 'inductor'): arms = [a for a in arms if a.split('-')[0] not in INDUCTOR_ONLY]
     args.timeout = args.timeout or (120 if args.smoke else 600)
     num_workers = args.num_workers if args.num_workers is not None else (0 if args.smoke or args.device == 'cpu' else None)
     overrides = json.loads(args.config)
-    out = Path(args.out or (Path(tempfile.gettempdir())/'fxc-workflow-smoke' if args.smoke else 'workflow-results'))
+    out = Path(args.out or (Path(tempfile.gettempdir())/'fxc-workflow-smoke' if args.smoke else HERE/'results'/'workflow'/'latest'))
     out.mkdir(parents=True, exist_ok=True)
     configs = {w: {**WORKFLOWS[w]['smoke' if args.smoke else 'gpu'], **overrides.get(w, {})} for w in workflows}
     meta = dict(date=datetime.datetime.now().isoformat(timespec='seconds'), git=git_commit(), argv=sys.argv[1:], smoke=args.smoke,
@@ -590,8 +577,7 @@ def main():
     print(f"{len(jobs)} arm processes on {args.device}: {','.join(workflows)} x {','.join(a for a in ARMS if a in arms)}, "
           f"{args.repeat} run(s) each; timeout {args.timeout:.0f}s each", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix='fxc-workflow-'))
-    records, caches, t0 = [], {}, time.perf_counter()
-    env = {}
+    caches, t0 = {}, time.perf_counter()
     try:
         spec_base = {}
         for w in workflows:
@@ -613,17 +599,10 @@ def main():
                 spec['data'] = str(data)
             spec_base[w] = spec
         with open(out/'arms.log', 'w') as log:
-            for i, job in enumerate(jobs):
-                print(f"[{i+1}/{len(jobs)} {time.perf_counter()-t0:4.0f}s] {job[0]:<10} {job[1]:<12} run {job[2]}", end=' ', flush=True)
-                if args.budget and time.perf_counter() - t0 > args.budget:
-                    rec = dict(workflow=job[0], arm=job[1], repeat=job[2], status='skipped', reason=f'over the --budget of {args.budget:.0f}s')
-                else: rec = run_job(args, job, spec_base, caches, tmp, log)
-                env = env or rec.get('env', {})
-                records.append(rec)
-                print(fmt_progress(rec) if rec['status'] == 'ok' or 'process_wall_s' in rec else f"{rec['status'].upper()}: {rec.get('reason')}", flush=True)
-                write_outputs(dict(env=env, meta=meta, records=records), out) # So a killed run leaves what it measured
+            records = run_jobs(jobs, ('workflow', 'arm', 'repeat'), lambda job: run_job(args, job, spec_base, caches, tmp, log),
+                               lambda recs: write_outputs(results(meta, recs), out), fmt_progress, args.budget)
     finally: shutil.rmtree(tmp, ignore_errors=True)
-    write_outputs(dict(env=env, meta=meta, records=records), out)
+    write_outputs(results(meta, records), out)
     failed = [r for r in records if r['status'] in ('error', 'timeout')]
     print(f"Done in {time.perf_counter()-t0:.0f}s; {len(failed)} of {len(records)} arm processes failed. Wrote {out/'workflow.md'}, workflow.json, arms.log")
     if failed: sys.exit(1)
