@@ -29,7 +29,7 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
                   inductor only, so left out of a default run with another backend)
 
     python bench/workflow.py --workflows vision,vision-big,tabular,text --arms eager,compile-cold,compile-warm,compile-ro --out DIR
-    python bench/workflow.py --smoke --out /tmp/wf-smoke     # CI: every workflow, tiny, on the CPU
+    python bench/workflow.py --smoke --out /tmp/wf-smoke     # every workflow, tiny, on the CPU
     python bench/workflow.py --workflows vision --arms compile-cold --compile-kwargs '{"options": {"loop_ordering_after_fusion": false}}'
                                                              # inductor's options, against the default compile
 
