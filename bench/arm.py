@@ -292,17 +292,17 @@ def profile(args)->dict:
                 sync()
                 self.prof = torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA]*cuda)
                 self.prof.__enter__(); self.t0 = time.perf_counter()
-            if self.iter == args.warmup + args.steps: # torch.profiler's steps are done: Python's next
+            if self.iter == args.warmup + steps: # torch.profiler's steps are done: Python's next
                 sync()
                 self.wall = time.perf_counter() - self.t0
                 self.prof.__exit__(None, None, None)
                 self.py = cProfile.Profile(); self.py.enable()
         def after_fit(self): self.py.disable()
-    prof = Profile()
+    prof, steps = Profile(), args.steps
     torch.manual_seed(0)
     model = make_model(cfg).to(device)
     batches = make_batches(cfg, device, typed=not args.plain)
-    steps, args.steps = args.steps, 2*args.steps # The fit runs both profiled stretches
+    args.steps = 2*steps # The fit runs both profiled stretches
     fastai_loop(args, cfg, model, batches, device, mode, regional, StepTimer(device, args.warmup), cbs=[prof])
     args.steps = steps
     ev = prof.prof.key_averages()
