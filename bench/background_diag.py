@@ -1,5 +1,6 @@
+"Diagnose the background compile on a GPU: the worker's phases timed (its log kept in $OUT), optionally alone (`wait`). python bench/background_diag.py text '{\"epochs\": 1}' wait"
 import sys, time, shutil, os, json
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), 'bench'))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workflow as wf
 import fastxtend_compile.background as bg
 from fastxtend_compile import *
@@ -9,7 +10,7 @@ def _end(self):
     if self.log and os.path.exists(self.log): shutil.copy(self.log, f"{OUT}/{sys.argv[1]}_worker_{int(time.time())}.log")
     orig_end(self)
 bg.BackgroundCompile._end = _end
-bg.BackgroundCompile.worker = "exec(open(%r).read()); run({path!r})" % os.path.abspath(os.path.join(os.path.dirname(__file__), 'diag_worker.py'))
+bg.BackgroundCompile.worker = "exec(open(%r).read()); run({path!r})" % os.path.abspath(os.path.join(os.path.dirname(__file__), 'background_diag_worker.py'))
 w = sys.argv[1]; c = {**wf.WORKFLOWS[w]['gpu'], **json.loads(sys.argv[2])}
 import torch; torch.set_float32_matmul_precision('high')
 learn, fit = wf.build_tabular(w, c, None, 'cuda', None) if w == 'tabular' else wf.build_text(w, c, None, 'cuda', None)

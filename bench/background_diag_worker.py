@@ -1,3 +1,4 @@
+"A compile worker that logs how long each phase takes (used by background_diag.py)"
 import os, sys, time, io
 T0 = time.time()
 def log(*a): print(f"[{time.time()-T0:6.2f}s]", *a, flush=True)

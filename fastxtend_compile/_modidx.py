@@ -13,6 +13,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                        'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background.BackgroundCompile._start': ( 'background.html#backgroundcompile._start',
                                                                                                          'fastxtend_compile/background.py'),
+                                              'fastxtend_compile.background.BackgroundCompile._worth': ( 'background.html#backgroundcompile._worth',
+                                                                                                         'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background.BackgroundCompile.runs_eagerly': ( 'background.html#backgroundcompile.runs_eagerly',
                                                                                                                'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background.BackgroundCompile.stop': ( 'background.html#backgroundcompile.stop',

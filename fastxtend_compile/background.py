@@ -102,6 +102,9 @@ atexit.register(lambda: [_kill(p) for p in list(_live)])
 class BackgroundCompile:
     "Compile a model state in a worker process, into the on-disk caches, while the fit trains eagerly; then take over warm"
     worker = "from fastxtend_compile.background import compile_in_worker; compile_in_worker({path!r})" # The worker's Python code
+    # A worker takes 40-50s to compile a small transformer on an H100 beside the fit (torch 2.11), and slows the fit's eager
+    # steps while it runs: a fit whose eager rest is shorter than `min_fit_s` trains eagerly without one
+    probe_batches, min_fit_s = 8, 30.
     def __init__(self,
         settings:dict, # `torch.compile` settings, from `compile_settings`
         regional:bool=False, # Compile only the model's repeated blocks
@@ -114,9 +117,12 @@ class BackgroundCompile:
         self.started, self.eager_batches = 0., 0 # When the worker started; batches run eagerly since
         self.epoch, self.iter = 0, 0 # Where the worker started
         self.notes = [] # One line for the report per background compile of this fit
+        self.short = set() # Signatures whose fit is too short to compile for: their batches run eagerly until it ends
+        self.probe = None # (signature, its first batch's start, batches seen) while timing a new state's eager batches
 
     def __getstate__(self): # A copy of the callback (`learn.export`) starts with no worker and nothing compiled
-        return {**self.__dict__, 'proc': None, 'signature': None, 'tmp': None, 'log': None, 'ready': set(), 'failed': set(), 'show': None}
+        return {**self.__dict__, 'proc': None, 'signature': None, 'tmp': None, 'log': None, 'ready': set(), 'failed': set(), 'short': set(),
+                'probe': None, 'show': None}
 
     def runs_eagerly(self,
         learn, # The `Learner` whose batch this is
@@ -127,13 +133,29 @@ class BackgroundCompile:
         if not training: return False # Evaluation is left to `CompilerCallback`'s own policy
         sig = _signature(model, learn.xb, training)
         if sig in self.ready: return False
-        if sig in self.failed: return True
+        if sig in self.failed or sig in self.short: return True
         if self.proc is not None and self.signature != sig: self.stop() # The model state changed while compiling another
-        if self.proc is None: return self._start(sig, model, learn)
+        if self.proc is None: return self._start(sig, model, learn) if self._worth(sig, learn) else True
         if (rc := self.proc.poll()) is None:
             self.eager_batches += 1
             return True
         return self._done(rc, learn)
+
+    def _worth(self, sig:tuple, learn)->bool:
+        "Whether the fit's eager rest, timed over its first `probe_batches` batches of this state, is long enough to compile for"
+        if self.min_fit_s <= 0: return True
+        now = time.perf_counter()
+        if self.probe is None or self.probe[0] != sig: self.probe = (sig, now, 0)
+        sig, start, seen = self.probe
+        self.probe = (sig, start, seen + 1)
+        if seen < self.probe_batches: return False
+        left = learn.n_epoch*learn.n_iter - (learn.epoch*learn.n_iter + learn.iter)
+        rest = (now - start) / seen * left
+        if rest >= self.min_fit_s: return True
+        self.short.add(sig) # Not worth it: eager for the rest of this fit
+        self.notes.append(f"trained eagerly: the fit's {left} training batches left, about {rest:.0f}s eagerly, are too few to "
+                          f"pay back a compile (under {self.min_fit_s:.0f}s; `background=False` compiles in the fit's path)")
+        return False
 
     def _start(self, sig:tuple, model:nn.Module, learn)->bool:
         device = next(model.parameters()).device
@@ -194,7 +216,8 @@ class BackgroundCompile:
         self.proc, self.signature, self.tmp, self.log = None, None, None, None
 
     def take_notes(self)->list:
-        "The report's lines about this fit, emptied for the next"
+        "The report's lines about this fit, emptied for the next; a state not worth compiling in this fit may be in the next"
+        self.short, self.probe = set(), None
         notes, self.notes = self.notes, []
         return notes
 

@@ -29,8 +29,9 @@ def _fit(compiled, cbs=(), epochs=2, **kw):
 
 @pytest.fixture
 def cold_cache(tmp_path, monkeypatch):
-    "An empty inductor cache for this test, as on a first run"
+    "An empty inductor cache for this test, as on a first run, and a worker for a fit of any length"
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path/'inductor'))
+    monkeypatch.setattr(BackgroundCompile, 'min_fit_s', 0)
     before = _leftovers()
     yield tmp_path/'inductor'
     assert _leftovers() == before, "a worker's temporary folder outlived the fit"
@@ -70,6 +71,16 @@ def test_a_fit_that_ends_first_leaves_no_worker_behind(cold_cache):
     assert proc is not None and proc.poll() is not None # Killed, not left compiling
     assert learn.compiler.aside.proc is None and learn.compiler.report.graphs == 0
     assert "the fit ended before the worker process finished compiling: 2 training batch(es) ran eagerly" in learn.compiler.report.background[0]
+
+def test_a_fit_too_short_to_pay_trains_eagerly_without_a_worker(tmp_path, monkeypatch):
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path/'inductor'))
+    started = []
+    monkeypatch.setattr(BackgroundCompile, '_start', lambda *a: started.append(a) or True)
+    eager, comp = _fit(False), _fit(True)
+    assert not started and comp.compiler.report.graphs == 0
+    n = 2*len(comp.dls.train) - BackgroundCompile.probe_batches
+    assert comp.compiler.report.background[0].startswith(f"trained eagerly: the fit's {n} training batches left, about "), comp.compiler.report.background
+    assert_fit_close(eager.model, comp.model)
 
 def test_background_must_be_a_bool():
     with pytest.raises(TypeError, match="background must be True, False or None, not 'yes'"): CompilerCallback(background='yes')
