@@ -105,6 +105,7 @@ class BackgroundCompile:
     # A worker takes 40-50s to compile a small transformer on an H100 beside the fit (torch 2.11), and slows the fit's eager
     # steps while it runs: a fit whose eager rest is shorter than `min_fit_s` trains eagerly without one
     probe_batches, min_fit_s = 8, 30.
+    default_on = ('cuda',) # Device types where `background=None` compiles in a worker: beside the fit, not in its path
     def __init__(self,
         settings:dict, # `torch.compile` settings, from `compile_settings`
         regional:bool=False, # Compile only the model's repeated blocks

@@ -265,7 +265,7 @@ class CompilerCallback(Callback):
 
     def _compiles_in_background(self, device:torch.device, model:nn.Module)->bool:
         "Whether this fit compiles in a worker process: `background`, on a CUDA GPU by default, not under DDP"
-        on = device.type == 'cuda' if self.background is None else self.background
+        on = device.type in BackgroundCompile.default_on if self.background is None else self.background
         if on and isinstance(model, DistributedDataParallel):
             self.report.background.append("compiled in the fit's path: under DDP each rank compiles as it trains (`background` "
                                           "is for one process)")
