@@ -15,7 +15,7 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
                 (nn.TransformerEncoder) (.to_bf16() on CUDA) -> fit_one_cycle
 
     eager         no compiling
-    compile-cold  learn.compile(), fresh TORCHINDUCTOR_CACHE_DIR
+    compile-cold  learn.compile(background=False): compiled in the fit's path, fresh TORCHINDUCTOR_CACHE_DIR
     compile-warm  learn.compile() in a new process reusing compile-cold's cache dir (inductor's on-disk caches warm)
     compile-saved learn.compile() in a new process with a fresh cache dir, after learn.load_compile_cache() of the file
                   compile-cold saved with learn.save_compile_cache(): a warm start on another machine
@@ -24,6 +24,11 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
                   (ResNet's residual blocks, transformer layers), each compiled once for its twins
     valid-cold, valid-warm, valid-saved   the same with learn.compile(compile_valid=True): the fit's validation compiled
                   too (its evaluation graph), where learn.compile() runs it eagerly
+    background-cold learn.compile(background=True): the fit trains eagerly while a worker process compiles, then the
+                  compiled code takes over; fresh cache dir
+    background-warm the same in a new process reusing background-cold's cache dir
+    Every other compiled arm passes background=False: it compiles in the fit's path.
+    --get-preds   also times learn.get_preds() on the validation set right after the fit, in every arm
     precompile-cold, precompile-warm, precompile-saved   the same with learn.compile(precompile=True): TorchDynamo's traced
                   code saved with the compile cache, so the warm and saved arms don't trace the model (torch 2.15+;
                   inductor only, so left out of a default run with another backend)
@@ -33,7 +38,7 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
     python bench/workflow.py --workflows vision --arms compile-cold --compile-kwargs '{"options": {"loop_ordering_after_fusion": false}}'
                                                              # inductor's options, against the default compile
 
-A kind of compile is one entry of `KINDS`, which gives it its three arms. Each compiled arm's record has TorchDynamo's
+A kind of compile is one entry of `KINDS`, which gives it its arms. Each compiled arm's record has TorchDynamo's
 compile time by phase (`phases`): where a cold or warm start's seconds go.
 
 Writes DIR/workflow.json (every number), DIR/workflow.md (a table per workflow) and DIR/arms.log (each process's
@@ -50,17 +55,19 @@ from procs import ROOT, arm_env, env_line, git_commit, log_process, run_jobs, ru
 # A compiled arm is a kind of `learn.compile()` call started one of three ways: `cold`, with a fresh inductor cache;
 # `warm`, a new process on the cold run's cache; `saved`, a fresh cache after `learn.load_compile_cache()` of the file
 # the cold run wrote with `learn.save_compile_cache()` (a warm start on another machine). A kind of compile to measure
-# is one entry here: its `learn.compile` arguments and a few words for the tables.
+# is one entry here: its `learn.compile` arguments, a few words for the tables, and the starts it runs. Every kind but
+# `background` compiles in the fit's path (`background=False`).
 KINDS = {
-    'compile':    ({}, '`learn.compile()`'),
-    'regional':   (dict(regional=True), '`learn.compile(regional=True)`: only the repeated blocks compiled'),
-    'valid':      (dict(compile_valid=True), "`learn.compile(compile_valid=True)`: the fit's validation compiled too"),
-    'precompile': (dict(precompile=True), "`learn.compile(precompile=True)`: TorchDynamo's traced code saved with the compile cache"),
+    'compile':    ({}, '`learn.compile()`', ('cold', 'warm', 'saved')),
+    'regional':   (dict(regional=True), '`learn.compile(regional=True)`: only the repeated blocks compiled', ('cold', 'warm', 'saved')),
+    'valid':      (dict(compile_valid=True), "`learn.compile(compile_valid=True)`: the fit's validation compiled too", ('cold', 'warm', 'saved')),
+    'precompile': (dict(precompile=True), "`learn.compile(precompile=True)`: TorchDynamo's traced code saved with the compile cache", ('cold', 'warm', 'saved')),
+    'background': (dict(background=True), '`learn.compile(background=True)`: trains eagerly while a worker process compiles', ('cold', 'warm')),
 }
-STARTS = ('cold', 'warm', 'saved')
-ARMS = ('eager', *(f'compile-{s}' for s in STARTS), 'compile-ro', *(f'{k}-{s}' for k in KINDS if k != 'compile' for s in STARTS))
+ARMS = ('eager', *(f'compile-{s}' for s in KINDS['compile'][2]), 'compile-ro',
+        *(f'{k}-{s}' for k,(_,_,starts) in KINDS.items() if k != 'compile' for s in starts))
 ARM_MODE = {a: None if a == 'eager' else 'reduce-overhead' if a == 'compile-ro' else 'default' for a in ARMS}
-ARM_KWARGS = {a: KINDS[a.split('-')[0]][0] for a in ARMS if a != 'eager'}
+ARM_KWARGS = {a: {'background': False, **KINDS[a.split('-')[0]][0]} for a in ARMS if a != 'eager'}
 COLD_OF = {a: a.rsplit('-', 1)[0] + '-cold' for a in ARMS if a.endswith(('-warm', '-saved'))} # Arms that start from what a cold run left
 INDUCTOR_ONLY = ('precompile',) # Kinds left out of a default run with another backend
 
@@ -341,6 +348,12 @@ def child(spec:dict)->dict:
         total = time.perf_counter() - t
     warns = list(dict.fromkeys(f"{x.category.__name__}: {x.message}" for x in caught
                                if not issubclass(x.category, (DeprecationWarning, FutureWarning))))
+    if spec.get('get_preds'): # Inference right after the fit, as a user's next cell
+        sync()
+        t = time.perf_counter()
+        with learn.no_bar(): learn.get_preds()
+        sync()
+        get_preds_s = time.perf_counter() - t
     res = dict(workflow=w, arm=arm, repeat=spec['repeat'], status='ok', device=device, config=c, smoke=spec['smoke'],
                backend=spec.get('backend') or ('inductor' if mode else None), mode=mode, compile_kwargs=spec.get('compile_kwargs'),
                num_workers=getattr(getattr(learn.dls.train, 'fake_l', None), 'num_workers', None),
@@ -348,6 +361,12 @@ def child(spec:dict)->dict:
                valid_last_batch=len(learn.dls.valid_ds) % c['bs'], total_s=total, setup_s=setup_s, epochs=epochs,
                warnings=warns[:20], env=versions(device))
     if cuda: res['peak_mem_gb'] = torch.cuda.max_memory_allocated() / 2**30
+    if spec.get('get_preds'): res['get_preds_s'] = get_preds_s
+    try: # Inductor's cache hits and misses in this process: a warm compile hits
+        from torch._dynamo.utils import counters
+        res['inductor_counters'] = {k: v for k,v in counters['inductor'].items() if 'cache' in k}
+        res['aot_autograd_counters'] = {k: v for k,v in counters['aot_autograd'].items() if 'cache' in k or 'autograd_cache' in k}
+    except Exception: pass
     if mode is not None:
         cb = getattr(learn, 'compiler', None)
         r = getattr(cb, 'report', None)
@@ -363,7 +382,7 @@ def child(spec:dict)->dict:
                 eager_step_s=get('eager_step'), report_data_share=get('data_share'),
                 compiled_batches=get('batch_times', len),
                 events=get('events', lambda es: [dict(kind=e.kind, frame=e.frame, seconds=e.seconds, reason=e.reason, during=e.during) for e in es]),
-                payoff=r.payoff() if hasattr(r, 'payoff') else None, summary=r.summary() if hasattr(r, 'summary') else str(r),
+                background=get('background'), payoff=r.payoff() if hasattr(r, 'payoff') else None, summary=r.summary() if hasattr(r, 'summary') else str(r),
                 phases=compile_phases())
             print(res['compile']['summary'])
     if spec.get('load_cache'): res.update(cache_loaded=cache_loaded, load_cache_s=load_cache_s)
@@ -449,7 +468,7 @@ def render_md(data)->str:
     if env:
         L += [env_line(env, meta), ""]
     if smoke: L += ["**CPU smoke run: tiny sizes, timings mean nothing.**", ""]
-    kinds = '; '.join(f"*{k}-cold*, *{k}-warm* and *{k}-saved* with {doc}" for k, (_, doc) in KINDS.items() if k != 'compile')
+    kinds = '; '.join(f"{', '.join(f'*{k}-{s}*' for s in starts)} with {doc}" for k, (_, doc, starts) in KINDS.items() if k != 'compile')
     L.append(f"`python bench/workflow.py {' '.join(meta.get('argv', []))}`. Each arm is a process of its own; *compile-cold* and "
              "*compile-ro* (`mode='reduce-overhead'`) start with an empty `TORCHINDUCTOR_CACHE_DIR`, *compile-warm* reuses "
              "compile-cold's; *compile-saved* starts empty too, after `learn.load_compile_cache()` of the file compile-cold saved; "
@@ -545,6 +564,7 @@ def main():
     p.add_argument('--timeout', type=float, default=None, help='seconds per arm process before it is killed (default 600; smoke 120)')
     p.add_argument('--budget', type=float, default=None, help='start no arm process after this many seconds (the rest are marked skipped)')
     p.add_argument('--data-dir', default=None, help='where to write the image files (default: a temporary folder, removed at the end)')
+    p.add_argument('--get-preds', action='store_true', help='also time learn.get_preds() on the validation set after the fit')
     p.add_argument('--child', default=None, help=argparse.SUPPRESS)
     p.add_argument('--result', default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -583,7 +603,8 @@ def main():
         for w in workflows:
             c = configs[w]
             spec = dict(workflow=w, config=c, device=args.device, smoke=args.smoke, backend=args.backend,
-                        compile_kwargs=json.loads(args.compile_kwargs), num_workers=num_workers, matmul_precision=args.matmul_precision)
+                        compile_kwargs=json.loads(args.compile_kwargs), num_workers=num_workers, matmul_precision=args.matmul_precision,
+                        get_preds=args.get_preds)
             if w.startswith('vision'):
                 data = Path(args.data_dir)/w if args.data_dir else tmp/f'data-{w}'
                 if not (data/'train').exists():

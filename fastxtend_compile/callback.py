@@ -26,6 +26,7 @@ from .internals import (
     compiled_autograd, compiled_autograd_captures, aot_autograd_cache, set_aot_autograd_cache,
     precompile_supported, caching_precompile, set_caching_precompile, precompile_guard_logger, dropped_guard)
 from .optimizer import compile_optimizer, uncompile_optimizer
+from .background import BackgroundCompile
 
 # %% auto #0
 __all__ = ['CompilerCallback']
@@ -196,6 +197,7 @@ class CompilerCallback(Callback):
         ddp_split:bool=False, # Under DDP, split graphs at DDP's gradient buckets so the all-reduce overlaps the backward
         ddp_compiled_autograd:bool=False, # Under DDP, compile each backward with its all-reduces (DDP's Python reducer)
         precompile:bool=False, # Save TorchDynamo's traced code with the compile cache too: a warm start skips tracing (torch 2.15+)
+        background:bool|None=None, # Train eagerly while a worker process compiles, then take over (None: on a CUDA GPU); False compiles in the fit's path
     ):
         self.settings = compile_settings(fullgraph, dynamic, backend, mode, options)
         self.precision = _MatMulPrecision(MatMulPrecision(matmul_precision).value)
@@ -207,6 +209,12 @@ class CompilerCallback(Callback):
             raise ValueError("Choose ddp_compiled_autograd=True or precompile=True, not both: compiled autograd's backward graphs "
                              "are not precompiled")
         self.precompile = _Precompile(precompile, self.settings['backend'])
+        if background is not None and not isinstance(background, bool): raise TypeError(f"background must be True, False or None, not {background!r}")
+        self.background = background
+        self.aside = BackgroundCompile(self.settings, regional) # Compiles each new model state in a worker process, with `background`
+        self.in_background = False # This fit compiles in a worker process while it trains eagerly
+        self.waiting = False # This batch runs eagerly while the worker compiles: not timed as a compiled one
+        self.eager_eval = 0 # Evaluation batches outside a fit run eagerly with `background`, their graph not compiled yet
         self.report = CompileReport()
         self.compile_recorder = CompileRecorder(self.report)
         self.compiled_model = None # Weak reference to the model this callback compiled
@@ -251,8 +259,19 @@ class CompilerCallback(Callback):
             compile_optimizer(self.learn.opt, **{**self.settings, 'dynamic': False, 'mode': None, 'fullgraph': False})
         self.cudagraph_grads = device.type == 'cuda' and uses_cudagraphs(self.settings)
         self._own_grads()
+        self.in_background = self._compiles_in_background(device, model)
         if self.recompile and self.freeze_changed: self._compile()
         self.freeze_changed = False
+
+    def _compiles_in_background(self, device:torch.device, model:nn.Module)->bool:
+        "Whether this fit compiles in a worker process: `background`, on a CUDA GPU by default, not under DDP"
+        on = device.type in BackgroundCompile.default_on if self.background is None else self.background
+        if on and isinstance(model, DistributedDataParallel):
+            self.report.background.append("compiled in the fit's path: under DDP each rank compiles as it trains (`background` "
+                                          "is for one process)")
+            return False
+        if on: self.aside.show = self._show
+        return on
 
     def _frozen(self): return self.learn.opt is not None and self.learn.opt.frozen_idx > 0
 
@@ -282,18 +301,27 @@ class CompilerCallback(Callback):
         measures = self.training and self._measures_eager()
         validates = self._validates_eagerly()
         if validates: self.report.eager_valid += 1
-        eager = measures or validates
+        self.waiting = self.in_background and self.aside.runs_eagerly(self.learn, get_model(self.learn.model), self.training)
+        eager = measures or validates or self.waiting or self._evaluates_eagerly()
         one_off = self.learn.iter == self.learn.n_iter - 1 # The last batch, often smaller: not worth a graph of its own
         # Not in training when compiled autograd runs the backwards: an eager backward would all-reduce each gradient alone
         one_off &= not (self.training and self.ddp.in_backward)
         if eager or one_off: self._mark_calls(eager, one_off)
-        self.compile_recorder.batch_start(self.training, self.learn.xb, measures)
+        if not self.waiting: self.compile_recorder.batch_start(self.training, self.learn.xb, measures)
 
     def _validates_eagerly(self)->bool:
         "Whether this is a validation batch of a training fit, which runs eagerly unless `compile_valid`"
         # A fit's validation is a few batches an epoch, often waiting for the DataLoader: its graph (a recompile for the
         # evaluation phase, each freeze state) costs more compiling than it saves. `validate` and `get_preds` alone compile
         return not self.training and self.trained and not self.compile_valid
+
+    def _evaluates_eagerly(self)->bool:
+        "With `background`, whether an evaluation outside a fit (`get_preds`, `validate`) runs eagerly: its graph isn't compiled yet"
+        # Compiled in its path, an evaluation graph costs more than a few hundred batches save: eager unless it is there already
+        if self.training or self.trained or not self.in_background: return False
+        if any(c.shapes.get((torch.is_grad_enabled(), False)) for c in self._compiled_calls()): return False
+        self.eager_eval += 1
+        return True
 
     def _measures_eager(self)->bool:
         "Whether this training batch runs eagerly to measure the eager step: 3 batches after the first compiled one"
@@ -326,7 +354,7 @@ class CompilerCallback(Callback):
 
     def after_batch(self):
         if not self.active: return
-        self.compile_recorder.batch_done()
+        if not self.waiting: self.compile_recorder.batch_done()
         self.trained |= self.training
         if self.marked: self._mark_calls(False, False)
 
@@ -365,6 +393,11 @@ class CompilerCallback(Callback):
             self.compile_recorder.stop()
             self.precision.restore()
             self.precompile.restore()
+            self.aside.stop() # A worker still compiling, and its files
+            self.report.background += self.aside.take_notes()
+            if self.eager_eval: self.report.background.append(
+                f"ran eagerly, evaluation outside a fit: {self.eager_eval} batch(es), its graph not compiled yet (`background=False` compiles it)")
+            self.in_background, self.waiting, self.eager_eval = False, False, 0
             self.report.ddp_backward_graphs = self.ddp.backward_graphs()
             if self.marked: self._mark_calls(False, False)
             for c in self._compiled_calls(): # What ran eagerly rather than compile a graph for a shape seen once

@@ -93,6 +93,7 @@ class CompileReport:
     ddp_split:bool|None = None # Under DDP, whether graphs were split at DDP's gradient buckets; `None` without DDP
     ddp_pieces:list = field(default_factory=list) # The pieces DDPOptimizer split each graph into, with `ddp_split`
     ddp_backward_graphs:int|None = None # The backward graphs compiled autograd captured, with `ddp_compiled_autograd`
+    background:list = field(default_factory=list) # What compiling outside the fit's path did, a line each (`background`)
 
     @property
     def graph_breaks(self)->int:
@@ -176,6 +177,7 @@ class CompileReport:
         if self.eager_valid: lines.append(f"  ran eagerly, validation within the fit: {self.eager_valid} batch(es), whose graph "
                                           "seldom pays back its compile (`compile_valid=True` compiles it)")
         if self.ddp_split is not None: lines.append(f"  {self.ddp_strategy()}")
+        lines += [f"  {n}" for n in self.background]
         if self.batch_times: lines.append(f"  {self.payoff()}")
         if advice := self.data_advice(): lines.append(f"  {advice}")
         return '\n'.join(lines)

@@ -12,7 +12,7 @@ def defaults(f): return {k: v.default for k,v in inspect.signature(f).parameters
 
 compile_defaults = dict(fullgraph=False, dynamic=False, backend='inductor', mode=None, options=None,
                         matmul_precision='high', recompile=False, verbose=False, regional=False, compile_valid=False, compile_opt=True,
-                        ddp_split=False, ddp_compiled_autograd=False, precompile=False)
+                        ddp_split=False, ddp_compiled_autograd=False, precompile=False, background=None)
 
 def test_star_import_gives_the_api():
     ns = {}

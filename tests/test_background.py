@@ -1,0 +1,86 @@
+"Compiling outside the fit's path: the fit trains eagerly while a worker process compiles, then the compiled code takes over"
+import glob, os, tempfile, time
+import pytest, torch
+from fastai.learner import Learner
+from fastai.callback.core import Callback, CancelFitException
+from fastai.torch_core import set_seed
+from fastxtend_compile import *
+from conftest import two_conv_cnn, digits_dls, EAGER_PRECISION, assert_fit_close
+
+def _leftovers()->set: return set(glob.glob(os.path.join(tempfile.gettempdir(), 'fxc-background-*')))
+
+class WaitForWorker(Callback):
+    "At training batch `at` of the first epoch, wait for the compile worker to end, so the hand-over comes at the next batch"
+    order = 20 # After `CompilerCallback`
+    def __init__(self, at=2): self.at, self.worker_seen = at, False
+    def after_batch(self):
+        proc = self.learn.compiler.aside.proc
+        if not self.training or self.epoch or self.iter != self.at or proc is None: return
+        self.worker_seen = True
+        deadline = time.time() + 600
+        while proc.poll() is None and time.time() < deadline: time.sleep(0.2)
+
+def _fit(compiled, cbs=(), epochs=2, **kw):
+    set_seed(0, reproducible=True)
+    learn = Learner(digits_dls(), two_conv_cnn(), cbs=list(cbs))
+    if compiled: learn.compile(backend='inductor', background=True, **EAGER_PRECISION, **kw)
+    learn.fit(epochs, 3e-3)
+    return learn
+
+@pytest.fixture
+def cold_cache(tmp_path, monkeypatch):
+    "An empty inductor cache for this test, as on a first run, and a worker for a fit of any length"
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path/'inductor'))
+    monkeypatch.setattr(BackgroundCompile, 'min_fit_s', 0)
+    before = _leftovers()
+    yield tmp_path/'inductor'
+    assert _leftovers() == before, "a worker's temporary folder outlived the fit"
+
+def test_compiled_code_takes_over_from_the_worker_and_trains_like_eager(cold_cache):
+    eager = _fit(False)
+    wait = WaitForWorker(at=2)
+    comp = _fit(True, cbs=[wait])
+    cb = comp.compiler
+    assert wait.worker_seen and cb.aside.proc is None
+    notes = cb.report.background
+    assert len(notes) == 1 and "while 3 training batch(es) ran eagerly; the compiled code took over at epoch 0, batch 3" in notes[0], notes
+    assert cb.report.graphs >= 1 and cb.report.batch_times # Compiled batches ran after the hand-over
+    assert any(cold_cache.rglob('*')) # The worker filled the cache the fit compiled from
+    assert_fit_close(eager.model, comp.model)
+
+def test_a_failed_worker_keeps_the_fit_eager_with_one_warning(cold_cache, monkeypatch):
+    monkeypatch.setattr(BackgroundCompile, 'worker', "raise SystemExit('no compiler here')")
+    eager = _fit(False)
+    with pytest.warns(UserWarning, match=r"torch.compile failed in a background worker process \(no compiler here\)\. The fit trains eagerly") as ws:
+        comp = _fit(True, cbs=[WaitForWorker(at=0)])
+    assert sum('background worker' in str(w.message) for w in ws) == 1
+    assert comp.compiler.report.graphs == 0 and not comp.compiler.report.batch_times
+    assert "compiling in a worker process failed" in comp.compiler.report.background[0]
+    assert_fit_close(eager.model, comp.model)
+
+def test_a_fit_that_ends_first_leaves_no_worker_behind(cold_cache):
+    seen = []
+    class Stop(Callback):
+        order = 20
+        def after_batch(self):
+            if self.iter == 1:
+                seen.append(self.learn.compiler.aside.proc)
+                raise CancelFitException()
+    learn = _fit(True, cbs=[Stop()])
+    proc = seen[0]
+    assert proc is not None and proc.poll() is not None # Killed, not left compiling
+    assert learn.compiler.aside.proc is None and learn.compiler.report.graphs == 0
+    assert "the fit ended before the worker process finished compiling: 2 training batch(es) ran eagerly" in learn.compiler.report.background[0]
+
+def test_a_fit_too_short_to_pay_trains_eagerly_without_a_worker(tmp_path, monkeypatch):
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path/'inductor'))
+    started = []
+    monkeypatch.setattr(BackgroundCompile, '_start', lambda *a: started.append(a) or True)
+    eager, comp = _fit(False), _fit(True)
+    assert not started and comp.compiler.report.graphs == 0
+    n = 2*len(comp.dls.train) - BackgroundCompile.probe_batches
+    assert comp.compiler.report.background[0].startswith(f"trained eagerly: the fit's {n} training batches left, about "), comp.compiler.report.background
+    assert_fit_close(eager.model, comp.model)
+
+def test_background_must_be_a_bool():
+    with pytest.raises(TypeError, match="background must be True, False or None, not 'yes'"): CompilerCallback(background='yes')
