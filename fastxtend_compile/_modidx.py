@@ -31,6 +31,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                      'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback.CompilerCallback._frozen_runs_eagerly': ( 'callback.html#compilercallback._frozen_runs_eagerly',
                                                                                                                   'fastxtend_compile/callback.py'),
+                                            'fastxtend_compile.callback.CompilerCallback._last_batch': ( 'callback.html#compilercallback._last_batch',
+                                                                                                         'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback.CompilerCallback._mark_calls': ( 'callback.html#compilercallback._mark_calls',
                                                                                                          'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback.CompilerCallback._measures_eager': ( 'callback.html#compilercallback._measures_eager',

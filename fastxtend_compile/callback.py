@@ -283,11 +283,16 @@ class CompilerCallback(Callback):
         validates = self._validates_eagerly()
         if validates: self.report.eager_valid += 1
         eager = measures or validates
-        one_off = self.learn.iter == self.learn.n_iter - 1 # The last batch, often smaller: not worth a graph of its own
+        one_off = self._last_batch() # The last batch, often smaller: not worth a graph of its own
         # Not in training when compiled autograd runs the backwards: an eager backward would all-reduce each gradient alone
         one_off &= not (self.training and self.ddp.in_backward)
         if eager or one_off: self._mark_calls(eager, one_off)
         self.compile_recorder.batch_start(self.training, self.learn.xb, measures)
+
+    def _last_batch(self)->bool:
+        "Whether this is the last batch of the DataLoader; not for events called one by one, outside a fit's batch loop"
+        n = getattr(self.learn, 'n_iter', None)
+        return n is not None and getattr(self.learn, 'iter', None) == n - 1
 
     def _validates_eagerly(self)->bool:
         "Whether this is a validation batch of a training fit, which runs eagerly unless `compile_valid`"
@@ -300,7 +305,7 @@ class CompilerCallback(Callback):
         # Once per freeze state, in a fit long enough to hide them, after the first compiled batch (not delaying the compile)
         r = self.report
         if self.ddp.in_backward: return False # An eager backward would all-reduce each gradient alone: not DDP's eager step
-        if len(r.eager_times) >= self.eager_batches or not r.batch_times or self.learn.n_iter < 8: return False
+        if len(r.eager_times) >= self.eager_batches or not r.batch_times or getattr(self.learn, 'n_iter', 0) < 8: return False
         if not r.eager_times: r.measured_from = len(r.batch_times)
         return True
 
