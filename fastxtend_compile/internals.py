@@ -21,8 +21,8 @@ __all__ = ['recompile_limit_logger', 'ddp_split_logger', 'precompile_guard_logge
            'uses_python_reducer', 'python_reducer_settings', 'restore_python_reducer_settings', 'compiled_autograd',
            'aot_autograd_cache', 'set_aot_autograd_cache', 'compiled_autograd_captures', 'without_dynamo_marks',
            'fused_kernel_devices', 'dynamo_supported', 'inductor_cxx', 'inductor_options', 'explain',
-           'inductor_cache_dir', 'cpp_kernel_files', 'precompile_supported', 'caching_precompile',
-           'set_caching_precompile', 'precompiled_loads', 'dropped_guard']
+           'inductor_fallback_random', 'inductor_cache_dir', 'cpp_kernel_files', 'precompile_supported',
+           'caching_precompile', 'set_caching_precompile', 'precompiled_loads', 'dropped_guard']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
 def own_function(
@@ -196,6 +196,14 @@ def explain(f:Callable, *args, **kwargs):
     with torch._dynamo.config.patch(caching_precompile=False): # Its backend can't be saved with precompiled code
         torch._dynamo.optimize(accumulate, nopython=False, guard_export_fn=out_guards.extend)(call)(*args, **kwargs)
     return ExplainOutput(graphs, len(graphs), len(break_reasons), break_reasons, op_count, ops_per_graph, out_guards)
+
+# %% ../nbs/06_internals.ipynb #b7ebe72f
+@contextmanager
+def inductor_fallback_random():
+    "A context in which inductor compiles random operations (dropout's mask) to draw from torch's generator, as eager does"
+    # Inductor otherwise draws them from a generator of its own: the same seed gives other masks than eager's
+    from torch._inductor import config
+    with config.patch(fallback_random=True): yield
 
 # %% ../nbs/06_internals.ipynb #09911ce8
 def inductor_cache_dir()->str:

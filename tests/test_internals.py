@@ -250,3 +250,11 @@ def test_precompiled_code_of_a_model_with_gradients_does_not_load_on_older_torch
         out = subprocess.run([sys.executable, '-c', script, role, str(tmp_path/'artifacts.bin')], capture_output=True, text=True, env=env)
         assert out.returncode == 0, out.stderr[-2000:]
     assert 'assigned grad expected to be a Tensor or None but got grad of type _Missing' in out.stdout
+
+def test_inductor_fallback_random_draws_dropout_as_eager():
+    f = lambda x: torch.nn.functional.dropout(x, 0.5)
+    x = torch.ones(64)
+    torch.manual_seed(0); eager = f(x)
+    torch.manual_seed(0)
+    with inductor_fallback_random(): compiled = torch.compile(f, backend='inductor')(x)
+    torch.testing.assert_close(compiled, eager)

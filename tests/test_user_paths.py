@@ -29,3 +29,20 @@ def test_events_called_by_hand_run_as_eager(digits):
         if compiled: learn.compile(backend=BACKEND)
         with learn: xbs.append(_mixup_by_hand(learn, digits))
     torch.testing.assert_close(xbs[1], xbs[0])
+
+def _dropout_learner(dls):
+    "A body and fastai's default `vision_learner` head: BatchNorm and dropout"
+    from fastai.vision.learner import create_head
+    body = nn.Sequential(nn.Conv2d(1,8,3,padding=1), nn.ReLU())
+    return Learner(dls, nn.Sequential(body, create_head(8, 10)), loss_func=CrossEntropyLossFlat())
+
+def test_debug_compile_runs_each_stage_from_eager_random_state(digits):
+    "Dropout draws the same masks in the reference and at each stage: a model with dropout is ok, and eager's draws are left as they were"
+    learn = _dropout_learner(digits)
+    set_seed(1)
+    stages = learn.debug_compile(backend='aot_eager', show=False)
+    assert [s.backend for s in stages] == ['eager', 'aot_eager']
+    assert all(s.ok and s.max_diff == 0 for s in stages), '\n'.join(map(str, stages))
+    drawn = torch.rand(3), random.random(), np.random.rand()
+    set_seed(1)
+    assert torch.equal(drawn[0], torch.rand(3)) and drawn[1:] == (random.random(), np.random.rand())
