@@ -230,6 +230,7 @@ class CompilerCallback(Callback):
     def before_fit(self):
         self.fits += 1
         if self.fits > 1: return # A `validate` or `get_preds` inside the fit: it compiles as the fit does
+        if self._stands_aside(): return
         model = self.learn.model
         if self._frozen_runs_eagerly(): return
         device = model_device(model)
@@ -253,6 +254,10 @@ class CompilerCallback(Callback):
         self._own_grads()
         if self.recompile and self.freeze_changed: self._compile()
         self.freeze_changed = False
+
+    def _stands_aside(self)->bool:
+        "Whether a `CompilerCallback` passed to this fit (`learn.compiler`, the newest) compiles it instead of this one"
+        return getattr(self.learn, 'compiler', self) is not self
 
     def _frozen(self): return self.learn.opt is not None and self.learn.opt.frozen_idx > 0
 

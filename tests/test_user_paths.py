@@ -5,6 +5,7 @@ from torch import nn, Tensor
 from fastai.learner import Learner
 from fastai.callback.mixup import MixUp
 from fastai.losses import CrossEntropyLossFlat
+from fastai.callback.core import Callback
 from fastai.torch_core import set_seed
 from fastxtend_compile import *
 from conftest import two_conv_cnn, digits_dls
@@ -46,3 +47,33 @@ def test_debug_compile_runs_each_stage_from_eager_random_state(digits):
     drawn = torch.rand(3), random.random(), np.random.rand()
     set_seed(1)
     assert torch.equal(drawn[0], torch.rand(3)) and drawn[1:] == (random.random(), np.random.rand())
+
+class CompiledWith(Callback):
+    "Record the backend the model ran compiled with at each training batch (`None`: eagerly)"
+    order = CompilerCallback.order + 1
+    def before_fit(self): self.backends = []
+    def after_batch(self):
+        if self.training: self.backends.append((compiled_settings(self.learn.model) or {}).get('backend'))
+
+def test_a_fits_compiler_takes_over_and_hands_back(digits):
+    "A `CompilerCallback` passed to a fit compiles that fit; the Learner's compiles the fits after it"
+    seen = CompiledWith()
+    learn = Learner(digits, two_conv_cnn(), cbs=seen).compile(backend=BACKEND)
+    own = learn.compiler
+    learn.fit(1)
+    assert set(seen.backends) == {BACKEND}
+    fits = CompilerCallback(backend='eager')
+    learn.fit(1, cbs=fits)
+    assert set(seen.backends) == {'eager'} and fits.report.graphs >= 1
+    assert learn.compiler is own and own in learn.cbs and fits not in learn.cbs
+    learn.fit(1)
+    assert set(seen.backends) == {BACKEND} and is_compiled(learn.model)
+
+def test_a_fits_compiler_alone_leaves_its_report(digits, tmp_path):
+    learn = Learner(digits, two_conv_cnn(), path=tmp_path)
+    learn.fit(1, cbs=CompilerCallback(backend=BACKEND))
+    assert learn.compiler.report.graphs >= 1 and not is_compiled(learn.model) # Its compilation went with it
+    learn.fit(1) # Eagerly: the kept callback is not in the fit
+    learn.freeze_to(0)
+    learn.export('plain.pkl')
+    assert 'compiler' not in load_learner(tmp_path/'plain.pkl').__dict__
