@@ -77,3 +77,12 @@ def test_a_fits_compiler_alone_leaves_its_report(digits, tmp_path):
     learn.freeze_to(0)
     learn.export('plain.pkl')
     assert 'compiler' not in load_learner(tmp_path/'plain.pkl').__dict__
+
+def test_guide_says_how_inductor_repeats_eagers_dropout():
+    "The guide's reproducibility section names the setting that has inductor draw random numbers as eager does"
+    import json
+    from pathlib import Path
+    nb = json.loads((Path(__file__).parents[1]/'nbs'/'10_guide.ipynb').read_text())
+    text = '\n'.join(''.join(c['source']) for c in nb['cells'] if c['cell_type'] == 'markdown')
+    section = text[text.index('## Reproducibility'):].split('\n## ')[0]
+    assert 'torch._inductor.config.fallback_random = True' in section and 'dropout' in section
