@@ -149,13 +149,25 @@ def graph_break_reason(
 class GraphBreakError(RuntimeError):
     "`fullgraph=True` was asked for, but the model has a graph break"
 
-def _graph_break_error(e:Exception, removed:bool)->GraphBreakError:
+def _graph_break_error(e:Exception, removed:bool, name:str='')->GraphBreakError:
+    "The error for a `fullgraph=True` compile TorchDynamo refused as `e`, of the compiled function `name`"
+    now = "`CompilerCallback` was removed and the Learner trains eagerly" if removed else "The model was left uncompiled"
+    if isinstance(e, recompile_limit_error()): return _recompiles_error(name, now)
     stack = getattr(e, 'real_stack', None)
     where = f" at {stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}: `{(stack[-1].line or '').strip()}`" if stack else ''
-    why = graph_break_reason(str(e))
-    now = "`CompilerCallback` was removed and the Learner trains eagerly" if removed else "The model was left uncompiled"
+    why = graph_break_reason('generic_jump' if is_data_dependent(e) else str(e))
     return GraphBreakError(f"fullgraph=True, but the model has a graph break{where}\n  {why}\n"
         f"Remove the break, or compile with fullgraph=False (`DynamoExplainCallback` lists every break). {now}.")
+
+def _recompiles_error(name:str, now:str)->GraphBreakError:
+    "The error for a `fullgraph=True` model that recompiled at every call until TorchDynamo's limit"
+    guard, file, line, code = last_recompile(name) or ('', None, None, None)
+    where = f" at {file}:{line}: `{code.strip()}`" if file else ''
+    on = f" (`{guard}`)" if guard else ''
+    return GraphBreakError(f"fullgraph=True, but the model recompiled at every call until TorchDynamo's recompile limit: its "
+        f"code{where} changes Python state that the compiled graph depends on{on}, so no graph can be reused.\n"
+        "Keep Python state that changes out of `forward` (record it in a `Callback` after each batch, or in a tensor), or "
+        f"compile with fullgraph=False, which runs the model eagerly once it hits the limit. {now}.")
 
 # %% ../nbs/00_core.ipynb #5f279e17
 def uses_cudagraphs(
@@ -257,11 +269,11 @@ class CompiledCall:
         graphs = graphs_compiled() if self.unchecked else 0
         try:
             with _casts_deferred(self.casts): out = self.entry(self.module, *args, **kwargs)
-        except graph_break_error() as e:
+        except (graph_break_error(), data_dependent_error(), recompile_limit_error()) as e:
             if not self.settings.get('fullgraph'): raise
             set_compiled_call(self.module, None)
             if self.on_refused is not None: self.on_refused()
-            raise _graph_break_error(e, removed=self.on_refused is not None) from e
+            raise _graph_break_error(e, self.on_refused is not None, f'{type(self.module).__name__}_call') from e
         except traced_op_error() as e: failed = e # Raised below, out of this handler, so eager's error isn't chained to it
         else: failed = None
         if failed is not None: self._raise_as_eager(failed, *tree_unflatten(leaves, spec))

@@ -15,7 +15,8 @@ from torch.torch_version import TorchVersion
 
 # %% auto #0
 __all__ = ['recompile_limit_logger', 'ddp_split_logger', 'precompile_guard_logger', 'own_function', 'set_compiled_call',
-           'compiled_call', 'is_optimized_module', 'graph_break_error', 'traced_op_error', 'add_compile_callbacks',
+           'compiled_call', 'is_optimized_module', 'graph_break_error', 'traced_op_error', 'data_dependent_error',
+           'is_data_dependent', 'recompile_limit_error', 'last_recompile', 'add_compile_callbacks',
            'remove_compile_callbacks', 'recompile_limit_hit', 'compilation_metrics', 'graph_break_reasons',
            'graphs_compiled', 'hook_dicts', 'optimize_ddp', 'set_optimize_ddp', 'ddp_split_pieces',
            'uses_python_reducer', 'python_reducer_settings', 'restore_python_reducer_settings', 'compiled_autograd',
@@ -54,6 +55,30 @@ def graph_break_error()->type:
 def traced_op_error()->type:
     "The exception TorchDynamo raises when an operation of the code it traces fails on its fake tensors (a shape that doesn't fit)"
     return torch._dynamo.exc.TorchRuntimeError
+
+# %% ../nbs/06_internals.ipynb #eab6054f
+def data_dependent_error()->type:
+    "The exception TorchDynamo raises with `fullgraph=True` where Python branches on a tensor's value (`if t.item() > 0:`)"
+    return torch._dynamo.exc.UserError
+
+def is_data_dependent(e:Exception)->bool:
+    "Whether `e` is TorchDynamo's refusal to guard on a tensor's value"
+    return 'data-dependent expression' in str(e)
+
+def recompile_limit_error()->type:
+    "The exception TorchDynamo raises with `fullgraph=True` when a function hits its recompile limit"
+    return torch._dynamo.exc.FailOnRecompileLimitHit
+
+def last_recompile(
+    name:str, # The compiled function's name (`co_name`)
+)->tuple|None:
+    "`(guard, filename, line, code)` of `name`'s last recompile: the guard that failed, and the user's line it guards"
+    import re
+    reason = next((m.recompile_reason for m in reversed(compilation_metrics()) if m.co_name == name and m.recompile_reason), None)
+    if reason is None: return None
+    guard = re.match(r'\s*(?:\d+/\d+: )?(.*?)\s*(?:#|$)', reason.split('\n')[0])[1]
+    frames = re.findall(r'File "(.*?)", line (\d+), in \w+\n\s*(.*)', reason)
+    return (guard, *frames[-1]) if frames else (guard, None, None, None)
 
 # %% ../nbs/06_internals.ipynb #04c06fd6
 def add_compile_callbacks(on_start:Callable, on_end:Callable):

@@ -258,3 +258,23 @@ def test_inductor_fallback_random_draws_dropout_as_eager():
     torch.manual_seed(0)
     with inductor_fallback_random(): compiled = torch.compile(f, backend='inductor')(x)
     torch.testing.assert_close(compiled, eager)
+
+class _Branches(nn.Module):
+    def forward(self, x): return x * 2 if x.sum().item() > 0 else x
+
+class _Logs(nn.Module):
+    def __init__(self): super().__init__(); self.log = []
+    def forward(self, x):
+        self.log.append(1)
+        return x + 1
+
+def test_fullgraph_refusals_data_dependent_and_recompile_limit():
+    f = torch.compile(_Branches(), backend='eager', fullgraph=True)
+    with pytest.raises(data_dependent_error()) as e: f(torch.ones(3))
+    assert is_data_dependent(e.value) and e.value.real_stack[-1].line.strip().startswith('def forward(self, x): return x * 2')
+    g = torch.compile(own_function(lambda m, x: m(x), 'logs_call'), backend='eager', fullgraph=True)
+    m = _Logs()
+    with pytest.raises(recompile_limit_error()):
+        for _ in range(20): g(m, torch.ones(3))
+    guard, file, line, code = last_recompile('logs_call')
+    assert guard.startswith('len(') and '.log) ==' in guard and file == __file__ and code.strip() == 'self.log.append(1)'

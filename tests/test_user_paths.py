@@ -86,3 +86,45 @@ def test_guide_says_how_inductor_repeats_eagers_dropout():
     text = '\n'.join(''.join(c['source']) for c in nb['cells'] if c['cell_type'] == 'markdown')
     section = text[text.index('## Reproducibility'):].split('\n## ')[0]
     assert 'torch._inductor.config.fallback_random = True' in section and 'dropout' in section
+
+class Branches(nn.Module):
+    "Python branches on a tensor's value"
+    def __init__(self): super().__init__(); self.lin = nn.Linear(64, 10)
+    def forward(self, x):
+        if x.mean().item() > 0.5: x = x * 2
+        return self.lin(x.flatten(1))
+
+class Logs(nn.Module):
+    "Python state changed at every call"
+    def __init__(self): super().__init__(); self.lin = nn.Linear(64, 10); self.log = []
+    def forward(self, x):
+        self.log.append(x.mean().item())
+        return self.lin(x.flatten(1))
+
+def _line(cls, code:str)->str:
+    "`file:line` of `code` in `cls`'s source"
+    import inspect
+    lines, start = inspect.getsourcelines(cls)
+    return f"{inspect.getsourcefile(cls)}:{start + next(i for i,l in enumerate(lines) if code in l)}"
+
+def _quiet_fit(learn, n=1):
+    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        learn.fit(n)
+
+@pytest.mark.parametrize('model,code,fix', [
+    (Branches, 'if x.mean().item() > 0.5', "use `torch.where` or `torch.cond`"),
+    (Logs, 'self.log.append(x.mean().item())', "Keep Python state that changes out of `forward`")])
+def test_fullgraph_refusal_names_the_line_and_lets_the_learner_train(digits, model, code, fix):
+    learn = Learner(digits, model(), loss_func=CrossEntropyLossFlat()).compile(backend=BACKEND, fullgraph=True)
+    with pytest.raises(GraphBreakError) as e: _quiet_fit(learn)
+    msg = str(e.value)
+    assert f"{_line(model, code)}" in msg and f"`{code}" in msg and fix in msg and 'compile with fullgraph=False' in msg, msg
+    assert not any(isinstance(c, CompilerCallback) for c in learn.cbs) and not is_compiled(learn.model)
+    before = learn.model.lin.weight.detach().clone()
+    _quiet_fit(learn) # Eagerly
+    assert not torch.equal(before, learn.model.lin.weight)
+    if model is Branches: # Compiled in pieces once the user drops `fullgraph`
+        learn.compile(backend=BACKEND)
+        _quiet_fit(learn)
+        assert is_compiled(learn.model) and learn.compiler.report.graphs >= 1
