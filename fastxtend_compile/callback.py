@@ -331,8 +331,14 @@ class CompilerCallback(Callback):
 
     def before_backward(self):
         if self.active: self.ddp.enter_backward(self.backward_compiler)
+        self.compile_recorder.part = 'backward' # What a compile now compiles, for its notice
 
-    def after_backward(self): self.ddp.exit_backward()
+    def after_backward(self):
+        self.ddp.exit_backward()
+        self.compile_recorder.part = ''
+
+    def before_step(self): self.compile_recorder.part = 'step'
+    def after_step(self): self.compile_recorder.part = ''
 
     def after_batch(self):
         if not self.active: return

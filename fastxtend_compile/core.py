@@ -74,9 +74,14 @@ def compile_settings(
     return dict(fullgraph=fullgraph, dynamic=dynamic, backend=check_backend(backend),
                 mode=None if mode is None else CompileMode(mode).value, options=options)
 
+_no_options = ('eager', 'aot_eager') # Backends that take no options
+
 def _check_options(options, backend):
     "Refuse `options` that aren't a dict, or that inductor doesn't know"
     if not isinstance(options, dict): raise TypeError(f"options must be a dict of backend options, not {options!r}")
+    if backend in _no_options:
+        warnings.warn(f"options={options!r} have no effect with backend={backend!r}, which runs PyTorch's eager kernels: "
+                      "they are inductor's (backend='inductor')", stacklevel=4)
     if backend != 'inductor': return
     if unknown := [k for k in options if k not in inductor_options()]:
         raise ValueError(f"Unknown inductor option(s) in options: {', '.join(map(repr, unknown))}. "
@@ -268,7 +273,9 @@ class CompiledCall:
         if self.cudagraphs: torch.compiler.cudagraph_mark_step_begin()
         graphs = graphs_compiled() if self.unchecked else 0
         try:
-            with _casts_deferred(self.casts): out = self.entry(self.module, *args, **kwargs)
+            # A model's own bug is logged by torch as it traces: held back until eager's run says whose bug it is
+            with HeldRecords(fake_tensor_logger, traced_op_error()) as held, _casts_deferred(self.casts):
+                out = self.entry(self.module, *args, **kwargs)
         except (graph_break_error(), data_dependent_error(), recompile_limit_error()) as e:
             if not self.settings.get('fullgraph'): raise
             set_compiled_call(self.module, None)
@@ -276,7 +283,7 @@ class CompiledCall:
             raise _graph_break_error(e, self.on_refused is not None, f'{type(self.module).__name__}_call') from e
         except traced_op_error() as e: failed = e # Raised below, out of this handler, so eager's error isn't chained to it
         else: failed = None
-        if failed is not None: self._raise_as_eager(failed, *tree_unflatten(leaves, spec))
+        if failed is not None: self._raise_as_eager(failed, *tree_unflatten(leaves, spec), held)
         if self.unchecked: self._check_captured(graphs)
         if self.cudagraphs: out = tree_map_only(Tensor, torch.clone, out)
         # Typed as eager fastai types them: as its inputs, or as its last `ToTensorBase` casts them
@@ -300,7 +307,7 @@ class CompiledCall:
         known.add(shapes)
         return False
 
-    def _raise_as_eager(self, error:Exception, args:tuple, kwargs:dict):
+    def _raise_as_eager(self, error:Exception, args:tuple, kwargs:dict, held:HeldRecords|None=None):
         "Raise what eager raises for this call, where TorchDynamo failed to run one of its operations while tracing it"
         # A bug of the model's (a shape or device that doesn't fit) reaches TorchDynamo as an error about its fake tensors:
         # eager's error says it in the model's terms, at the model's line, as it would without compiling
@@ -308,6 +315,7 @@ class CompiledCall:
         self.module._call_impl(*args, **kwargs)
         with torch.no_grad(): # Eager ran it, so the compiler failed, not the model: undo its running statistics
             for b,old in buffers: b.copy_(old)
+        if held is not None: held.release() # What torch logged of the compiler's failure
         raise error
 
     def _check_captured(self, graphs_before:int):

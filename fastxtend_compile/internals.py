@@ -14,15 +14,15 @@ from torch import nn
 from torch.torch_version import TorchVersion
 
 # %% auto #0
-__all__ = ['recompile_limit_logger', 'ddp_split_logger', 'precompile_guard_logger', 'own_function', 'set_compiled_call',
-           'compiled_call', 'is_optimized_module', 'graph_break_error', 'traced_op_error', 'data_dependent_error',
-           'is_data_dependent', 'recompile_limit_error', 'last_recompile', 'add_compile_callbacks',
-           'remove_compile_callbacks', 'recompile_limit_hit', 'compilation_metrics', 'graph_break_reasons',
-           'graphs_compiled', 'hook_dicts', 'optimize_ddp', 'set_optimize_ddp', 'ddp_split_pieces',
-           'uses_python_reducer', 'python_reducer_settings', 'restore_python_reducer_settings', 'compiled_autograd',
-           'aot_autograd_cache', 'set_aot_autograd_cache', 'compiled_autograd_captures', 'without_dynamo_marks',
-           'fused_kernel_devices', 'dynamo_supported', 'inductor_cxx', 'inductor_options', 'explain',
-           'inductor_fallback_random', 'inductor_cache_dir', 'cpp_kernel_files', 'precompile_supported',
+__all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'ddp_split_logger', 'precompile_guard_logger', 'own_function',
+           'set_compiled_call', 'compiled_call', 'is_optimized_module', 'graph_break_error', 'traced_op_error',
+           'HeldRecords', 'data_dependent_error', 'is_data_dependent', 'recompile_limit_error', 'last_recompile',
+           'add_compile_callbacks', 'remove_compile_callbacks', 'recompile_limit_hit', 'compilation_metrics',
+           'graph_break_reasons', 'graphs_compiled', 'hook_dicts', 'optimize_ddp', 'set_optimize_ddp',
+           'ddp_split_pieces', 'uses_python_reducer', 'python_reducer_settings', 'restore_python_reducer_settings',
+           'compiled_autograd', 'aot_autograd_cache', 'set_aot_autograd_cache', 'compiled_autograd_captures',
+           'without_dynamo_marks', 'fused_kernel_devices', 'dynamo_supported', 'inductor_cxx', 'inductor_options',
+           'explain', 'inductor_fallback_random', 'inductor_cache_dir', 'cpp_kernel_files', 'precompile_supported',
            'caching_precompile', 'set_caching_precompile', 'precompiled_loads', 'dropped_guard']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
@@ -55,6 +55,24 @@ def graph_break_error()->type:
 def traced_op_error()->type:
     "The exception TorchDynamo raises when an operation of the code it traces fails on its fake tensors (a shape that doesn't fit)"
     return torch._dynamo.exc.TorchRuntimeError
+
+# %% ../nbs/06_internals.ipynb #fc6992ce
+fake_tensor_logger = logging.getLogger('torch._subclasses.fake_tensor') # Logs an operation's failure on fake tensors at ERROR level
+
+class HeldRecords(logging.Filter):
+    "Within this context `logger`'s records are held back; released as it ends, unless it ends with an exception `keep_on`"
+    def __init__(self, logger:logging.Logger, keep_on:type=Exception):
+        super().__init__()
+        self.logger, self.keep_on, self.records = logger, keep_on, []
+    def filter(self, record): self.records.append(record); return False
+    def __enter__(self): self.logger.addFilter(self); return self
+    def __exit__(self, typ, e, tb):
+        self.logger.removeFilter(self)
+        if not isinstance(e, self.keep_on): self.release()
+    def release(self):
+        "Emit the records held back"
+        records, self.records = self.records, []
+        for r in records: self.logger.handle(r)
 
 # %% ../nbs/06_internals.ipynb #eab6054f
 def data_dependent_error()->type:

@@ -230,6 +230,7 @@ class CompileRecorder:
         self.ddp_log_level = None # `ddp_split_logger`'s own level, to restore, while its notes of DDP splits are counted
         self.ddp_shown = logging.WARNING # The lowest level `ddp_split_logger` showed before its notes were counted
         self.compiled_backward = False # Compiled autograd compiles the backwards (`ddp_compiled_autograd`)
+        self.part = '' # The part of the training step running: '' (the model's forward), 'backward' or 'step'
 
     def __getstate__(self): return {**self.__dict__, 'log_handler': None, 'show': None} # Handlers hold locks
 
@@ -294,7 +295,11 @@ class CompileRecorder:
     def _on_end(self, *args):
         took = time.perf_counter() - self.started
         self.report.compile_seconds += took
-        if took >= self.notice_after and self.show is not None: self.show(f"torch.compile compiled {self.model_name} for {self.during or 'its first call'} in {took:.1f}s")
+        if took >= self.notice_after and self.show is not None: self.show(f"torch.compile compiled {self._part_name()} for {self.during or 'its first call'} in {took:.1f}s")
+
+    def _part_name(self)->str:
+        "What a compile during the running part of the step compiled: the model, its backward graph or the optimizer step"
+        return {'backward': f"{self.model_name}'s backward", 'step': 'the optimizer step'}.get(self.part, self.model_name)
 
     def _name(self, co_name:str, filename:str, line)->str:
         "A compiled frame's name as the report shows it"
@@ -345,6 +350,7 @@ class CompileRecorder:
         now = time.perf_counter()
         if training and self.batch_end is not None: self.report.data_waits.append(now - self.batch_end)
         self.batch_t, self.compiling, self.training, self.shapes, self.eager, self.batch_end = now, False, training, _shapes(xb), eager, None
+        self.part = ''
 
     def batch_done(self):
         "Record what was compiled during the batch `batch_start` began, and its time if it trained"

@@ -278,3 +278,15 @@ def test_fullgraph_refusals_data_dependent_and_recompile_limit():
         for _ in range(20): g(m, torch.ones(3))
     guard, file, line, code = last_recompile('logs_call')
     assert guard.startswith('len(') and '.log) ==' in guard and file == __file__ and code.strip() == 'self.log.append(1)'
+
+def test_held_records_are_released_unless_the_context_ends_with_the_kept_exception(caplog):
+    log = logging.getLogger('fastxtend_compile.test_held')
+    with caplog.at_level(logging.ERROR, logger=log.name):
+        with HeldRecords(log, KeyError): log.error('one')
+        assert caplog.messages == ['one']
+        with pytest.raises(KeyError):
+            with HeldRecords(log, KeyError) as held: log.error('two'); raise KeyError()
+        assert caplog.messages == ['one'] and len(held.records) == 1
+        held.release()
+        assert caplog.messages == ['one', 'two']
+    assert fake_tensor_logger.name == 'torch._subclasses.fake_tensor'

@@ -128,3 +128,29 @@ def test_fullgraph_refusal_names_the_line_and_lets_the_learner_train(digits, mod
         learn.compile(backend=BACKEND)
         _quiet_fit(learn)
         assert is_compiled(learn.model) and learn.compiler.report.graphs >= 1
+
+def test_a_models_own_bug_raises_eagers_error_alone(digits, capfd):
+    "The model's own shape bug: eager's error, without torch's log of the trace that failed on it"
+    learn = Learner(digits, nn.Sequential(nn.Flatten(), nn.Linear(63, 10)), loss_func=CrossEntropyLossFlat()).compile(backend=BACKEND)
+    capfd.readouterr()
+    with pytest.raises(RuntimeError, match=r'mat1 and mat2 shapes cannot be multiplied \(64x64 and 63x10\)'): _quiet_fit(learn)
+    err = capfd.readouterr().err
+    assert 'failed while attempting to run meta' not in err and 'Traceback' not in err, err
+
+def test_compile_notices_name_the_backward_and_the_optimizer_step(digits):
+    from fastai.optimizer import SGD
+    learn = Learner(digits, two_conv_cnn(), loss_func=CrossEntropyLossFlat(), opt_func=SGD).compile(backend=BACKEND)
+    shown = []
+    learn.compiler.compile_recorder.notice_after = 0. # Every compile
+    learn.compiler._show = shown.append
+    _quiet_fit(learn)
+    firsts = [s for s in shown if 'training batch 1 ' in s]
+    assert firsts[0].startswith('torch.compile compiled Sequential for training batch 1'), shown
+    assert sum(s.startswith('torch.compile compiled Sequential for') for s in firsts) == 1, shown
+    assert any("compiled Sequential's backward for training batch 1" in s for s in firsts), shown
+    assert any("compiled the optimizer step for training batch 1" in s for s in firsts), shown
+
+@pytest.mark.parametrize('backend', ['eager', 'aot_eager'])
+def test_options_to_a_backend_without_options_warn(backend):
+    with pytest.warns(UserWarning, match=f"options=.* have no effect with backend='{backend}'"):
+        CompilerCallback(backend=backend, options={'epilogue_fusion': True})
