@@ -64,7 +64,10 @@ class HeldRecords(logging.Filter):
     def __init__(self, logger:logging.Logger, keep_on:type=Exception):
         super().__init__()
         self.logger, self.keep_on, self.records = logger, keep_on, []
-    def filter(self, record): self.records.append(record); return False
+    def filter(self, record):
+        "Hold `record` back"
+        self.records.append(record)
+        return False
     def __enter__(self): self.logger.addFilter(self); return self
     def __exit__(self, typ, e, tb):
         self.logger.removeFilter(self)
