@@ -18,8 +18,10 @@ from fastai.callback.core import Callback
 from fastai.torch_core import get_model, rank_distrib, num_distrib, default_device
 from fastai.learner import Learner
 from fastai.imports import noop # What `Learner.no_logging` sets `learn.logger` to
+from fastai.data.transforms import IntToFloatTensor
 
 from .core import *
+from .core import _hook_owner
 from .report import *
 from .internals import (
     compiled_call, optimize_ddp, set_optimize_ddp, uses_python_reducer, python_reducer_settings, restore_python_reducer_settings,
@@ -31,6 +33,10 @@ from .optimizer import compile_optimizer, uncompile_optimizer
 __all__ = ['CompilerCallback']
 
 # %% ../nbs/02_callback.ipynb #e595b152
+def _image_batches(dl)->bool:
+    "Whether `dl` makes batches of images: fastai's `IntToFloatTensor` turns their pixels to floats"
+    return any(isinstance(t, IntToFloatTensor) for t in getattr(getattr(dl, 'after_batch', None), 'fs', []))
+
 class _MatMulPrecision:
     "Set the float32 matmul precision for a fit where it has an effect, CUDA GPUs with TF32 tensor cores, and restore it"
     def __init__(self, precision:str): self.precision, self.old = precision, None
@@ -232,7 +238,9 @@ class CompilerCallback(Callback):
         if self.fits > 1: return # A `validate` or `get_preds` inside the fit: it compiles as the fit does
         if self._stands_aside(): return
         model = self.learn.model
-        if self._frozen_runs_eagerly(): return
+        if self._frozen_runs_eagerly():
+            self.report.eager_frozen += 1
+            return
         device = model_device(model)
         if reason := cannot_compile_reason(self.settings['backend'], device):
             warnings.warn(f"Not compiling the model: {reason}. Training continues eagerly.")
@@ -245,6 +253,7 @@ class CompilerCallback(Callback):
         self.compile_recorder.start(sync, ddp_split=split, compiled_backward=self.ddp.in_backward)
         train = self.learn.dls.train # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
         self.report.epoch_steps, self.report.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)
+        self.report.images = _image_batches(train)
         self.precision.set(device)
         self.precompile.set(inner_model(model), ddp=isinstance(model, DistributedDataParallel))
         if self.compile_opt and self.learn.opt is not None: # `create_opt` makes an eager optimizer: check at every fit
@@ -385,6 +394,7 @@ class CompilerCallback(Callback):
             if self.marked: self._mark_calls(False, False)
             for c in self._compiled_calls(): # What ran eagerly rather than compile a graph for a shape seen once
                 for k,n in c.eager_calls.items(): self.report.eager_calls[k] = max(self.report.eager_calls.get(k, 0), n)
+                if c.warned_hooks: self.report.eager_hooks = ', '.join(dict.fromkeys(map(_hook_owner, c.warned_hooks)))
         self.ddp.restore() # Set before the fit's callbacks ran, compiled or not
 
     def uncompile(self):

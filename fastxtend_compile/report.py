@@ -89,6 +89,9 @@ class CompileReport:
     num_workers:int|None = None # The training DataLoader's worker processes
     eager_calls:dict = field(default_factory=dict) # Calls run eagerly, not compiled for a shape seen once: {(phase, shapes): count}
     eager_valid:int = 0 # Validation batches of training fits run eagerly, their graph not worth compiling (`compile_valid=False`)
+    eager_frozen:int = 0 # Frozen fits of `fine_tune` run eagerly (`compile_frozen=False`)
+    eager_hooks:str = '' # Who registered the hooks that read the model's values, during which it ran eagerly
+    images:bool = True # The training data are images (fastai's `IntToFloatTensor` makes its batches): the advice speaks of them
     precompiled:int = 0 # Compiled functions whose code TorchDynamo loaded precompiled from the compile cache, not traced again
     ddp_split:bool|None = None # Under DDP, whether graphs were split at DDP's gradient buckets; `None` without DDP
     ddp_pieces:list = field(default_factory=list) # The pieces DDPOptimizer split each graph into, with `ddp_split`
@@ -136,6 +139,9 @@ class CompileReport:
         if comp is None or eager is None: return "payoff: not measured (the fit ran too few compiled training batches)"
         line = f"compiled step {_ms(comp)} against {_ms(eager)} eager"
         if comp > 0.95*eager: return f"did not pay: {line}: the compiled model is not measurably faster here"
+        if comp > 0.95*(fast := min(self.eager_times[1:])):
+            return (f"payoff: not measured enough: {line}, but the fastest eager batch took {_ms(fast)}: too few eager batches "
+                    "to tell (a longer fit measures more)")
         epochs = self.compile_seconds / ((eager - comp) * max(self.epoch_steps, 1))
         return f"paid: {line} ({eager/comp:.2f}×); the {self.compile_seconds:.1f}s of compiling pay back after {epochs:.1f} epoch(s)"
 
@@ -153,9 +159,11 @@ class CompileReport:
         "What to do when the model waits for the DataLoader for more than `threshold` of training time, else `None`"
         share = self.data_share
         if share is None or share < threshold: return None
-        return (f"the DataLoader: {share:.0%} of training time waiting for batches (num_workers={self.num_workers}), so a faster "
-                "step helps little. More `num_workers`, augmentations in `batch_tfms` (on the GPU) rather than `item_tfms`, or "
-                "images cached at their training size would help more")
+        wait = (f"the DataLoader: {share:.0%} of training time waiting for batches (num_workers={self.num_workers}), so a faster "
+                "step helps little. ")
+        if not self.images: return wait + "More `num_workers`, or data prepared once before training (tokenised, cached), would help more"
+        return wait + ("More `num_workers`, augmentations in `batch_tfms` (on the GPU) rather than `item_tfms`, or "
+                       "images cached at their training size would help more")
 
     def summary(self)->str:
         "The report as a few readable lines"
@@ -168,9 +176,14 @@ class CompileReport:
         alike = groupby([e for e in self.events if e.kind != 'compile'], lambda e: (e.kind, e.frame, e.during, e.reason))
         lines += [f"  {es[0].text(es)}" for es in alike.values()]
         once = groupby(self.eager_calls.items(), lambda o: (o[0][0][0], o[1]), lambda o: _shape_text(o[0][1])) # By (grad, count)
-        lines += [f"  ran eagerly, a shape seen once and not worth a graph: {n} {'training' if grad else 'validation or inference'}"
-                  f" call(s) " + (f"with input {s[0]}" if len(s) == 1 else f"with each of the inputs {'; '.join(s)}")
+        lines += [f"  ran eagerly, {'a shape seen once' if n == 1 else 'a one-off shape (the last, smaller batch)'} and not worth "
+                  f"a graph: {n} {'training' if grad else 'validation or inference'} call(s) "
+                  + (f"with input {s[0]}" if len(s) == 1 else f"with each of the inputs {'; '.join(s)}")
                   for (grad, n), s in once.items()]
+        if self.eager_hooks: lines.append(f"  ran eagerly while hooks of {self.eager_hooks} read the model's values (fastai `Hook`s "
+                                          "with `detach=True`): it compiles once they are removed")
+        if self.eager_frozen: lines.append(f"  ran eagerly: {self.eager_frozen} frozen fit(s) of `fine_tune` "
+                                           "(`fine_tune(compile_frozen=True)` compiles them too)")
         if self.precompiled: lines.append(f"  loaded precompiled: {self.precompiled} compiled function(s) from the compile cache, "
                                           "not traced again (`precompile=True`)")
         if self.eager_valid: lines.append(f"  ran eagerly, validation within the fit: {self.eager_valid} batch(es), whose graph "
@@ -223,6 +236,7 @@ class CompileRecorder:
         self.log_handler, self.froze, self.training, self.shapes, self.compiling = None, set(), None, (), False
         self.seen, self.breaks0, self.started, self.batch_t = {}, Counter(), 0., 0.
         self.loads0 = 0 # Precompiled code TorchDynamo had loaded in this process when the fit began
+        self.batches0 = 0 # Training batches the report had timed when the fit began
         self.eager = False # The batch running now runs eagerly, to measure the eager step
         self.sync = None # Waits for the device to finish its work (`torch.cuda.synchronize`), where work is asynchronous
         self.batch_end = None # When the last sampled training batch ended, to time the wait for the next one
@@ -256,6 +270,7 @@ class CompileRecorder:
         self.breaks0 = graph_break_reasons() # Those of earlier compiles, less those of this report's earlier fits
         self.breaks0.subtract(self.report.break_reasons)
         self.loads0 = precompiled_loads()
+        self.batches0 = len(self.report.batch_times) + len(self.report.eager_times) # Earlier fits': batches count from 1 each fit
         add_compile_callbacks(self._on_start, self._on_end)
         # TorchDynamo records no compilation metric when a frame hits the recompile limit, only this log line
         self.log_handler = logging.Handler(logging.WARNING)
@@ -342,7 +357,7 @@ class CompileRecorder:
     def during(self)->str:
         "The batch running now, for the events compiled during it"
         if self.training is None: return ''
-        return f"training batch {len(self.report.batch_times)+len(self.report.eager_times)+1}" if self.training else 'validation'
+        return f"training batch {len(self.report.batch_times)+len(self.report.eager_times)-self.batches0+1}" if self.training else 'validation'
 
     def batch_start(self, training:bool, xb:tuple=(), eager:bool=False):
         "Start timing a batch of inputs `xb`, one that runs eagerly to measure the eager step if `eager`"

@@ -154,3 +154,50 @@ def test_compile_notices_name_the_backward_and_the_optimizer_step(digits):
 def test_options_to_a_backend_without_options_warn(backend):
     with pytest.warns(UserWarning, match=f"options=.* have no effect with backend='{backend}'"):
         CompilerCallback(backend=backend, options={'epilogue_fusion': True})
+
+def test_report_numbers_batches_within_each_fit(digits):
+    from conftest import bn_cnn, body_head_splitter
+    learn = Learner(digits, bn_cnn(), splitter=body_head_splitter, loss_func=CrossEntropyLossFlat()).compile(backend=BACKEND)
+    learn.freeze()
+    _quiet_fit(learn)
+    n = len(learn.compiler.report.events)
+    learn.unfreeze()
+    _quiet_fit(learn)
+    new = [e for e in learn.compiler.report.events[n:] if e.frame == 'Sequential']
+    # The unfrozen step is measured eagerly again first: it compiles at the 4th batch of this fit, not of both
+    assert new and new[0].during == f'training batch {CompilerCallback.eager_batches + 1}', [str(e) for e in new]
+
+def _timed(eager:list, compiled:float, n:int=20)->CompileReport:
+    return CompileReport(batch_times=[(compiled, False)]*n, eager_times=eager, epoch_steps=n, compile_seconds=1.)
+
+def test_payoff_within_the_measurements_spread_is_not_a_verdict():
+    # Two eager batches, 10 ms and 73 ms (a slow one): not 7.3x
+    assert _timed([0.02, 0.010, 0.073], 0.010).payoff().startswith("payoff: not measured enough: compiled step 10.0 ms against 73.0 ms eager, but the fastest eager batch took 10.0 ms")
+    assert _timed([0.02, 0.0205, 0.0199], 0.010).payoff().startswith("paid: compiled step 10.0 ms against 20.5 ms eager (2.05×)")
+    assert _timed([0.02, 0.0305, 0.0299], 0.040).payoff().startswith("did not pay")
+
+def test_report_says_why_calls_ran_eagerly_in_the_users_terms(digits, cancer):
+    r = CompileReport(eager_calls={((False, False), ((16, 1, 8, 8),)): 12}, eager_hooks='ActivationStats', eager_frozen=1)
+    s = r.summary()
+    assert "a one-off shape (the last, smaller batch) and not worth a graph: 12 validation or inference call(s)" in s, s
+    assert "ran eagerly while hooks of ActivationStats read the model's values" in s and "1 frozen fit(s) of `fine_tune`" in s
+    text = CompileReport(batch_times=[(0.01, False)]*4, data_waits=[0.05]*4, images=False).data_advice()
+    assert text.startswith('the DataLoader: 83% of training time') and 'image' not in text and 'batch_tfms' not in text
+    from fastxtend_compile.callback import _image_batches
+    assert _image_batches(digits.train) and not _image_batches(cancer.train)
+
+def test_a_fit_run_eagerly_for_hooks_says_so(digits):
+    from fastai.callback.hook import ActivationStats
+    learn = Learner(digits, two_conv_cnn(), loss_func=CrossEntropyLossFlat()).compile(backend=BACKEND)
+    _quiet_fit(learn)
+    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        learn.fit(1, cbs=ActivationStats(with_hist=False))
+    assert "ran eagerly while hooks of ActivationStats read the model's values" in learn.compiler.report.summary()
+
+def test_fine_tunes_eager_frozen_fit_is_reported(digits):
+    from conftest import bn_cnn, body_head_splitter
+    import fastai.callback.schedule
+    learn = Learner(digits, bn_cnn(), splitter=body_head_splitter, loss_func=CrossEntropyLossFlat()).compile(backend=BACKEND)
+    with learn.no_bar(), learn.no_logging(): learn.fine_tune(1)
+    assert "ran eagerly: 1 frozen fit(s) of `fine_tune`" in learn.compiler.report.summary()
