@@ -22,8 +22,8 @@ __all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'ddp_split_logger', '
            'ddp_split_pieces', 'uses_python_reducer', 'python_reducer_settings', 'restore_python_reducer_settings',
            'compiled_autograd', 'aot_autograd_cache', 'set_aot_autograd_cache', 'compiled_autograd_captures',
            'without_dynamo_marks', 'fused_kernel_devices', 'dynamo_supported', 'inductor_cxx', 'inductor_options',
-           'explain', 'inductor_fallback_random', 'inductor_cache_dir', 'cpp_kernel_files', 'precompile_supported',
-           'caching_precompile', 'set_caching_precompile', 'precompiled_loads', 'dropped_guard']
+           'guarded_code', 'explain', 'inductor_fallback_random', 'inductor_cache_dir', 'cpp_kernel_files',
+           'precompile_supported', 'caching_precompile', 'set_caching_precompile', 'precompiled_loads', 'dropped_guard']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
 def own_function(
@@ -226,6 +226,15 @@ def inductor_options()->list:
     "The names inductor accepts in `torch.compile(options=...)`"
     import torch._inductor
     return torch._inductor.list_options()
+
+# %% ../nbs/06_internals.ipynb #a427b42b
+def guarded_code(
+    reason:str, # TorchDynamo's reason for a recompile
+)->tuple|None:
+    "`(filename, line, code)` of the innermost frame of the user stack TorchDynamo gives with a recompile `reason`, if any"
+    import re
+    frames = re.findall(r'File "(.*?)", line (\d+), in \w+\n\s*(.*)', reason)
+    return frames[-1] if frames else None
 
 # %% ../nbs/06_internals.ipynb #b395d6b2
 def explain(f:Callable, *args, **kwargs):

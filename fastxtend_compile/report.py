@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 from dataclasses import dataclass, field
 
-import torch
+import torch, fastai
 from fastcore.basics import store_attr, groupby
 
 from .core import _call_module, graph_break_reason
@@ -217,6 +217,14 @@ def _fix(reason:str)->str:
     return "keep what the guard checks from changing between calls, or raise `torch._dynamo.config.recompile_limit`"
 
 _torch_dir, _entry_file = str(Path(torch.__file__).parent), _call_module.__code__.co_filename # Where `compiled_entry`s live
+_library_dirs = (str(Path(fastai.__file__).parent), _torch_dir) # Code that is fastai's or torch's, not the user's
+
+def _library_reason(reason:str, raw:str)->str:
+    "`reason`, whose advice is for the user's code, told of a guard in fastai's or torch's code (a number it keeps) instead"
+    at = guarded_code(raw)
+    if at is None or not at[0].startswith(_library_dirs) or not reason.endswith('make it a tensor'): return reason
+    return (f"{reason.split(':')[0]}, in fastai's or torch's own code ({Path(at[0]).name}:{at[1]}), not yours: it follows "
+            "the shape of the batches (batches of one size, `drop_last=True`, keep it fixed)")
 
 def _shapes(xb)->tuple: return tuple(tuple(o.shape) for o in xb if isinstance(o, torch.Tensor))
 
@@ -326,7 +334,7 @@ class CompileRecorder:
 
     def _reason(self, raw:str, during:str)->str:
         "The plain reason for a recompile during `during`, correcting what TorchDynamo can't see"
-        reason = plain_reason(raw)
+        reason = _library_reason(plain_reason(raw), raw)
         if self.training in self.froze: reason = plain_reason('requires_grad mismatch'); self.froze.discard(self.training)
         elif reason == _grad_mode_reason and (old := self.phase_shapes.get(self.training)) is not None:
             # This phase had its graph already: TorchDynamo named the newest graph's failed guard, of the other phase

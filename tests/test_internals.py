@@ -290,3 +290,11 @@ def test_held_records_are_released_unless_the_context_ends_with_the_kept_excepti
         held.release()
         assert caplog.messages == ['one', 'two']
     assert fake_tensor_logger.name == 'torch._subclasses.fake_tensor'
+
+def test_guarded_code_is_the_innermost_user_frame():
+    g = torch.compile(own_function(lambda m, x: m(x), 'guarded_call'), backend='eager')
+    m = _Logs()
+    for _ in range(3): g(m, torch.ones(3))
+    reason = next(r.recompile_reason for r in reversed(compilation_metrics()) if r.co_name == 'guarded_call' and r.recompile_reason)
+    file, line, code = guarded_code(reason)
+    assert file == __file__ and code.strip() == 'self.log.append(1)'

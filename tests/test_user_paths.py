@@ -201,3 +201,15 @@ def test_fine_tunes_eager_frozen_fit_is_reported(digits):
     learn = Learner(digits, bn_cnn(), splitter=body_head_splitter, loss_func=CrossEntropyLossFlat()).compile(backend=BACKEND)
     with learn.no_bar(), learn.no_logging(): learn.fine_tune(1)
     assert "ran eagerly: 1 frozen fit(s) of `fine_tune`" in learn.compiler.report.summary()
+
+def _guard(file:str)->str:
+    "A recompile reason as TorchDynamo gives it, for a guard on a number kept in `file`"
+    return (f"0/1: self.bs == 16  # if self.bs != bs:  # {file[-20:]}:137 in _change_hidden\nUser stack trace:\n"
+            f'  File "{file}", line 137, in _change_hidden\n    if self.bs != bs:')
+
+def test_recompile_advice_is_for_the_users_code_only():
+    import fastai.text.models.awdlstm as awd
+    r = CompileRecorder(CompileReport())
+    fastais = r._reason(_guard(awd.__file__), 'training batch 2')
+    assert "in fastai's or torch's own code (awdlstm.py:137), not yours" in fastais and 'make it a tensor' not in fastais, fastais
+    assert r._reason(_guard(__file__), 'training batch 2').endswith('make it a tensor')
