@@ -18,8 +18,10 @@ from fastai.callback.core import Callback
 from fastai.torch_core import get_model, rank_distrib, num_distrib, default_device
 from fastai.learner import Learner
 from fastai.imports import noop # What `Learner.no_logging` sets `learn.logger` to
+from fastai.data.transforms import IntToFloatTensor
 
 from .core import *
+from .core import _hook_owner
 from .report import *
 from .internals import (
     compiled_call, optimize_ddp, set_optimize_ddp, uses_python_reducer, python_reducer_settings, restore_python_reducer_settings,
@@ -32,6 +34,10 @@ from .background import BackgroundCompile
 __all__ = ['CompilerCallback']
 
 # %% ../nbs/02_callback.ipynb #e595b152
+def _image_batches(dl)->bool:
+    "Whether `dl` makes batches of images: fastai's `IntToFloatTensor` turns their pixels to floats"
+    return any(isinstance(t, IntToFloatTensor) for t in getattr(getattr(dl, 'after_batch', None), 'fs', []))
+
 class _MatMulPrecision:
     "Set the float32 matmul precision for a fit where it has an effect, CUDA GPUs with TF32 tensor cores, and restore it"
     def __init__(self, precision:str): self.precision, self.old = precision, None
@@ -238,8 +244,11 @@ class CompilerCallback(Callback):
     def before_fit(self):
         self.fits += 1
         if self.fits > 1: return # A `validate` or `get_preds` inside the fit: it compiles as the fit does
+        if self._stands_aside(): return
         model = self.learn.model
-        if self._frozen_runs_eagerly(): return
+        if self._frozen_runs_eagerly():
+            self.report.eager_frozen += 1
+            return
         device = model_device(model)
         if reason := cannot_compile_reason(self.settings['backend'], device):
             warnings.warn(f"Not compiling the model: {reason}. Training continues eagerly.")
@@ -252,6 +261,7 @@ class CompilerCallback(Callback):
         self.compile_recorder.start(sync, ddp_split=split, compiled_backward=self.ddp.in_backward)
         train = self.learn.dls.train # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
         self.report.epoch_steps, self.report.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)
+        self.report.images = _image_batches(train)
         self.precision.set(device)
         self.precompile.set(inner_model(model), ddp=isinstance(model, DistributedDataParallel))
         if self.compile_opt and self.learn.opt is not None: # `create_opt` makes an eager optimizer: check at every fit
@@ -272,6 +282,10 @@ class CompilerCallback(Callback):
             return False
         if on: self.aside.show = self._show
         return on
+
+    def _stands_aside(self)->bool:
+        "Whether a `CompilerCallback` passed to this fit (`learn.compiler`, the newest) compiles it instead of this one"
+        return getattr(self.learn, 'compiler', self) is not self
 
     def _frozen(self): return self.learn.opt is not None and self.learn.opt.frozen_idx > 0
 
@@ -303,11 +317,16 @@ class CompilerCallback(Callback):
         if validates: self.report.eager_valid += 1
         self.waiting = self.in_background and self.aside.runs_eagerly(self.learn, get_model(self.learn.model), self.training)
         eager = measures or validates or self.waiting or self._evaluates_eagerly()
-        one_off = self.learn.iter == self.learn.n_iter - 1 # The last batch, often smaller: not worth a graph of its own
+        one_off = self._last_batch() # The last batch, often smaller: not worth a graph of its own
         # Not in training when compiled autograd runs the backwards: an eager backward would all-reduce each gradient alone
         one_off &= not (self.training and self.ddp.in_backward)
         if eager or one_off: self._mark_calls(eager, one_off)
         if not self.waiting: self.compile_recorder.batch_start(self.training, self.learn.xb, measures)
+
+    def _last_batch(self)->bool:
+        "Whether this is the last batch of the DataLoader; not for events called one by one, outside a fit's batch loop"
+        n = getattr(self.learn, 'n_iter', None)
+        return n is not None and getattr(self.learn, 'iter', None) == n - 1
 
     def _validates_eagerly(self)->bool:
         "Whether this is a validation batch of a training fit, which runs eagerly unless `compile_valid`"
@@ -328,7 +347,7 @@ class CompilerCallback(Callback):
         # Once per freeze state, in a fit long enough to hide them, after the first compiled batch (not delaying the compile)
         r = self.report
         if self.ddp.in_backward: return False # An eager backward would all-reduce each gradient alone: not DDP's eager step
-        if len(r.eager_times) >= self.eager_batches or not r.batch_times or self.learn.n_iter < 8: return False
+        if len(r.eager_times) >= self.eager_batches or not r.batch_times or getattr(self.learn, 'n_iter', 0) < 8: return False
         if not r.eager_times: r.measured_from = len(r.batch_times)
         return True
 
@@ -349,8 +368,14 @@ class CompilerCallback(Callback):
 
     def before_backward(self):
         if self.active: self.ddp.enter_backward(self.backward_compiler)
+        self.compile_recorder.part = 'backward' # What a compile now compiles, for its notice
 
-    def after_backward(self): self.ddp.exit_backward()
+    def after_backward(self):
+        self.ddp.exit_backward()
+        self.compile_recorder.part = ''
+
+    def before_step(self): self.compile_recorder.part = 'step'
+    def after_step(self): self.compile_recorder.part = ''
 
     def after_batch(self):
         if not self.active: return
@@ -402,6 +427,7 @@ class CompilerCallback(Callback):
             if self.marked: self._mark_calls(False, False)
             for c in self._compiled_calls(): # What ran eagerly rather than compile a graph for a shape seen once
                 for k,n in c.eager_calls.items(): self.report.eager_calls[k] = max(self.report.eager_calls.get(k, 0), n)
+                if c.warned_hooks: self.report.eager_hooks = ', '.join(dict.fromkeys(map(_hook_owner, c.warned_hooks)))
         self.ddp.restore() # Set before the fit's callbacks ran, compiled or not
 
     def uncompile(self):

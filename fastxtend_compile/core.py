@@ -74,9 +74,14 @@ def compile_settings(
     return dict(fullgraph=fullgraph, dynamic=dynamic, backend=check_backend(backend),
                 mode=None if mode is None else CompileMode(mode).value, options=options)
 
+_no_options = ('eager', 'aot_eager') # Backends that take no options
+
 def _check_options(options, backend):
     "Refuse `options` that aren't a dict, or that inductor doesn't know"
     if not isinstance(options, dict): raise TypeError(f"options must be a dict of backend options, not {options!r}")
+    if backend in _no_options:
+        warnings.warn(f"options={options!r} have no effect with backend={backend!r}, which runs PyTorch's eager kernels: "
+                      "they are inductor's (backend='inductor')", stacklevel=4)
     if backend != 'inductor': return
     if unknown := [k for k in options if k not in inductor_options()]:
         raise ValueError(f"Unknown inductor option(s) in options: {', '.join(map(repr, unknown))}. "
@@ -149,13 +154,25 @@ def graph_break_reason(
 class GraphBreakError(RuntimeError):
     "`fullgraph=True` was asked for, but the model has a graph break"
 
-def _graph_break_error(e:Exception, removed:bool)->GraphBreakError:
+def _graph_break_error(e:Exception, removed:bool, name:str='')->GraphBreakError:
+    "The error for a `fullgraph=True` compile TorchDynamo refused as `e`, of the compiled function `name`"
+    now = "`CompilerCallback` was removed and the Learner trains eagerly" if removed else "The model was left uncompiled"
+    if isinstance(e, recompile_limit_error()): return _recompiles_error(name, now)
     stack = getattr(e, 'real_stack', None)
     where = f" at {stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}: `{(stack[-1].line or '').strip()}`" if stack else ''
-    why = graph_break_reason(str(e))
-    now = "`CompilerCallback` was removed and the Learner trains eagerly" if removed else "The model was left uncompiled"
+    why = graph_break_reason('generic_jump' if is_data_dependent(e) else str(e))
     return GraphBreakError(f"fullgraph=True, but the model has a graph break{where}\n  {why}\n"
         f"Remove the break, or compile with fullgraph=False (`DynamoExplainCallback` lists every break). {now}.")
+
+def _recompiles_error(name:str, now:str)->GraphBreakError:
+    "The error for a `fullgraph=True` model that recompiled at every call until TorchDynamo's limit"
+    guard, file, line, code = last_recompile(name) or ('', None, None, None)
+    where = f" at {file}:{line}: `{code.strip()}`" if file else ''
+    on = f" (`{guard}`)" if guard else ''
+    return GraphBreakError(f"fullgraph=True, but the model recompiled at every call until TorchDynamo's recompile limit: its "
+        f"code{where} changes Python state that the compiled graph depends on{on}, so no graph can be reused.\n"
+        "Keep Python state that changes out of `forward` (record it in a `Callback` after each batch, or in a tensor), or "
+        f"compile with fullgraph=False, which runs the model eagerly once it hits the limit. {now}.")
 
 # %% ../nbs/00_core.ipynb #5f279e17
 def uses_cudagraphs(
@@ -256,15 +273,17 @@ class CompiledCall:
         if self.cudagraphs: torch.compiler.cudagraph_mark_step_begin()
         graphs = graphs_compiled() if self.unchecked else 0
         try:
-            with _casts_deferred(self.casts): out = self.entry(self.module, *args, **kwargs)
-        except graph_break_error() as e:
+            # A model's own bug is logged by torch as it traces: held back until eager's run says whose bug it is
+            with HeldRecords(fake_tensor_logger, traced_op_error()) as held, _casts_deferred(self.casts):
+                out = self.entry(self.module, *args, **kwargs)
+        except (graph_break_error(), data_dependent_error(), recompile_limit_error()) as e:
             if not self.settings.get('fullgraph'): raise
             set_compiled_call(self.module, None)
             if self.on_refused is not None: self.on_refused()
-            raise _graph_break_error(e, removed=self.on_refused is not None) from e
+            raise _graph_break_error(e, self.on_refused is not None, f'{type(self.module).__name__}_call') from e
         except traced_op_error() as e: failed = e # Raised below, out of this handler, so eager's error isn't chained to it
         else: failed = None
-        if failed is not None: self._raise_as_eager(failed, *tree_unflatten(leaves, spec))
+        if failed is not None: self._raise_as_eager(failed, *tree_unflatten(leaves, spec), held)
         if self.unchecked: self._check_captured(graphs)
         if self.cudagraphs: out = tree_map_only(Tensor, torch.clone, out)
         # Typed as eager fastai types them: as its inputs, or as its last `ToTensorBase` casts them
@@ -288,7 +307,7 @@ class CompiledCall:
         known.add(shapes)
         return False
 
-    def _raise_as_eager(self, error:Exception, args:tuple, kwargs:dict):
+    def _raise_as_eager(self, error:Exception, args:tuple, kwargs:dict, held:HeldRecords|None=None):
         "Raise what eager raises for this call, where TorchDynamo failed to run one of its operations while tracing it"
         # A bug of the model's (a shape or device that doesn't fit) reaches TorchDynamo as an error about its fake tensors:
         # eager's error says it in the model's terms, at the model's line, as it would without compiling
@@ -296,6 +315,7 @@ class CompiledCall:
         self.module._call_impl(*args, **kwargs)
         with torch.no_grad(): # Eager ran it, so the compiler failed, not the model: undo its running statistics
             for b,old in buffers: b.copy_(old)
+        if held is not None: held.release() # What torch logged of the compiler's failure
         raise error
 
     def _check_captured(self, graphs_before:int):

@@ -19,7 +19,7 @@ from fastai.learner import Learner
 
 from .core import *
 from .core import _plain, _casts, _casts_deferred
-from .internals import compiled_call, set_compiled_call, explain
+from .internals import compiled_call, set_compiled_call, explain, inductor_fallback_random
 from .callback import CompilerCallback
 
 # %% auto #0
@@ -35,14 +35,24 @@ def learner_autocast(
     dtype = torch.bfloat16 if mp.amp_mode.value == 'bf16' else torch.float16
     return torch.autocast(model_device(learn.model).type, dtype=dtype)
 
+def _rng_states()->tuple:
+    "The random states a fastai run draws from: Python's, NumPy's, torch's and, once initialised, CUDA's"
+    return (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+            torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+
+def _set_rng_states(states:tuple):
+    "Put back the random states `_rng_states` returned"
+    py, nump, cpu, cuda = states
+    random.setstate(py); np.random.set_state(nump); torch.set_rng_state(cpu)
+    if cuda is not None: torch.cuda.set_rng_state_all(cuda)
+
 @contextmanager
 def untouched(
     learn:Learner, # Learner whose model and state the body may change
 ):
     "Run the body with `learn.model` eager and in training mode, then restore RNG states, buffers, gradients and compilation"
     model = inner_model(learn.model)
-    rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    rng = _rng_states()
     buffers = [b.clone() for b in model.buffers()]
     grads = [p.grad for p in model.parameters()]
     # The whole model and, with `regional=True`, its blocks
@@ -57,8 +67,7 @@ def untouched(
         with torch.no_grad():
             for b,old in zip(model.buffers(), buffers): b.copy_(old)
         for p,g in zip(model.parameters(), grads): p.grad = g
-        random.setstate(rng[0]); np.random.set_state(rng[1]); torch.set_rng_state(rng[2])
-        if cuda_rng is not None: torch.cuda.set_rng_state_all(cuda_rng)
+        _set_rng_states(rng)
 
 def one_plain_batch(
     learn:Learner, # Learner to draw the batch from
@@ -160,6 +169,10 @@ def _forward_backward(learn, model, call, xb, yb):
     return [o.detach().float() for o in tree_leaves(out) if isinstance(o, Tensor)], \
            [p.grad.detach().float() for p in model.parameters() if p.grad is not None]
 
+def _eager_random(backend):
+    "A context in which `backend` draws random numbers (dropout's masks) as eager does: inductor has a generator of its own"
+    return inductor_fallback_random() if backend == 'inductor' else nullcontext()
+
 def _compare(ref, res, rtol, atol):
     close = len(ref) == len(res) and all(torch.allclose(a, b, rtol=rtol, atol=atol) for a,b in zip(ref, res))
     diff = max((float((a-b).abs().max()) for a,b in zip(ref, res) if a.numel()), default=0.)
@@ -179,13 +192,15 @@ def debug_compile(self:Learner,
     stages = []
     with untouched(self) as model:
         xb,yb = one_plain_batch(self)
+        rng = _rng_states() # Each stage draws dropout's masks from where eager's did
         ref_out, ref_grads = _forward_backward(self, model, model, xb, yb)
         for b in dict.fromkeys(['eager', 'aot_eager', settings['backend']]):
             stage = CompileStage(b)
             stages.append(stage)
+            _set_rng_states(rng)
             try:
                 call = CompiledCall(model, **{**settings, 'backend':b, 'mode':settings['mode'] if b == settings['backend'] else None})
-                out, grads = _forward_backward(self, model, call, xb, yb)
+                with _eager_random(b): out, grads = _forward_backward(self, model, call, xb, yb)
             except Exception as e:
                 stage.error = e
                 break

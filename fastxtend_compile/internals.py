@@ -14,15 +14,16 @@ from torch import nn
 from torch.torch_version import TorchVersion
 
 # %% auto #0
-__all__ = ['recompile_limit_logger', 'ddp_split_logger', 'precompile_guard_logger', 'own_function', 'set_compiled_call',
-           'compiled_call', 'is_optimized_module', 'graph_break_error', 'traced_op_error', 'add_compile_callbacks',
-           'remove_compile_callbacks', 'recompile_limit_hit', 'compilation_metrics', 'graph_break_reasons',
-           'graphs_compiled', 'hook_dicts', 'optimize_ddp', 'set_optimize_ddp', 'ddp_split_pieces',
-           'uses_python_reducer', 'python_reducer_settings', 'restore_python_reducer_settings', 'compiled_autograd',
-           'aot_autograd_cache', 'set_aot_autograd_cache', 'compiled_autograd_captures', 'without_dynamo_marks',
-           'fused_kernel_devices', 'dynamo_supported', 'inductor_cxx', 'inductor_options', 'explain',
-           'inductor_cache_dir', 'cpp_kernel_files', 'precompile_supported', 'caching_precompile',
-           'set_caching_precompile', 'precompiled_loads', 'dropped_guard']
+__all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'ddp_split_logger', 'precompile_guard_logger', 'own_function',
+           'set_compiled_call', 'compiled_call', 'is_optimized_module', 'graph_break_error', 'traced_op_error',
+           'HeldRecords', 'data_dependent_error', 'is_data_dependent', 'recompile_limit_error', 'last_recompile',
+           'add_compile_callbacks', 'remove_compile_callbacks', 'recompile_limit_hit', 'compilation_metrics',
+           'graph_break_reasons', 'graphs_compiled', 'hook_dicts', 'optimize_ddp', 'set_optimize_ddp',
+           'ddp_split_pieces', 'uses_python_reducer', 'python_reducer_settings', 'restore_python_reducer_settings',
+           'compiled_autograd', 'aot_autograd_cache', 'set_aot_autograd_cache', 'compiled_autograd_captures',
+           'without_dynamo_marks', 'fused_kernel_devices', 'dynamo_supported', 'inductor_cxx', 'inductor_options',
+           'guarded_code', 'explain', 'inductor_fallback_random', 'inductor_cache_dir', 'cpp_kernel_files',
+           'precompile_supported', 'caching_precompile', 'set_caching_precompile', 'precompiled_loads', 'dropped_guard']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
 def own_function(
@@ -54,6 +55,51 @@ def graph_break_error()->type:
 def traced_op_error()->type:
     "The exception TorchDynamo raises when an operation of the code it traces fails on its fake tensors (a shape that doesn't fit)"
     return torch._dynamo.exc.TorchRuntimeError
+
+# %% ../nbs/06_internals.ipynb #fc6992ce
+fake_tensor_logger = logging.getLogger('torch._subclasses.fake_tensor') # Logs an operation's failure on fake tensors at ERROR level
+
+class HeldRecords(logging.Filter):
+    "Within this context `logger`'s records are held back; released as it ends, unless it ends with an exception `keep_on`"
+    def __init__(self, logger:logging.Logger, keep_on:type=Exception):
+        super().__init__()
+        self.logger, self.keep_on, self.records = logger, keep_on, []
+    def filter(self, record):
+        "Hold `record` back"
+        self.records.append(record)
+        return False
+    def __enter__(self): self.logger.addFilter(self); return self
+    def __exit__(self, typ, e, tb):
+        self.logger.removeFilter(self)
+        if not isinstance(e, self.keep_on): self.release()
+    def release(self):
+        "Emit the records held back"
+        records, self.records = self.records, []
+        for r in records: self.logger.handle(r)
+
+# %% ../nbs/06_internals.ipynb #eab6054f
+def data_dependent_error()->type:
+    "The exception TorchDynamo raises with `fullgraph=True` where Python branches on a tensor's value (`if t.item() > 0:`)"
+    return torch._dynamo.exc.UserError
+
+def is_data_dependent(e:Exception)->bool:
+    "Whether `e` is TorchDynamo's refusal to guard on a tensor's value"
+    return 'data-dependent expression' in str(e)
+
+def recompile_limit_error()->type:
+    "The exception TorchDynamo raises with `fullgraph=True` when a function hits its recompile limit"
+    return torch._dynamo.exc.FailOnRecompileLimitHit
+
+def last_recompile(
+    name:str, # The compiled function's name (`co_name`)
+)->tuple|None:
+    "`(guard, filename, line, code)` of `name`'s last recompile: the guard that failed, and the user's line it guards"
+    import re
+    reason = next((m.recompile_reason for m in reversed(compilation_metrics()) if m.co_name == name and m.recompile_reason), None)
+    if reason is None: return None
+    guard = re.match(r'\s*(?:\d+/\d+: )?(.*?)\s*(?:#|$)', reason.split('\n')[0])[1]
+    frames = re.findall(r'File "(.*?)", line (\d+), in \w+\n\s*(.*)', reason)
+    return (guard, *frames[-1]) if frames else (guard, None, None, None)
 
 # %% ../nbs/06_internals.ipynb #04c06fd6
 def add_compile_callbacks(on_start:Callable, on_end:Callable):
@@ -181,6 +227,15 @@ def inductor_options()->list:
     import torch._inductor
     return torch._inductor.list_options()
 
+# %% ../nbs/06_internals.ipynb #a427b42b
+def guarded_code(
+    reason:str, # TorchDynamo's reason for a recompile
+)->tuple|None:
+    "`(filename, line, code)` of the innermost frame of the user stack TorchDynamo gives with a recompile `reason`, if any"
+    import re
+    frames = re.findall(r'File "(.*?)", line (\d+), in \w+\n\s*(.*)', reason)
+    return frames[-1] if frames else None
+
 # %% ../nbs/06_internals.ipynb #b395d6b2
 def explain(f:Callable, *args, **kwargs):
     "`torch._dynamo.explain(f)(*args, **kwargs)` without resetting TorchDynamo: compiled models elsewhere keep their graphs"
@@ -196,6 +251,14 @@ def explain(f:Callable, *args, **kwargs):
     with torch._dynamo.config.patch(caching_precompile=False): # Its backend can't be saved with precompiled code
         torch._dynamo.optimize(accumulate, nopython=False, guard_export_fn=out_guards.extend)(call)(*args, **kwargs)
     return ExplainOutput(graphs, len(graphs), len(break_reasons), break_reasons, op_count, ops_per_graph, out_guards)
+
+# %% ../nbs/06_internals.ipynb #b7ebe72f
+@contextmanager
+def inductor_fallback_random():
+    "A context in which inductor compiles random operations (dropout's mask) to draw from torch's generator, as eager does"
+    # Inductor otherwise draws them from a generator of its own: the same seed gives other masks than eager's
+    from torch._inductor import config
+    with config.patch(fallback_random=True): yield
 
 # %% ../nbs/06_internals.ipynb #09911ce8
 def inductor_cache_dir()->str:

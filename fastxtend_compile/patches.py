@@ -4,11 +4,13 @@
 
 # %% ../nbs/03_patches.ipynb #0ef90179
 from __future__ import annotations
+import inspect
 from contextlib import contextmanager
 from functools import wraps
 
 import fastai.learner
 from fastcore.basics import patch, patch_to
+from fastcore.foundation import L
 from fastcore.meta import delegates
 from fastai.learner import Learner
 import fastai.callback.schedule # Patches `Learner.fine_tune` and `fit_one_cycle`
@@ -58,9 +60,12 @@ def export(self:Learner, fname='export.pkl', **kwargs):
     # The pickle holds what plain fastai's holds: the plain model, without this library's callbacks or TorchDynamo's marks
     cbs = _compile_cbs(self)
     for cb in cbs: _fastai_remove_cb(self, cb) # Set aside, not removed: the model stays compiled
+    kept = self.__dict__.pop('compiler', None) # A removed `CompilerCallback`, kept for its report
     try:
         with plain_model(self) as model, without_dynamo_marks(model): _fastai_export(self, fname, **kwargs)
-    finally: self.add_cbs(cbs)
+    finally:
+        if kept is not None: self.compiler = kept
+        self.add_cbs(cbs)
 
 # %% ../nbs/03_patches.ipynb #22369670
 @patch
@@ -70,6 +75,11 @@ def remove_cb(self:Learner,
     "Remove `cb` from the list of `Callback`s; a removed `CompilerCallback` returns the `Learner` to eager"
     if isinstance(cb, CompilerCallback) and cb.learn is self: cb.uncompile()
     return _fastai_remove_cb(self, cb)
+
+def _compiler(learn:Learner)->CompilerCallback|None:
+    "The `CompilerCallback` compiling `learn`'s fits, not one removed and kept for its report"
+    cb = getattr(learn, 'compiler', None)
+    return cb if cb is not None and cb.learn is learn else None
 
 # %% ../nbs/03_patches.ipynb #e993f1e6
 _fastai_load_learner = fastai.learner.load_learner
@@ -85,14 +95,27 @@ def load_learner(fname, cpu:bool=True, **kwargs):
 # %% ../nbs/03_patches.ipynb #9b11a4c5
 _fastai_fit = Learner.fit
 
+def _fit_compilers(args:tuple, kwargs:dict)->list:
+    "The `CompilerCallback`s passed to a fit in its `cbs`"
+    cbs = inspect.signature(_fastai_fit).bind(None, *args, **kwargs).arguments.get('cbs')
+    return [cb for cb in L(cbs) if isinstance(cb, CompilerCallback)]
+
+def _compiler_after(learn:Learner, fits:CompilerCallback):
+    "`learn.compiler` after a fit `fits` compiled: the Learner's own `CompilerCallback`, which compiles afresh, else `fits`, for its report"
+    own = [c for c in learn.cbs if isinstance(c, CompilerCallback)]
+    if own: own[-1].compiled_model = None # `fits` uncompiled the model as it was removed: the Learner's compiles it again
+    learn.compiler = own[-1] if own else fits
+
 @patch_to(Learner)
 @wraps(_fastai_fit)
 def fit(self, *args, **kwargs):
+    fits = _fit_compilers(args, kwargs)
     try:
-        if hasattr(self, 'compiler'): self.compiler.before_ddp_wraps()
+        if cb := _compiler(self): cb.before_ddp_wraps()
         return _fastai_fit(self, *args, **kwargs)
     finally: # After a fit that raised; after one that ended there is nothing left to undo
-        if hasattr(self, 'compiler'): self.compiler.restore() # A fit's own `cbs` restore as they are removed
+        if cb := _compiler(self): cb.restore() # A fit's own `cbs` restore as they are removed
+        if fits: _compiler_after(self, fits[-1])
 
 # %% ../nbs/03_patches.ipynb #cfcbdb5b
 _fastai_freeze_to = Learner.freeze_to
@@ -105,7 +128,7 @@ def freeze_to(self:Learner,
     trains = lambda: [p.requires_grad for p in self.model.parameters()]
     before = trains()
     _fastai_freeze_to(self, n)
-    if hasattr(self, 'compiler') and trains() != before: self.compiler.after_freeze()
+    if (cb := _compiler(self)) and trains() != before: cb.after_freeze()
 
 # %% ../nbs/03_patches.ipynb #18b4adec
 _fastai_fine_tune = Learner.fine_tune

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 from dataclasses import dataclass, field
 
-import torch
+import torch, fastai
 from fastcore.basics import store_attr, groupby
 
 from .core import _call_module, graph_break_reason
@@ -89,6 +89,9 @@ class CompileReport:
     num_workers:int|None = None # The training DataLoader's worker processes
     eager_calls:dict = field(default_factory=dict) # Calls run eagerly, not compiled for a shape seen once: {(phase, shapes): count}
     eager_valid:int = 0 # Validation batches of training fits run eagerly, their graph not worth compiling (`compile_valid=False`)
+    eager_frozen:int = 0 # Frozen fits of `fine_tune` run eagerly (`compile_frozen=False`)
+    eager_hooks:str = '' # Who registered the hooks that read the model's values, during which it ran eagerly
+    images:bool = True # The training data are images (fastai's `IntToFloatTensor` makes its batches): the advice speaks of them
     precompiled:int = 0 # Compiled functions whose code TorchDynamo loaded precompiled from the compile cache, not traced again
     ddp_split:bool|None = None # Under DDP, whether graphs were split at DDP's gradient buckets; `None` without DDP
     ddp_pieces:list = field(default_factory=list) # The pieces DDPOptimizer split each graph into, with `ddp_split`
@@ -137,6 +140,9 @@ class CompileReport:
         if comp is None or eager is None: return "payoff: not measured (the fit ran too few compiled training batches)"
         line = f"compiled step {_ms(comp)} against {_ms(eager)} eager"
         if comp > 0.95*eager: return f"did not pay: {line}: the compiled model is not measurably faster here"
+        if comp > 0.95*(fast := min(self.eager_times[1:])):
+            return (f"payoff: not measured enough: {line}, but the fastest eager batch took {_ms(fast)}: too few eager batches "
+                    "to tell (a longer fit measures more)")
         epochs = self.compile_seconds / ((eager - comp) * max(self.epoch_steps, 1))
         return f"paid: {line} ({eager/comp:.2f}×); the {self.compile_seconds:.1f}s of compiling pay back after {epochs:.1f} epoch(s)"
 
@@ -154,9 +160,11 @@ class CompileReport:
         "What to do when the model waits for the DataLoader for more than `threshold` of training time, else `None`"
         share = self.data_share
         if share is None or share < threshold: return None
-        return (f"the DataLoader: {share:.0%} of training time waiting for batches (num_workers={self.num_workers}), so a faster "
-                "step helps little. More `num_workers`, augmentations in `batch_tfms` (on the GPU) rather than `item_tfms`, or "
-                "images cached at their training size would help more")
+        wait = (f"the DataLoader: {share:.0%} of training time waiting for batches (num_workers={self.num_workers}), so a faster "
+                "step helps little. ")
+        if not self.images: return wait + "More `num_workers`, or data prepared once before training (tokenised, cached), would help more"
+        return wait + ("More `num_workers`, augmentations in `batch_tfms` (on the GPU) rather than `item_tfms`, or "
+                       "images cached at their training size would help more")
 
     def summary(self)->str:
         "The report as a few readable lines"
@@ -169,9 +177,14 @@ class CompileReport:
         alike = groupby([e for e in self.events if e.kind != 'compile'], lambda e: (e.kind, e.frame, e.during, e.reason))
         lines += [f"  {es[0].text(es)}" for es in alike.values()]
         once = groupby(self.eager_calls.items(), lambda o: (o[0][0][0], o[1]), lambda o: _shape_text(o[0][1])) # By (grad, count)
-        lines += [f"  ran eagerly, a shape seen once and not worth a graph: {n} {'training' if grad else 'validation or inference'}"
-                  f" call(s) " + (f"with input {s[0]}" if len(s) == 1 else f"with each of the inputs {'; '.join(s)}")
+        lines += [f"  ran eagerly, {'a shape seen once' if n == 1 else 'a one-off shape (the last, smaller batch)'} and not worth "
+                  f"a graph: {n} {'training' if grad else 'validation or inference'} call(s) "
+                  + (f"with input {s[0]}" if len(s) == 1 else f"with each of the inputs {'; '.join(s)}")
                   for (grad, n), s in once.items()]
+        if self.eager_hooks: lines.append(f"  ran eagerly while hooks of {self.eager_hooks} read the model's values (fastai `Hook`s "
+                                          "with `detach=True`): it compiles once they are removed")
+        if self.eager_frozen: lines.append(f"  ran eagerly: {self.eager_frozen} frozen fit(s) of `fine_tune` "
+                                           "(`fine_tune(compile_frozen=True)` compiles them too)")
         if self.precompiled: lines.append(f"  loaded precompiled: {self.precompiled} compiled function(s) from the compile cache, "
                                           "not traced again (`precompile=True`)")
         if self.eager_valid: lines.append(f"  ran eagerly, validation within the fit: {self.eager_valid} batch(es), whose graph "
@@ -206,6 +219,14 @@ def _fix(reason:str)->str:
     return "keep what the guard checks from changing between calls, or raise `torch._dynamo.config.recompile_limit`"
 
 _torch_dir, _entry_file = str(Path(torch.__file__).parent), _call_module.__code__.co_filename # Where `compiled_entry`s live
+_library_dirs = (str(Path(fastai.__file__).parent), _torch_dir) # Code that is fastai's or torch's, not the user's
+
+def _library_reason(reason:str, raw:str)->str:
+    "`reason`, whose advice is for the user's code, told of a guard in fastai's or torch's code (a number it keeps) instead"
+    at = guarded_code(raw)
+    if at is None or not at[0].startswith(_library_dirs) or not reason.endswith('make it a tensor'): return reason
+    return (f"{reason.split(':')[0]}, in fastai's or torch's own code ({Path(at[0]).name}:{at[1]}), not yours: it follows "
+            "the shape of the batches (batches of one size, `drop_last=True`, keep it fixed)")
 
 def _shapes(xb)->tuple: return tuple(tuple(o.shape) for o in xb if isinstance(o, torch.Tensor))
 
@@ -225,6 +246,7 @@ class CompileRecorder:
         self.log_handler, self.froze, self.training, self.shapes, self.compiling = None, set(), None, (), False
         self.seen, self.breaks0, self.started, self.batch_t = {}, Counter(), 0., 0.
         self.loads0 = 0 # Precompiled code TorchDynamo had loaded in this process when the fit began
+        self.batches0 = 0 # Training batches the report had timed when the fit began
         self.eager = False # The batch running now runs eagerly, to measure the eager step
         self.sync = None # Waits for the device to finish its work (`torch.cuda.synchronize`), where work is asynchronous
         self.batch_end = None # When the last sampled training batch ended, to time the wait for the next one
@@ -232,6 +254,7 @@ class CompileRecorder:
         self.ddp_log_level = None # `ddp_split_logger`'s own level, to restore, while its notes of DDP splits are counted
         self.ddp_shown = logging.WARNING # The lowest level `ddp_split_logger` showed before its notes were counted
         self.compiled_backward = False # Compiled autograd compiles the backwards (`ddp_compiled_autograd`)
+        self.part = '' # The part of the training step running: '' (the model's forward), 'backward' or 'step'
 
     def __getstate__(self): return {**self.__dict__, 'log_handler': None, 'show': None} # Handlers hold locks
 
@@ -257,6 +280,7 @@ class CompileRecorder:
         self.breaks0 = graph_break_reasons() # Those of earlier compiles, less those of this report's earlier fits
         self.breaks0.subtract(self.report.break_reasons)
         self.loads0 = precompiled_loads()
+        self.batches0 = len(self.report.batch_times) + len(self.report.eager_times) # Earlier fits': batches count from 1 each fit
         add_compile_callbacks(self._on_start, self._on_end)
         # TorchDynamo records no compilation metric when a frame hits the recompile limit, only this log line
         self.log_handler = logging.Handler(logging.WARNING)
@@ -296,7 +320,11 @@ class CompileRecorder:
     def _on_end(self, *args):
         took = time.perf_counter() - self.started
         self.report.compile_seconds += took
-        if took >= self.notice_after and self.show is not None: self.show(f"torch.compile compiled {self.model_name} for {self.during or 'its first call'} in {took:.1f}s")
+        if took >= self.notice_after and self.show is not None: self.show(f"torch.compile compiled {self._part_name()} for {self.during or 'its first call'} in {took:.1f}s")
+
+    def _part_name(self)->str:
+        "What a compile during the running part of the step compiled: the model, its backward graph or the optimizer step"
+        return {'backward': f"{self.model_name}'s backward", 'step': 'the optimizer step'}.get(self.part, self.model_name)
 
     def _name(self, co_name:str, filename:str, line)->str:
         "A compiled frame's name as the report shows it"
@@ -308,7 +336,7 @@ class CompileRecorder:
 
     def _reason(self, raw:str, during:str)->str:
         "The plain reason for a recompile during `during`, correcting what TorchDynamo can't see"
-        reason = plain_reason(raw)
+        reason = _library_reason(plain_reason(raw), raw)
         if self.training in self.froze: reason = plain_reason('requires_grad mismatch'); self.froze.discard(self.training)
         elif reason == _grad_mode_reason and (old := self.phase_shapes.get(self.training)) is not None:
             # This phase had its graph already: TorchDynamo named the newest graph's failed guard, of the other phase
@@ -339,7 +367,7 @@ class CompileRecorder:
     def during(self)->str:
         "The batch running now, for the events compiled during it"
         if self.training is None: return ''
-        return f"training batch {len(self.report.batch_times)+len(self.report.eager_times)+1}" if self.training else 'validation'
+        return f"training batch {len(self.report.batch_times)+len(self.report.eager_times)-self.batches0+1}" if self.training else 'validation'
 
     def batch_start(self, training:bool, xb:tuple=(), eager:bool=False):
         "Start timing a batch of inputs `xb`, one that runs eagerly to measure the eager step if `eager`"
@@ -347,6 +375,7 @@ class CompileRecorder:
         now = time.perf_counter()
         if training and self.batch_end is not None: self.report.data_waits.append(now - self.batch_end)
         self.batch_t, self.compiling, self.training, self.shapes, self.eager, self.batch_end = now, False, training, _shapes(xb), eager, None
+        self.part = ''
 
     def batch_done(self):
         "Record what was compiled during the batch `batch_start` began, and its time if it trained"

@@ -250,3 +250,51 @@ def test_precompiled_code_of_a_model_with_gradients_does_not_load_on_older_torch
         out = subprocess.run([sys.executable, '-c', script, role, str(tmp_path/'artifacts.bin')], capture_output=True, text=True, env=env)
         assert out.returncode == 0, out.stderr[-2000:]
     assert 'assigned grad expected to be a Tensor or None but got grad of type _Missing' in out.stdout
+
+def test_inductor_fallback_random_draws_dropout_as_eager():
+    f = lambda x: torch.nn.functional.dropout(x, 0.5)
+    x = torch.ones(64)
+    torch.manual_seed(0); eager = f(x)
+    torch.manual_seed(0)
+    with inductor_fallback_random(): compiled = torch.compile(f, backend='inductor')(x)
+    torch.testing.assert_close(compiled, eager)
+
+class _Branches(nn.Module):
+    def forward(self, x): return x * 2 if x.sum().item() > 0 else x
+
+class _Logs(nn.Module):
+    def __init__(self): super().__init__(); self.log = []
+    def forward(self, x):
+        self.log.append(1)
+        return x + 1
+
+def test_fullgraph_refusals_data_dependent_and_recompile_limit():
+    f = torch.compile(_Branches(), backend='eager', fullgraph=True)
+    with pytest.raises(data_dependent_error()) as e: f(torch.ones(3))
+    assert is_data_dependent(e.value) and e.value.real_stack[-1].line.strip().startswith('def forward(self, x): return x * 2')
+    g = torch.compile(own_function(lambda m, x: m(x), 'logs_call'), backend='eager', fullgraph=True)
+    m = _Logs()
+    with pytest.raises(recompile_limit_error()):
+        for _ in range(20): g(m, torch.ones(3))
+    guard, file, line, code = last_recompile('logs_call')
+    assert guard.startswith('len(') and '.log) ==' in guard and file == __file__ and code.strip() == 'self.log.append(1)'
+
+def test_held_records_are_released_unless_the_context_ends_with_the_kept_exception(caplog):
+    log = logging.getLogger('fastxtend_compile.test_held')
+    with caplog.at_level(logging.ERROR, logger=log.name):
+        with HeldRecords(log, KeyError): log.error('one')
+        assert caplog.messages == ['one']
+        with pytest.raises(KeyError):
+            with HeldRecords(log, KeyError) as held: log.error('two'); raise KeyError()
+        assert caplog.messages == ['one'] and len(held.records) == 1
+        held.release()
+        assert caplog.messages == ['one', 'two']
+    assert fake_tensor_logger.name == 'torch._subclasses.fake_tensor'
+
+def test_guarded_code_is_the_innermost_user_frame():
+    g = torch.compile(own_function(lambda m, x: m(x), 'guarded_call'), backend='eager')
+    m = _Logs()
+    for _ in range(3): g(m, torch.ones(3))
+    reason = next(r.recompile_reason for r in reversed(compilation_metrics()) if r.co_name == 'guarded_call' and r.recompile_reason)
+    file, line, code = guarded_code(reason)
+    assert file == __file__ and code.strip() == 'self.log.append(1)'
