@@ -52,7 +52,7 @@ def step_export():
     head('export', 'nbdev-export of the notebooks gives the library as it is')
     import tempfile
     with tempfile.TemporaryDirectory() as tmp: # Export into a copy, so this check never rewrites the working tree
-        skip = shutil.ignore_patterns('.git', '_proc', '_docs', '*.egg-info', '__pycache__', '.ipynb_checkpoints')
+        skip = shutil.ignore_patterns('.git', '_proc', '_docs', '_site', '.venv*', '*.egg-info', '__pycache__', '.ipynb_checkpoints')
         shutil.copytree(ROOT, tmp, ignore=skip, dirs_exist_ok=True)
         print('  $ nbdev-export (in a copy of the repository)', flush=True)
         r = subprocess.run(['nbdev-export'], cwd=tmp, capture_output=True, text=True)

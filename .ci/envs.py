@@ -13,7 +13,7 @@ machine that caps a package (torch, say) installs what settings.ini asks for all
 version is the newest release the package index offers, and setting up fails if pip installed another.
 """
 import argparse, configparser, fcntl, glob, json, os, re, shutil, subprocess, sys, time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,11 +69,12 @@ def table()->str:
 
 def table_cell()->str:
     "The source of nbs/index.ipynb's cell that shows the table"
-    return ('Tested together, each in a virtual environment of its own, by `bash .ci/run` (the CI), which reads them from\n'
-            '`settings.ini` (`test_envs`), as this table does:\n\n' + table() + '\n\n'
-            '*newest* is the newest release on PyPI when CI runs: CI installs it whatever the machine\'s `pip` configuration\n'
-            'caps, and checks that it did. What needs a newer torch than yours says so, and its tests and notebook cells are\n'
-            'skipped with the reason: `precompile=True` needs torch 2.15.')
+    return ('`bash .ci/run`, the CI, tests the versions below together, each row in a virtual environment of its own. The rows are\n'
+            "`settings.ini`'s `test_envs`, which CI reads and this table is written from:\n\n" + table() + '\n\n'
+            "*newest* is the newest release on PyPI when CI runs: CI installs it whatever the machine's `pip` configuration\n"
+            'caps, and checks that it did. The first row is the oldest of each that the package supports (`settings.ini`\n'
+            'requires them). What needs a newer torch than yours says so, and its tests and notebook cells are skipped with\n'
+            'the reason: `precompile=True` needs torch 2.15.')
 
 def declared_problems()->list:
     "Where settings.ini's requirements and setup.py's classifiers disagree with the oldest environment tested"
@@ -86,10 +87,19 @@ def declared_problems()->list:
         oldest = min((e.pin(pkg) for e in es if e.pin(pkg)), key=lambda v: _vkey(v.split('+')[0]))
         if reqs.get(pkg) != f'>={_short(oldest)}':
             res.append(f"settings.ini: requirements say {pkg}{reqs.get(pkg, '')}, the oldest tested is {pkg}=={oldest}")
-    out = subprocess.run([sys.executable, 'setup.py', '--classifiers'], cwd=ROOT, capture_output=True, text=True).stdout
-    classified = re.findall(r'Programming Language :: Python :: (\d+\.\d+)', out)
+    kw = setup_kwargs()
+    classified = [c.rpartition(' :: ')[2] for c in kw['classifiers'] if re.fullmatch(r'Programming Language :: Python :: \d+\.\d+', c)]
     if classified != pys: res.append(f"setup.py: its classifiers name Python {', '.join(classified)}, CI tests {', '.join(pys)}")
+    if kw['python_requires'] != f'>={pys[0]}': res.append(f"setup.py: python_requires is {kw['python_requires']}, CI tests {pys[0]} and newer")
     return res
+
+def setup_kwargs()->dict:
+    "What setup.py passes to `setuptools.setup` (run with a stand-in for setuptools, which a virtual environment may lack)"
+    code = ('import json, sys, types; st = types.ModuleType("setuptools"); kw = {}; st.setup = kw.update; '
+            'st.find_packages = lambda *a, **k: []; sys.modules["setuptools"] = st; '
+            'exec(compile(open("setup.py").read(), "setup.py", "exec"), {"__name__": "__main__"}); '
+            'print(json.dumps({k: kw[k] for k in ("classifiers", "python_requires")}))')
+    return json.loads(subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, check=True).stdout)
 
 def _short(v): # torch 2.11.0 is required as torch>=2.11; fastai 2.8.9 as fastai>=2.8.9
     parts = v.split('+')[0].split('.')
@@ -214,7 +224,8 @@ def run_all(names, jobs):
     print(f'== {len(es)} environments, {jobs} at a time: ' + '; '.join(map(repr, es)), flush=True)
     failed = []
     with ThreadPoolExecutor(jobs) as ex:
-        for e, rc, secs in ex.map(one, es):
+        for fut in as_completed([ex.submit(one, e) for e in es]):
+            e, rc, secs = fut.result()
             lines = e.log.read_text().splitlines()
             summary = next((l for l in reversed(lines) if l.startswith(f'{e.name}: ')), '')
             print(f'\n== {e.name}: {"ok" if rc == 0 else "FAILED"} in {secs/60:.1f} min ({e.log.name})\n  {summary}', flush=True)
