@@ -61,7 +61,9 @@ def _vkey(v): return tuple(int(x) for x in v.split('.'))
 def table()->str:
     "Markdown: the tested versions, one environment a row"
     def ver(e, pkg): return e.pin(pkg) or 'newest'
-    runs = {'all': 'every test and notebook', 'fast': 'every notebook; the lifecycle, fidelity and cache tests'}
+    fast = [Path(f).stem.removeprefix('test_') for f in settings()['fast_tests'].split()]
+    fast = ', '.join(fast[:-1]) + ' and ' + fast[-1] if len(fast) > 1 else fast[0]
+    runs = {'all': 'every test and notebook', 'fast': f'every notebook; the {fast} tests'}
     rows = ['| Python | torch | torchvision | fastai | Tested |', '|---|---|---|---|---|']
     for e in envs():
         rows.append(f'| {e.python} | {ver(e, "torch")} | {ver(e, "torchvision")} | {ver(e, "fastai")} | {runs[e.tests]} |')
