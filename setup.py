@@ -7,7 +7,8 @@ cfg = cfg['DEFAULT']
 
 licenses = {'apache2': ('Apache Software License 2.0', 'OSI Approved :: Apache Software License')}
 statuses = ['1 - Planning', '2 - Pre-Alpha', '3 - Alpha', '4 - Beta', '5 - Production/Stable', '6 - Mature', '7 - Inactive']
-py_versions = '3.10 3.11 3.12 3.13'.split()
+# The Pythons CI tests: the second column of settings.ini's test_envs
+py_versions = sorted({l.split()[1] for l in cfg['test_envs'].splitlines() if l.strip()}, key=lambda v: tuple(map(int, v.split('.'))))
 lic = licenses[cfg['license']]
 min_python = cfg['min_python']
 
@@ -19,7 +20,7 @@ setuptools.setup(
                  'Intended Audience :: Developers',
                  'License :: ' + lic[1],
                  'Natural Language :: ' + cfg['language']] +
-                ['Programming Language :: Python :: ' + o for o in py_versions[py_versions.index(min_python):]],
+                ['Programming Language :: Python :: ' + o for o in py_versions],
     url=f"https://github.com/{cfg['user']}/{cfg['repo']}",
     packages=setuptools.find_packages(include=[cfg['lib_name'], cfg['lib_name'] + '.*']),
     include_package_data=True,

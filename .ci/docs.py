@@ -4,6 +4,8 @@ Steps, each failing the run on a problem:
   export   `nbdev-export` leaves the library as committed (the notebooks are the source)
   pages    every page notebook exists, every library module has its notebook, the sidebar lists every notebook
   doc      every public name (`__all__` of each module, and each patched `Learner` method) has a docstring
+  envs     the home page's table of tested versions is settings.ini's `test_envs` (`--fix` rewrites it), and the
+           declared minimum Python, torch and fastai and setup.py's classifiers are what those environments test
   test     `nbdev-test` runs every notebook on the CPU (cells flagged `#| cuda` or `#| notest` are skipped)
   proc     nbdev's doc processing (`show_doc` for every exported name) runs, and every public name is shown
   readme   README.md has the home page's set-up commands, quick start and sections
@@ -50,7 +52,7 @@ def step_export():
     head('export', 'nbdev-export of the notebooks gives the library as it is')
     import tempfile
     with tempfile.TemporaryDirectory() as tmp: # Export into a copy, so this check never rewrites the working tree
-        skip = shutil.ignore_patterns('.git', '_proc', '_docs', '*.egg-info', '__pycache__', '.ipynb_checkpoints')
+        skip = shutil.ignore_patterns('.git', '_proc', '_docs', '_site', '.venv*', '*.egg-info', '__pycache__', '.ipynb_checkpoints')
         shutil.copytree(ROOT, tmp, ignore=skip, dirs_exist_ok=True)
         print('  $ nbdev-export (in a copy of the repository)', flush=True)
         r = subprocess.run(['nbdev-export'], cwd=tmp, capture_output=True, text=True)
@@ -197,6 +199,12 @@ def _readme_lines():
             lines += [l for l in src.splitlines() if l.strip() and not l.lstrip().startswith('#|')]
     return lines
 
+def step_envs(fix):
+    head('envs', "the home page's table of tested versions, and the declared minimums, are settings.ini's test_envs")
+    sys.path.insert(0, str(ROOT/'.ci'))
+    import envs
+    for msg in envs.sync_index(fix) + envs.declared_problems(): fail('envs', msg)
+
 def step_readme(fix):
     head('readme', 'README.md has the home page\'s set-up, quick start and sections')
     if fix:
@@ -231,7 +239,7 @@ def step_render(require):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--fix', action='store_true', help='rewrite README.md from nbs/index.ipynb before checking it')
+    p.add_argument('--fix', action='store_true', help="rewrite nbs/index.ipynb's table of tested versions from settings.ini, and README.md from nbs/index.ipynb, before checking them")
     p.add_argument('--no-test', action='store_true', help='skip nbdev-test (when CI runs it elsewhere)')
     p.add_argument('--require-quarto', action='store_true', default=os.environ.get('DOCS_REQUIRE_QUARTO') == '1',
                    help='fail instead of warning when Quarto is not installed (also: DOCS_REQUIRE_QUARTO=1)')
@@ -241,6 +249,7 @@ def main():
     step_export()
     step_pages()
     api = step_doc()
+    step_envs(a.fix)
     if not a.no_test: step_test(a.workers)
     step_proc(api)
     step_readme(a.fix)

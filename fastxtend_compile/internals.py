@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_internals.ipynb #0fe3d8bd
 from __future__ import annotations
-import logging, types
+import logging, sys, types
 from collections import Counter
 from contextlib import contextmanager
 from typing import Callable
@@ -32,8 +32,11 @@ def own_function(
     qualname:str|None=None, # Its qualified name, by which TorchDynamo finds code it precompiled for it; `name` if `None`
 )->Callable:
     "A copy of `f` with a code object of its own: TorchDynamo keeps a cache, and a recompile limit, per code object"
-    code = f.__code__.replace(co_name=name, co_qualname=qualname or name)
-    return types.FunctionType(code, f.__globals__, name, f.__defaults__, f.__closure__)
+    # Python 3.10's code objects have no qualified name (nor does torch 2.15, which precompiles, run there): the function has
+    code = f.__code__.replace(co_name=name, **({'co_qualname': qualname or name} if sys.version_info >= (3, 11) else {}))
+    res = types.FunctionType(code, f.__globals__, name, f.__defaults__, f.__closure__)
+    res.__qualname__ = qualname or name
+    return res
 
 # %% ../nbs/06_internals.ipynb #64307042
 def set_compiled_call(module:nn.Module, call:Callable|None):

@@ -1,0 +1,263 @@
+"""The environments CI tests: `test_envs` in settings.ini, one a line. `.ci/run` runs them; `.ci/docs` writes the README's
+table of tested versions from them and checks that settings.ini and setup.py declare what they test.
+
+  python .ci/envs.py run [NAME ...]   set up and test each environment (default: all), two at a time, longest first;
+                                      each one's log goes to .venv-NAME.log, and a summary with the durations follows
+  python .ci/envs.py setup NAME       make .venv-NAME: its Python (found on PATH or through pyenv), its torch, torchvision
+                                      and fastai, then the README's set-up command in it; check the versions it got
+  python .ci/envs.py test NAME        in .venv-NAME: the README's test command (or the fast tests), then the notebooks
+  python .ci/envs.py table            the README's table of tested versions
+
+Each environment installs with pip's configuration files and constraints left out (`PIP_CONFIG_FILE=/dev/null`), so a
+machine that caps a package (torch, say) installs what settings.ini asks for all the same. A package named without a
+version is the newest release the package index offers, and setting up fails if pip installed another.
+"""
+import argparse, configparser, fcntl, glob, json, os, re, shutil, subprocess, sys, time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# The README's set-up and test commands, which .ci/run checks it shows, and passes here
+SETUP, TESTS = os.environ.get('CI_SETUP', 'pip install -e ".[dev]"'), os.environ.get('CI_TESTS', 'pytest -q tests')
+PKGS = ('torch', 'torchvision', 'fastai')
+TABLE_CELL = 'e5a7c2d1' # The id of nbs/index.ipynb's cell with the table of tested versions
+
+def settings():
+    cfg = configparser.ConfigParser(delimiters=['='])
+    cfg.read(ROOT/'settings.ini')
+    return cfg['DEFAULT']
+
+class Env:
+    "One line of `test_envs`: name, Python, torch, torchvision and fastai requirements, and which tests run"
+    def __init__(self, line:str, last:bool):
+        name, self.python, *reqs, self.tests = line.split()
+        self.name, self.last = name, last
+        self.reqs = dict(zip(PKGS, reqs))
+        for k, r in self.reqs.items():
+            if not re.fullmatch(rf'{k}(==[\w.+]+)?', r): raise ValueError(f'test_envs, {name}: {r!r} is not `{k}` or `{k}==VERSION`')
+        if self.tests not in ('all', 'fast'): raise ValueError(f"test_envs, {name}: tests are 'all' or 'fast', not {self.tests!r}")
+        self.venv = ROOT/f'.venv-{name}'
+        self.log = ROOT/f'.venv-{name}.log'
+
+    def pin(self, pkg): return self.reqs[pkg].partition('==')[2] or None
+    @property
+    def site(self): return self.last # The newest environment builds the site from its notebooks and runs the bench
+    def __repr__(self): return f'{self.name} (Python {self.python}, {", ".join(self.reqs.values())}, {self.tests} tests)'
+
+def envs():
+    lines = [l for l in settings()['test_envs'].splitlines() if l.strip()]
+    return [Env(l, i == len(lines) - 1) for i, l in enumerate(lines)]
+
+def get_env(name):
+    for e in envs():
+        if e.name == name: return e
+    sys.exit(f"envs: no environment {name!r} in settings.ini's test_envs ({', '.join(e.name for e in envs())})")
+
+def _vkey(v): return tuple(int(x) for x in v.split('.'))
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the README's table, and what settings.ini and setup.py declare
+
+def table()->str:
+    "Markdown: the tested versions, one environment a row"
+    def ver(e, pkg): return e.pin(pkg) or 'newest'
+    fast = [Path(f).stem.removeprefix('test_') for f in settings()['fast_tests'].split()]
+    fast = ', '.join(fast[:-1]) + ' and ' + fast[-1] if len(fast) > 1 else fast[0]
+    runs = {'all': 'every test and notebook', 'fast': f'every notebook; the {fast} tests'}
+    rows = ['| Python | torch | torchvision | fastai | Tested |', '|---|---|---|---|---|']
+    for e in envs():
+        rows.append(f'| {e.python} | {ver(e, "torch")} | {ver(e, "torchvision")} | {ver(e, "fastai")} | {runs[e.tests]} |')
+    return '\n'.join(rows)
+
+def table_cell()->str:
+    "The source of nbs/index.ipynb's cell that shows the table"
+    return ('`bash .ci/run`, the CI, tests the versions below together, each row in a virtual environment of its own. The rows are\n'
+            "`settings.ini`'s `test_envs`, which CI reads and this table is written from:\n\n" + table() + '\n\n'
+            "*newest* is the newest release on PyPI when CI runs: CI installs it whatever the machine's `pip` configuration\n"
+            'caps, and checks that it did. The first row is the oldest of each that the package supports (`settings.ini`\n'
+            'requires them). What needs a newer torch than yours says so, and its tests and notebook cells are skipped with\n'
+            'the reason: `precompile=True` needs torch 2.15.')
+
+def declared_problems()->list:
+    "Where settings.ini's requirements and setup.py's classifiers disagree with the oldest environment tested"
+    cfg, res = settings(), []
+    es = envs()
+    pys = sorted({e.python for e in es}, key=_vkey)
+    if cfg['min_python'] != pys[0]: res.append(f"settings.ini: min_python is {cfg['min_python']}, the oldest Python tested {pys[0]}")
+    reqs = dict(re.match(r'([\w-]+)(.*)', r).groups() for r in cfg['requirements'].split())
+    for pkg in ('torch', 'fastai'):
+        oldest = min((e.pin(pkg) for e in es if e.pin(pkg)), key=lambda v: _vkey(v.split('+')[0]))
+        if reqs.get(pkg) != f'>={_short(oldest)}':
+            res.append(f"settings.ini: requirements say {pkg}{reqs.get(pkg, '')}, the oldest tested is {pkg}=={oldest}")
+    kw = setup_kwargs()
+    classified = [c.rpartition(' :: ')[2] for c in kw['classifiers'] if re.fullmatch(r'Programming Language :: Python :: \d+\.\d+', c)]
+    if classified != pys: res.append(f"setup.py: its classifiers name Python {', '.join(classified)}, CI tests {', '.join(pys)}")
+    if kw['python_requires'] != f'>={pys[0]}': res.append(f"setup.py: python_requires is {kw['python_requires']}, CI tests {pys[0]} and newer")
+    return res
+
+def setup_kwargs()->dict:
+    "What setup.py passes to `setuptools.setup` (run with a stand-in for setuptools, which a virtual environment may lack)"
+    code = ('import json, sys, types; st = types.ModuleType("setuptools"); kw = {}; st.setup = kw.update; '
+            'st.find_packages = lambda *a, **k: []; sys.modules["setuptools"] = st; '
+            'exec(compile(open("setup.py").read(), "setup.py", "exec"), {"__name__": "__main__"}); '
+            'print(json.dumps({k: kw[k] for k in ("classifiers", "python_requires")}))')
+    return json.loads(subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+
+def _short(v): # torch 2.11.0 is required as torch>=2.11; fastai 2.8.9 as fastai>=2.8.9
+    parts = v.split('+')[0].split('.')
+    return '.'.join(parts[:2]) if parts[2:] == ['0'] else '.'.join(parts)
+
+def sync_index(fix:bool)->list:
+    "Problems with nbs/index.ipynb's table of tested versions; with `fix`, rewrite it from settings.ini"
+    p = ROOT/'nbs'/'index.ipynb'
+    nb = json.loads(p.read_text())
+    cell = next((c for c in nb['cells'] if c.get('id') == TABLE_CELL), None)
+    if cell is None: return [f'nbs/index.ipynb has no cell {TABLE_CELL!r} for the table of tested versions (settings.ini test_envs)']
+    want = table_cell()
+    if ''.join(cell['source']) == want: return []
+    if not fix: return ['nbs/index.ipynb: the table of tested versions differs from settings.ini test_envs: run `bash .ci/docs --fix`']
+    cell['source'] = want.splitlines(keepends=True)
+    p.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + '\n')
+    print('  rewrote the table of tested versions in nbs/index.ipynb from settings.ini', flush=True)
+    return []
+
+# ---------------------------------------------------------------------------------------------------------------------
+# set up and test one environment
+
+def find_python(ver:str)->str:
+    "A Python `ver` interpreter: `pythonVER` on PATH, else pyenv's newest `ver.*`"
+    cands = [shutil.which(f'python{ver}')]
+    root = subprocess.run(['pyenv', 'root'], capture_output=True, text=True).stdout.strip() if shutil.which('pyenv') else ''
+    root = root or os.path.expanduser('~/.pyenv')
+    cands += sorted(glob.glob(f'{root}/versions/{ver}.*/bin/python'), key=lambda p: _vkey(p.split('/')[-3]), reverse=True)
+    for c in cands:
+        if not c: continue
+        r = subprocess.run([c, '-c', 'import sys; print("%d.%d" % sys.version_info[:2])'], capture_output=True, text=True)
+        if r.returncode == 0 and r.stdout.strip() == ver: return c
+    sys.exit(f'envs: no Python {ver} here (neither python{ver} on PATH nor pyenv install {ver})')
+
+def pip_env(venv:Path|None=None)->dict:
+    "The environment for pip and the tests: pip's configuration files and constraints left out; `venv` first on PATH"
+    env = {k: v for k, v in os.environ.items() if k not in ('PIP_CONSTRAINT', 'PIP_BUILD_CONSTRAINT', 'PYTHONPATH')}
+    env['PIP_CONFIG_FILE'] = os.devnull
+    env.setdefault('PYTHONWARNINGS', 'ignore::FutureWarning')
+    if venv:
+        env['VIRTUAL_ENV'] = str(venv)
+        env['PATH'] = f'{venv}/bin{os.pathsep}{env["PATH"]}'
+    return env
+
+def sh(cmd, env, **kw):
+    "Run `cmd` (a shell line) from the checkout, echoed, and fail on an error"
+    print(f'$ {cmd}', flush=True)
+    t = time.time()
+    r = subprocess.run(cmd, shell=True, cwd=ROOT, env=env, **kw)
+    if r.returncode: sys.exit(f'envs: failed ({r.returncode}): {cmd}')
+    return time.time() - t
+
+def newest_on_index(pkg, env)->str:
+    "The newest release of `pkg` the package index offers the environment's Python"
+    r = subprocess.run(['python', '-m', 'pip', 'index', 'versions', pkg], env=env, capture_output=True, text=True)
+    m = re.match(rf'{pkg} \((\S+)\)', r.stdout.strip(), flags=re.I)
+    if not m: sys.exit(f'envs: `pip index versions {pkg}` answered no version:\n{r.stdout}{r.stderr}')
+    return m[1]
+
+def installed(env)->dict:
+    code = 'import sys, json, torch, torchvision, fastai, fastcore; print(json.dumps(dict(python="%d.%d" % sys.version_info[:2], ' \
+           'torch=torch.__version__, torchvision=torchvision.__version__, fastai=fastai.__version__, fastcore=fastcore.__version__)))'
+    return json.loads(subprocess.run(['python', '-c', code], env=env, capture_output=True, text=True, check=True).stdout)
+
+def check_versions(e:Env, env)->dict:
+    "The versions in `e`'s environment; fail where they are not what settings.ini asks for"
+    got, bad = installed(env), []
+    if got['python'] != e.python: bad.append(f"Python {got['python']}, not {e.python}")
+    for pkg in PKGS:
+        have = got[pkg].split('+')[0] # torch 2.11.0+cu130 is torch 2.11.0
+        want = e.pin(pkg) or newest_on_index(pkg, env)
+        if have != want.split('+')[0]:
+            bad.append(f'{pkg} {got[pkg]}, not {want}' + ('' if e.pin(pkg) else ', the newest the package index offers'))
+    print(f"{e.name}: Python {got['python']}, torch {got['torch']}, torchvision {got['torchvision']}, fastai {got['fastai']}, "
+          f"fastcore {got['fastcore']}", flush=True)
+    if bad: sys.exit(f'envs: {e.name} got ' + '; '.join(bad))
+    return got
+
+def setup(e:Env):
+    "Make `e`'s virtual environment: its Python, its torch, torchvision and fastai, then the README's set-up command"
+    if e.venv.exists(): shutil.rmtree(e.venv)
+    subprocess.run([find_python(e.python), '-m', 'venv', str(e.venv)], check=True)
+    env = pip_env(e.venv)
+    sh('python -m pip install -q ' + ' '.join(e.reqs.values()), env)
+    with open(ROOT/'.venv-setup.lock', 'w') as lock: # An editable install writes the package's metadata into the checkout
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        sh(SETUP, env)
+    return check_versions(e, env)
+
+def notebooks(): return sorted(p for p in (ROOT/'nbs').glob('*.ipynb') if not p.name.startswith(('_', '.')))
+
+def test(e:Env):
+    "In `e`'s environment: its tests, then every notebook (the newest: the docs checks, the site and the benchmark)"
+    env = pip_env(e.venv)
+    check_versions(e, env)
+    fast = re.sub(r'\s+', ' ', settings()['fast_tests'].strip())
+    times = {'tests': sh(TESTS if e.tests == 'all' else TESTS.replace(' tests', ' ' + fast), env)}
+    if e.site:
+        times['docs'] = sh('bash .ci/docs --no-test', env)
+        times['notebooks and site'] = sh('bash .ci/site', env)
+        times['bench'] = sh('python bench/bench.py --device cpu --smoke --out "$(mktemp -d)"', env)
+    else: # As nbdev-test runs them, a process a notebook (03_patches patches fastai)
+        t = time.time()
+        for nb in notebooks():
+            t1 = time.time()
+            sh(f'nbdev-test {nb.relative_to(ROOT)}', env, stdout=subprocess.DEVNULL)
+            print(f'  {nb.name}: ok in {time.time()-t1:.0f}s', flush=True)
+        times['notebooks'] = time.time() - t
+    return times
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+def run_all(names, jobs):
+    "Set up and test each environment, `jobs` at a time, each in a process of its own logging to .venv-NAME.log"
+    es = [get_env(n) for n in names] if names else envs()
+    es.sort(key=lambda e: (not e.site, e.tests != 'all')) # Longest first: the site, then the whole suites
+    def one(e):
+        t = time.time()
+        with open(e.log, 'w') as f:
+            r = subprocess.run([sys.executable, __file__, 'leg', e.name], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        return e, r.returncode, time.time() - t
+    print(f'== {len(es)} environments, {jobs} at a time: ' + '; '.join(map(repr, es)), flush=True)
+    failed = []
+    with ThreadPoolExecutor(jobs) as ex:
+        for fut in as_completed([ex.submit(one, e) for e in es]):
+            e, rc, secs = fut.result()
+            lines = e.log.read_text().splitlines()
+            summary = next((l for l in reversed(lines) if l.startswith(f'{e.name}: ')), '')
+            print(f'\n== {e.name}: {"ok" if rc == 0 else "FAILED"} in {secs/60:.1f} min ({e.log.name})\n  {summary}', flush=True)
+            print('\n'.join('  ' + l for l in lines[-(60 if rc else 8):]), flush=True)
+            if rc: failed.append(e.name)
+    if failed: sys.exit(f'envs: failed in {", ".join(failed)} (see above)')
+
+def leg(name):
+    e, t = get_env(name), time.time()
+    print(f'== {e!r}: set up', flush=True)
+    got = setup(e)
+    t_setup = time.time() - t
+    print(f'== {e.name}: test', flush=True)
+    times = test(e)
+    print(f"{e.name}: Python {got['python']}, torch {got['torch']}, torchvision {got['torchvision']}, fastai {got['fastai']}: "
+          f"set up {t_setup/60:.1f} min, " + ', '.join(f'{k} {v/60:.1f} min' for k, v in times.items()), flush=True)
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument('cmd', choices=['run', 'setup', 'test', 'leg', 'table', 'names'])
+    ap.add_argument('names', nargs='*')
+    ap.add_argument('--jobs', type=int, default=2, help='environments set up and tested at once (run)')
+    a = ap.parse_args()
+    if a.cmd == 'table': print(table())
+    elif a.cmd == 'names': print('\n'.join(e.name for e in envs()))
+    elif a.cmd == 'run': run_all(a.names, a.jobs)
+    elif a.cmd == 'leg': leg(*a.names)
+    elif a.cmd == 'setup':
+        for n in a.names: setup(get_env(n))
+    elif a.cmd == 'test':
+        for n in a.names: print(test(get_env(n)))
+
+if __name__ == '__main__': main()
