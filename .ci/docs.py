@@ -121,6 +121,7 @@ def public_api():
             parts = key[len(mod.__name__)+1:].split('.')
             if len(parts) != 2 or parts[0] in names or parts[0].startswith('_') or parts[1].startswith('_'): continue
             owner = getattr(mod, parts[0], None)
+            if getattr(owner, '__module__', None) == mod.__name__: continue # A private class's method, not a patch
             if owner is not None and hasattr(owner, parts[1]): res.append((f'{mod.__name__}.{".".join(parts)}', getattr(owner, parts[1])))
     return res
 

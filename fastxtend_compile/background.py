@@ -9,14 +9,13 @@ from contextlib import nullcontext
 
 import torch
 from torch import nn, Tensor
-from torch.utils._pytree import tree_flatten
 import cloudpickle
 
 from .core import CompiledCall, compile_model
-from .internals import inductor_cache_dir
+from .internals import inductor_cache_dir, tree_flatten
 
 # %% auto #0
-__all__ = ['compile_in_worker', 'BackgroundCompile']
+__all__ = []
 
 # %% ../nbs/08_background.ipynb #ba104ca7
 _small = 1 << 16 # Elements: tensors up to this size travel with their values, larger floating ones as their shape alone

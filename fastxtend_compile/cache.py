@@ -19,7 +19,7 @@ from .core import inner_model, model_device, model_fingerprint
 from .internals import inductor_cache_dir, cpp_kernel_files
 
 # %% auto #0
-__all__ = ['device_name', 'compile_cache_header']
+__all__ = []
 
 # %% ../nbs/07_cache.ipynb #bf3fc962
 def device_name(

@@ -22,7 +22,9 @@ from fastai.data.transforms import IntToFloatTensor
 
 from .core import *
 from .core import _hook_owner
+from .core import compile_settings, cannot_compile_reason, uses_cudagraphs, CompiledCall, inner_model, model_device
 from .report import *
+from .report import CompileRecorder
 from .internals import (
     compiled_call, optimize_ddp, set_optimize_ddp, uses_python_reducer, python_reducer_settings, restore_python_reducer_settings,
     compiled_autograd, compiled_autograd_captures, aot_autograd_cache, set_aot_autograd_cache,
@@ -113,7 +115,6 @@ class _Precompile:
         try: yield
         finally:
             if not during_fit: self.restore()
-
 
 # %% ../nbs/02_callback.ipynb #5d1f0c3a
 class _DDPStrategy:

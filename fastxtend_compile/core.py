@@ -12,18 +12,17 @@ from typing import Callable, Dict, Union
 
 import torch
 from torch import nn, Tensor
-from torch.utils._pytree import tree_map_only, tree_flatten, tree_unflatten
+from fastcore.meta import delegates
 from fastai.torch_core import TensorBase, get_model
 from fastai.layers import ToTensorBase
 from fastai.callback.hook import Hook
 
 from .internals import *
+from .internals import tree_map_only, tree_flatten, tree_unflatten
 
 # %% auto #0
-__all__ = ['CompileMode', 'MatMulPrecision', 'check_backend', 'compile_settings', 'cannot_compile_reason', 'graph_break_reason',
-           'GraphBreakError', 'uses_cudagraphs', 'compiled_entry', 'CompiledCall', 'unwrap_model', 'inner_model',
-           'model_device', 'compiled_settings', 'is_compiled', 'repeated_blocks', 'compile_model', 'uncompile_model',
-           'model_fingerprint']
+__all__ = ['CompileMode', 'MatMulPrecision', 'GraphBreakError', 'compiled_settings', 'is_compiled', 'compile_model',
+           'uncompile_model']
 
 # %% ../nbs/00_core.ipynb #69462bf1
 class _CheckedEnum(str, Enum):
@@ -143,12 +142,10 @@ def graph_break_reason(
     reason:str, # TorchDynamo's reason for a graph break, as its exception or `explain` gives it
 )->str:
     "TorchDynamo's graph break `reason` as a readable line, with its first hint"
-    lines = [l.strip() for l in reason.strip().splitlines() if l.strip()]
-    if lines[0].startswith('generic_jump'):
+    b = graph_break_parts(reason)
+    if b.data_dependent:
         return "data-dependent control flow: Python branches on a tensor's value here (use `torch.where` or `torch.cond`)"
-    expl = next((l.removeprefix('Explanation: ') for l in lines if l.startswith('Explanation:')), lines[0])
-    hint = next((l for l in lines if l.startswith('Hint:')), None)
-    return expl if hint is None else f"{expl.rstrip('.')}. {hint}"
+    return b.explanation if b.hint is None else f"{b.explanation.rstrip('.')}. {b.hint}"
 
 # %% ../nbs/00_core.ipynb #c890bfc6
 class GraphBreakError(RuntimeError):
@@ -158,8 +155,8 @@ def _graph_break_error(e:Exception, removed:bool, name:str='')->GraphBreakError:
     "The error for a `fullgraph=True` compile TorchDynamo refused as `e`, of the compiled function `name`"
     now = "`CompilerCallback` was removed and the Learner trains eagerly" if removed else "The model was left uncompiled"
     if isinstance(e, recompile_limit_error()): return _recompiles_error(name, now)
-    stack = getattr(e, 'real_stack', None)
-    where = f" at {stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}: `{(stack[-1].line or '').strip()}`" if stack else ''
+    f = error_frame(e)
+    where = f" at {f.filename}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`" if f else ''
     why = graph_break_reason('generic_jump' if is_data_dependent(e) else str(e))
     return GraphBreakError(f"fullgraph=True, but the model has a graph break{where}\n  {why}\n"
         f"Remove the break, or compile with fullgraph=False (`DynamoExplainCallback` lists every break). {now}.")
@@ -182,7 +179,21 @@ def uses_cudagraphs(
     return settings.get('mode') in ('reduce-overhead', 'max-autotune') or bool((settings.get('options') or {}).get('triton.cudagraphs'))
 
 # %% ../nbs/00_core.ipynb #c2b37ec6
-def _call_module(module:nn.Module, *args, **kwargs): return module._call_impl(*args, **kwargs)
+_frame_names = {} # How the report names the compiled frames of this library's functions, by their code's file and first line
+
+def name_frames(
+    f:Callable, # A function this library compiles, or copies with `own_function` to compile
+    name:Callable, # Gives the report's name for a compiled frame of `f` from the frame's function name
+):
+    "Have the report name the compiled frames of `f` (and of its copies) `name(function name)`"
+    _frame_names[f.__code__.co_filename, f.__code__.co_firstlineno] = name
+
+def frame_name(co_name:str, filename:str, line:int)->str|None:
+    "The report's name for a compiled frame of a function named with `name_frames`, `None` for another"
+    name = _frame_names.get((filename, int(line)))
+    return None if name is None else name(co_name)
+
+name_frames(call_module, lambda co_name: co_name.removesuffix('_call')) # A `compiled_entry`, named after the model's class
 
 def compiled_entry(
     name:str, # Name of the compiled function, as TorchDynamo's logs and the report show it
@@ -193,7 +204,7 @@ def compiled_entry(
     # TorchDynamo traces a module called from a function of ours whole, `nn.Sequential` included. Compiled as
     # `module._call_impl` (torch's `Module.compile`), its first frames are torch's, which some versions skip
     name = f'{name}_call'
-    return torch.compile(own_function(_call_module, name, name if key is None else f'{name}_{key}'), **settings)
+    return torch.compile(own_function(call_module, name, name if key is None else f'{name}_{key}'), **settings)
 
 # %% ../nbs/00_core.ipynb #99a028bd
 def _observer(hook:Callable)->bool:
@@ -264,11 +275,11 @@ class CompiledCall:
             hooks = self._hooks()
             if observers := [h for h in hooks if _observer(h)]:
                 self._warn_eager(observers)
-                return self.module._call_impl(*args, **kwargs)
+                return call_module(self.module, *args, **kwargs)
             if hooks != self.hooks: self.new_entry()
         if (trains := self._trains()) != self.trains: self._use_entry(trains) # Frozen or unfrozen since the last call
         leaves, spec = tree_flatten((args, kwargs))
-        if self._runs_eagerly(leaves): return self.module._call_impl(*args, **kwargs)
+        if self._runs_eagerly(leaves): return call_module(self.module, *args, **kwargs)
         args, kwargs, like = _stripped(args, kwargs, leaves, spec)
         if self.cudagraphs: torch.compiler.cudagraph_mark_step_begin()
         graphs = graphs_compiled() if self.unchecked else 0
@@ -312,7 +323,7 @@ class CompiledCall:
         # A bug of the model's (a shape or device that doesn't fit) reaches TorchDynamo as an error about its fake tensors:
         # eager's error says it in the model's terms, at the model's line, as it would without compiling
         buffers = [(b, b.clone()) for b in self.module.buffers()]
-        self.module._call_impl(*args, **kwargs)
+        call_module(self.module, *args, **kwargs)
         with torch.no_grad(): # Eager ran it, so the compiler failed, not the model: undo its running statistics
             for b,old in buffers: b.copy_(old)
         if held is not None: held.release() # What torch logged of the compiler's failure
@@ -341,7 +352,7 @@ def unwrap_model(
     model:nn.Module, # A model, perhaps wrapped by `torch.compile`
 )->nn.Module:
     "`model` without a `torch.compile` wrapper (`OptimizedModule`)"
-    return getattr(model, '_orig_mod', model)
+    return optimized_inner(model)
 
 def inner_model(
     model:nn.Module, # A model, perhaps wrapped by DDP and `torch.compile`
@@ -354,21 +365,6 @@ def model_device(
 )->torch.device:
     "The device of `model`'s parameters (the CPU for a model without any)"
     return next(model.parameters(), torch.empty(0)).device
-
-def compiled_settings(
-    model:nn.Module, # Model, compiled in place, wrapped by `torch.compile` or neither
-)->dict|None:
-    "The `torch.compile` settings `model` is compiled with: `{}` if unknown, `None` if it isn't compiled"
-    if is_optimized_module(model): return {}
-    call = compiled_call(model)
-    if call is None: return None
-    return getattr(call, 'settings', {})
-
-def is_compiled(
-    model:nn.Module, # Model, compiled in place, wrapped by `torch.compile` or neither
-)->bool:
-    "Whether `model` is compiled, in place or wrapped by `torch.compile`"
-    return compiled_settings(model) is not None
 
 _lists = (nn.Sequential, nn.ModuleList) # Where repeated blocks are searched for
 _containers = (*_lists, nn.ModuleDict)
@@ -390,13 +386,31 @@ def repeated_blocks(
     # `Sequential`s): they are blocks only where nothing inside them repeats
     return _twins(model, containers=False) or _twins(model, containers=True)
 
+# %% ../nbs/00_core.ipynb #5c0e7a31
+def compiled_settings(
+    model:nn.Module, # Model, compiled in place, wrapped by `torch.compile` or neither
+)->dict|None:
+    "The `torch.compile` settings `model` is compiled with: `{}` if unknown, `None` if it isn't compiled"
+    if is_optimized_module(model): return {}
+    call = compiled_call(model)
+    if call is None: return None
+    return getattr(call, 'settings', {})
+
+def is_compiled(
+    model:nn.Module, # Model, compiled in place, wrapped by `torch.compile` or neither
+)->bool:
+    "Whether `model` is compiled, in place or wrapped by `torch.compile`"
+    return compiled_settings(model) is not None
+
+@delegates(compile_settings)
 def compile_model(
     model:nn.Module, # Model to compile in place
     regional:bool=False, # Compile only its repeated blocks, each reusing its twins' compiled code
     on_refused:Callable|None=None, # Called when a `fullgraph=True` compile is refused
-    **settings # `torch.compile` settings, from `compile_settings`
+    **settings # `torch.compile` settings: `fullgraph`, `dynamic`, `backend`, `mode`, `options`
 )->nn.Module:
-    "Compile `model` in place with `settings`, unwrapping an `OptimizedModule` first"
+    "Compile `model` in place with `torch.compile` `settings`, unwrapping an `OptimizedModule` first"
+    settings = compile_settings(**settings)
     model = uncompile_model(model)
     if not regional:
         set_compiled_call(model, CompiledCall(model, on_refused=on_refused, **settings))

@@ -11,19 +11,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_map_only, tree_leaves
 from fastcore.basics import store_attr, patch
 from fastai.torch_core import TensorBase, rank_distrib, to_device
 from fastai.callback.core import Callback, CancelFitException
 from fastai.learner import Learner
 
 from .core import *
+from .core import check_backend, graph_break_reason, CompiledCall, inner_model, model_device
 from .core import _plain, _casts, _casts_deferred
-from .internals import compiled_call, set_compiled_call, explain, inductor_fallback_random
+from .internals import compiled_call, set_compiled_call, explain, explained_break, tree_map_only, tree_leaves, inductor_fallback_random
 from .callback import CompilerCallback
 
 # %% auto #0
-__all__ = ['learner_autocast', 'untouched', 'one_plain_batch', 'explain_summary', 'DynamoExplainCallback', 'CompileStage']
+__all__ = ['explain_summary', 'DynamoExplainCallback', 'CompileStage']
 
 # %% ../nbs/04_explain.ipynb #049826d9
 def learner_autocast(
@@ -83,12 +83,11 @@ def one_plain_batch(
     return b[:dl.n_inp], b[dl.n_inp:]
 
 # %% ../nbs/04_explain.ipynb #cdb3dead
-def _where(reason)->str:
+def _where(where:tuple|None)->str:
     "The user's file, line and code where a graph break happened"
-    if not reason.user_stack: return 'unknown location'
-    f = reason.user_stack[-1]
-    name = re.sub(r'^torch_dynamo_resume_in_(\w+)_at_\d+$', r'\1', f.name) # Code after an earlier break
-    return f"{f.filename}:{f.lineno} in {name}" + (f": `{f.line.strip()}`" if f.line else '')
+    if where is None: return 'unknown location'
+    filename, line, name, code = where
+    return f"{filename}:{line} in {name}" + (f": `{code}`" if code else '')
 
 def explain_summary(
     out, # What `torch._dynamo.explain` returned
@@ -98,7 +97,8 @@ def explain_summary(
     "A readable report of a `torch._dynamo.explain` output: each graph break with its place and reason"
     lines = [f"Dynamo explain: {out.graph_count} graph(s), {len(out.break_reasons)} graph break(s), {out.op_count} op(s)"]
     for i,r in enumerate(out.break_reasons):
-        lines.append(f"  Graph break {i+1} at {_where(r)}\n      {graph_break_reason(r.reason)}")
+        reason, where = explained_break(r)
+        lines.append(f"  Graph break {i+1} at {_where(where)}\n      {graph_break_reason(reason)}")
     if ops and out.ops_per_graph:
         for i,g in enumerate(out.ops_per_graph): lines.append(f"  Ops in graph {i+1}: " + ', '.join(map(str, g)))
     if guards and out.out_guards:

@@ -4,10 +4,10 @@
 
 # %% ../nbs/06_internals.ipynb #0fe3d8bd
 from __future__ import annotations
-import logging, sys, types
+import logging, re, sys, types
 from collections import Counter
 from contextlib import contextmanager
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -15,15 +15,18 @@ from torch.torch_version import TorchVersion
 
 # %% auto #0
 __all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'ddp_split_logger', 'precompile_guard_logger', 'own_function',
-           'set_compiled_call', 'compiled_call', 'is_optimized_module', 'graph_break_error', 'traced_op_error',
-           'HeldRecords', 'data_dependent_error', 'is_data_dependent', 'recompile_limit_error', 'last_recompile',
-           'add_compile_callbacks', 'remove_compile_callbacks', 'recompile_limit_hit', 'compilation_metrics',
-           'graph_break_reasons', 'graphs_compiled', 'hook_dicts', 'optimize_ddp', 'set_optimize_ddp',
-           'ddp_split_pieces', 'uses_python_reducer', 'python_reducer_settings', 'restore_python_reducer_settings',
-           'compiled_autograd', 'aot_autograd_cache', 'set_aot_autograd_cache', 'compiled_autograd_captures',
-           'without_dynamo_marks', 'fused_kernel_devices', 'dynamo_supported', 'inductor_cxx', 'inductor_options',
-           'guarded_code', 'explain', 'inductor_fallback_random', 'inductor_cache_dir', 'cpp_kernel_files',
-           'precompile_supported', 'caching_precompile', 'set_caching_precompile', 'precompiled_loads', 'dropped_guard']
+           'call_module', 'set_compiled_call', 'compiled_call', 'is_optimized_module', 'optimized_inner',
+           'graph_break_error', 'traced_op_error', 'error_frame', 'GraphBreak', 'graph_break_parts', 'HeldRecords',
+           'data_dependent_error', 'is_data_dependent', 'recompile_limit_error', 'last_recompile',
+           'add_compile_callbacks', 'remove_compile_callbacks', 'recompile_limit_hit', 'guard_failure',
+           'compilation_metrics', 'FrameCompile', 'frame_compile', 'is_fx_code', 'graph_break_reasons',
+           'graphs_compiled', 'hook_dicts', 'optimize_ddp', 'set_optimize_ddp', 'ddp_split_pieces',
+           'uses_python_reducer', 'python_reducer_settings', 'restore_python_reducer_settings', 'compiled_autograd',
+           'aot_autograd_cache', 'set_aot_autograd_cache', 'compiled_autograd_captures', 'without_dynamo_marks',
+           'fused_kernel_devices', 'fused_adam_kernel', 'dynamo_supported', 'inductor_cxx', 'inductor_options',
+           'guarded_code', 'explain', 'explained_break', 'inductor_fallback_random', 'inductor_cache_dir',
+           'cpp_kernel_files', 'precompile_supported', 'caching_precompile', 'set_caching_precompile',
+           'precompiled_loads', 'dropped_guard']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
 def own_function(
@@ -38,7 +41,15 @@ def own_function(
     res.__qualname__ = qualname or name
     return res
 
+# %% ../nbs/06_internals.ipynb #7f3e2a10
+# Walking nested inputs and outputs (tuples, lists, dicts of tensors) as torch's own code does
+from torch.utils._pytree import tree_map_only, tree_flatten, tree_unflatten, tree_leaves
+
 # %% ../nbs/06_internals.ipynb #64307042
+def call_module(module:nn.Module, *args, **kwargs):
+    "Run `module` as `nn.Module.__call__` runs it, hooks included, but never what `set_compiled_call` set"
+    return module._call_impl(*args, **kwargs)
+
 def set_compiled_call(module:nn.Module, call:Callable|None):
     "Have `module.__call__` run `call` instead of `module._call_impl` (as `nn.Module.compile` does), or not when `None`"
     module._compiled_call_impl = call
@@ -51,6 +62,10 @@ def is_optimized_module(model:nn.Module)->bool:
     "Whether `model` is the wrapper `torch.compile(module)` returns"
     return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
 
+def optimized_inner(model:nn.Module)->nn.Module:
+    "The module inside the wrapper `torch.compile(module)` returns, or `model` if it is no such wrapper"
+    return getattr(model, '_orig_mod', model)
+
 def graph_break_error()->type:
     "The exception TorchDynamo raises at a graph break with `fullgraph=True`"
     return torch._dynamo.exc.Unsupported
@@ -58,6 +73,25 @@ def graph_break_error()->type:
 def traced_op_error()->type:
     "The exception TorchDynamo raises when an operation of the code it traces fails on its fake tensors (a shape that doesn't fit)"
     return torch._dynamo.exc.TorchRuntimeError
+
+def error_frame(e:Exception):
+    "The frame of the user's code (a `traceback.FrameSummary`) where TorchDynamo raised `e`, if it says"
+    stack = getattr(e, 'real_stack', None)
+    return stack[-1] if stack else None
+
+class GraphBreak(NamedTuple):
+    "A graph break as TorchDynamo words it"
+    data_dependent:bool # Python branched on a tensor's value (in older torch's words)
+    explanation:str # What broke the graph
+    hint:str|None # TorchDynamo's first hint, if any
+
+def graph_break_parts(reason:str)->GraphBreak:
+    "TorchDynamo's text for a graph break, as its exception or `explain` gives it: its explanation and first hint"
+    lines = [l.strip() for l in reason.strip().splitlines() if l.strip()]
+    # Older wording names the bytecode of a branch on a tensor's value; newer ones write 'Explanation:' and 'Hint:' lines
+    jump = lines[0].startswith('generic_jump')
+    expl = next((l.removeprefix('Explanation: ') for l in lines if l.startswith('Explanation:')), lines[0])
+    return GraphBreak(jump, expl, next((l for l in lines if l.startswith('Hint:')), None))
 
 # %% ../nbs/06_internals.ipynb #fc6992ce
 fake_tensor_logger = logging.getLogger('torch._subclasses.fake_tensor') # Logs an operation's failure on fake tensors at ERROR level
@@ -119,13 +153,54 @@ def remove_compile_callbacks(on_start:Callable, on_end:Callable):
 recompile_limit_logger = logging.getLogger('torch._dynamo.convert_frame') # Logs the 'hit config.recompile_limit' warning
 
 def recompile_limit_hit(record:logging.LogRecord)->tuple|None:
-    "`(limit_type, limit, function, reason)` if `record` is TorchDynamo's warning that a frame hit its recompile limit"
+    "`(limit_type, limit, frame, reason)` if `record` is TorchDynamo's warning that a frame hit its recompile limit"
+    # `frame` is `(name, filename, line)` of the function, or `None` where the record names it otherwise
     if not str(record.msg).startswith('torch._dynamo hit config.'): return None
-    return tuple(record.args[:4])
+    limit_type, limit, func, reason = record.args[:4]
+    m = re.match(r"'(.*)' \((.*):(\d+)\)", str(func))
+    return limit_type, limit, m and (m[1], m[2], int(m[3])), reason
+
+_guard_failures = [ # (kind, pattern) of TorchDynamo's words for a failed guard, the first line of a recompile's reason
+    ('batch_size', r"size mismatch at index 0\. expected (\d+), actual (\d+)"),
+    ('size', r"size mismatch at index (\d+)\. expected (\d+), actual (\d+)"),
+    ('requires_grad', r"requires_grad mismatch"),
+    ('training', r"\.training =="),
+    ('grad_mode', r"GLOBAL_STATE changed: grad_mode"),
+    ('dtype', r"dtype mismatch"),
+    ('stride', r"stride mismatch"),
+    ('device', r"device mismatch"),
+    ('dynamic_range', r"\d+ <= .*size\(\)|size\(\).* <= \d+"),
+    ('value', r"(?:^|: )([\w.'\[\]]+) == (-?[\d.e+-]+)\b"),
+]
+
+def guard_failure(reason:str)->tuple|None:
+    "`(kind, values)` of the guard that failed, as TorchDynamo words it in the first line of a recompile `reason`"
+    first = reason.split('\n')[0]
+    for kind,pat in _guard_failures:
+        if m := re.search(pat, first): return kind, m.groups()
+    return None
 
 def compilation_metrics()->list:
-    "TorchDynamo's record of each frame compile in this process (`co_name`, `recompile_reason`, `fail_type`...)"
+    "TorchDynamo's record of each frame compile in this process, each read with `frame_compile`"
     return list(torch._dynamo.utils.get_compilation_metrics())
+
+class FrameCompile(NamedTuple):
+    "One compile of a frame by TorchDynamo"
+    name:str # Its function's name
+    filename:str # Its function's file
+    line:int # Its function's first line
+    reason:str # Why it recompiled: the guard that failed, in TorchDynamo's words; '' for a first compile
+    seconds:float # Time TorchDynamo and the backend spent on it
+
+def frame_compile(metric)->FrameCompile|None:
+    "A compilation metric as a `FrameCompile`; `None` for a failed compile, or one of no frame (a lazy backward graph)"
+    if metric.fail_type or metric.co_name is None: return None
+    return FrameCompile(metric.co_name, metric.co_filename, metric.co_firstlineno, metric.recompile_reason or '',
+                        metric.entire_frame_compile_time_s or 0.)
+
+def is_fx_code(filename:str)->bool:
+    "Whether `filename` is that of code torch.fx generated for a graph (compiled autograd's backward)"
+    return filename.startswith('<eval_with_key>')
 
 def graph_break_reasons()->Counter:
     "Graph breaks TorchDynamo hit in this process, counted by its reason for each"
@@ -216,6 +291,10 @@ def fused_kernel_devices()->set:
     "Device types PyTorch's fused optimizer kernels (`torch._fused_adam_`, `torch._fused_adamw_`) run on"
     return set(torch.utils._foreach_utils._get_fused_kernels_supported_devices())
 
+def fused_adam_kernel(decoupled:bool)->Callable:
+    "PyTorch's fused Adam kernel: with decoupled weight decay (`torch._fused_adamw_`) or with L2 (`torch._fused_adam_`)"
+    return torch._fused_adamw_ if decoupled else torch._fused_adam_
+
 def dynamo_supported()->bool:
     "Whether TorchDynamo supports this Python and this build of torch"
     return torch._dynamo.is_dynamo_supported()
@@ -241,19 +320,30 @@ def guarded_code(
 
 # %% ../nbs/06_internals.ipynb #b395d6b2
 def explain(f:Callable, *args, **kwargs):
-    "`torch._dynamo.explain(f)(*args, **kwargs)` without resetting TorchDynamo: compiled models elsewhere keep their graphs"
-    from torch._dynamo.backends.debugging import _explain_graph_detail, ExplainOutput
-    graphs, ops_per_graph, break_reasons, out_guards, op_count = [], [], [], [], 0
-    def accumulate(gm, example_inputs):
-        nonlocal graphs, op_count, ops_per_graph, break_reasons
-        gm, graphs, op_count, ops_per_graph, break_reasons = _explain_graph_detail(gm, graphs, op_count, ops_per_graph, break_reasons)
+    "What TorchDynamo makes of `f(*args, **kwargs)`, as `torch._dynamo.explain`'s output, without resetting TorchDynamo"
+    # torch's own `explain` resets TorchDynamo before and after, dropping the graphs of every model compiled elsewhere.
+    # Here a backend keeps each graph it is given, and runs it as it is; the graph breaks are the reasons the graphs carry
+    from torch._dynamo.backends.debugging import ExplainOutput
+    graphs, guards = [], []
+    def keep(gm, example_inputs):
+        graphs.append(gm)
         return gm.forward
-    def call(*a, **k): return f(*a, **k)
+    def explained_call(*a, **k): return f(*a, **k)
     # A code object of its own, so the explained call neither reuses nor leaves behind compiled code
-    call = own_function(call, 'explained_call')
+    call = own_function(explained_call, 'explained_call')
     with torch._dynamo.config.patch(caching_precompile=False): # Its backend can't be saved with precompiled code
-        torch._dynamo.optimize(accumulate, nopython=False, guard_export_fn=out_guards.extend)(call)(*args, **kwargs)
-    return ExplainOutput(graphs, len(graphs), len(break_reasons), break_reasons, op_count, ops_per_graph, out_guards)
+        torch._dynamo.optimize(keep, nopython=False, guard_export_fn=guards.extend)(call)(*args, **kwargs)
+    ops = [[n.target for n in gm.graph.nodes if n.op == 'call_function'] for gm in graphs]
+    breaks = [gm.compile_subgraph_reason for gm in graphs if gm.compile_subgraph_reason.graph_break]
+    return ExplainOutput(graphs, len(graphs), len(breaks), breaks, sum(map(len, ops)), ops, guards)
+
+def explained_break(reason)->tuple:
+    "`(text, where)` of a graph break in `explain`'s output: TorchDynamo's reason, and `(file, line, function, code)` of the user's frame where it broke, if known"
+    if not reason.user_stack: return reason.reason, None
+    f = reason.user_stack[-1]
+    # After a graph break the rest of a function runs as a function of TorchDynamo's: named here as the user's
+    name = re.sub(r'^torch_dynamo_resume_in_(\w+)_at_\d+$', r'\1', f.name)
+    return reason.reason, (f.filename, f.lineno, name, (f.line or '').strip())
 
 # %% ../nbs/06_internals.ipynb #b7ebe72f
 @contextmanager
@@ -314,4 +404,3 @@ precompile_guard_logger = logging.getLogger('torch._dynamo.guards') # Warns of e
 def dropped_guard(record:logging.LogRecord)->bool:
     "Whether `record` is TorchDynamo's warning that precompiled code goes without a guard (on a global: a module, a builtin)"
     return 'is dropped with caching_precompile=True' in str(record.msg)
-

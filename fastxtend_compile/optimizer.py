@@ -17,11 +17,11 @@ from fastai.optimizer import (Optimizer, Lookahead, weight_decay, l2_reg, averag
     debias, sgd_step, momentum_step, rms_prop_step, adam_step, radam_step, qhadam_step, larc_layer_lr, larc_step, lamb_step)
 
 from .core import *
-from .internals import own_function, fused_kernel_devices
+from .core import name_frames, compile_settings
+from .internals import own_function, fused_kernel_devices, fused_adam_kernel
 
 # %% auto #0
-__all__ = ['step_rules', 'StepRule', 'CompiledOptimizerStep', 'compile_optimizer', 'compiled_optimizer_settings',
-           'uncompile_optimizer']
+__all__ = ['step_rules', 'StepRule', 'compile_optimizer', 'compiled_optimizer_settings', 'uncompile_optimizer']
 
 # %% ../nbs/05_optimizer.ipynb #229a4d8d
 class StepRule:
@@ -139,6 +139,8 @@ def _foreach_step(updates, plan):
         for update, static, c in zip(updates, statics, coefs):
             if update is not None: update(t, c, **static)
 
+name_frames(_foreach_step, lambda co_name: 'optimizer step')
+
 def _state_tensor(state:dict, k:str, make:Callable, p:Tensor)->Tensor:
     v = state.get(k)
     if not isinstance(v, Tensor): state[k] = v = make(p)
@@ -165,9 +167,9 @@ def _rule_of(cb):
 # %% ../nbs/05_optimizer.ipynb #8a8c0182
 _fused_devices = fused_kernel_devices()
 
-# fastai's `Adam` is the update of PyTorch's fused Adam kernels: with true weight decay `torch._fused_adamw_`, with L2 `torch._fused_adam_`
-_fused_adam = {(weight_decay, average_grad, average_sqr_grad, step_stat, adam_step): torch._fused_adamw_,
-               (l2_reg, average_grad, average_sqr_grad, step_stat, adam_step): torch._fused_adam_}
+# fastai's `Adam` is the update of PyTorch's fused Adam kernels: with true weight decay the decoupled one, with L2 the other
+_fused_adam = {(weight_decay, average_grad, average_sqr_grad, step_stat, adam_step): fused_adam_kernel(decoupled=True),
+               (l2_reg, average_grad, average_sqr_grad, step_stat, adam_step): fused_adam_kernel(decoupled=False)}
 
 def _fused_kernel(cbs, rules)->Callable|None:
     "PyTorch's fused kernel making the update of step functions `cbs`, if they are fastai's `Adam` (damped averages)"

@@ -16,11 +16,12 @@ from fastai.learner import Learner
 import fastai.callback.schedule # Patches `Learner.fine_tune` and `fit_one_cycle`
 
 from .core import *
+from .core import unwrap_model
 from .internals import without_dynamo_marks
 from .callback import CompilerCallback
 
 # %% auto #0
-__all__ = ['plain_model', 'load_learner']
+__all__ = ['load_learner']
 
 # %% ../nbs/03_patches.ipynb #a98f7f14
 @contextmanager

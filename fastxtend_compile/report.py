@@ -13,43 +13,38 @@ from dataclasses import dataclass, field
 import torch, fastai
 from fastcore.basics import store_attr, groupby
 
-from .core import _call_module, graph_break_reason
+from .core import graph_break_reason, frame_name
 from .internals import *
 
 # %% auto #0
-__all__ = ['plain_reason', 'CompileEvent', 'CompileReport', 'CompileRecorder']
+__all__ = ['CompileEvent', 'CompileReport']
 
 # %% ../nbs/01_report.ipynb #6f5cbacc
-_reasons = [
-    (r"size mismatch at index 0\. expected (\d+), actual (\d+)",
-     lambda m: f"batch size changed from {m[1]} to {m[2]} (often the last, smaller batch: pass `drop_last=True` to the "
-               "DataLoader or `dynamic=True` to compile)"),
-    (r"size mismatch at index (\d+)\. expected (\d+), actual (\d+)",
-     lambda m: f"input size changed at dimension {m[1]} from {m[2]} to {m[3]} (pass `dynamic=True` to compile varying shapes)"),
-    (r"requires_grad mismatch", lambda m: "a parameter's `requires_grad` changed (freezing or unfreezing)"),
-    (r"\.training ==", lambda m: "the model switched between training and evaluation mode"),
-    (r"GLOBAL_STATE changed: grad_mode", lambda m: "gradients were switched on or off (validation and inference run without them)"),
-    (r"dtype mismatch", lambda m: "the input dtype changed (e.g. mixed precision switched on or off)"),
-    (r"stride mismatch", lambda m: "the input's memory layout changed (e.g. channels_last)"),
-    (r"device mismatch", lambda m: "the model or its input moved to another device"),
-    (r"\d+ <= .*size\(\)|size\(\).* <= \d+",
-     lambda m: "an input size fell outside the range its dynamic graph was compiled for (sizes 0 and 1 are always specialised)"),
-    (r"(?:^|: )([\w.'\[\]]+) == (-?[\d.e+-]+)\b",
-     lambda m: f"a guard on the Python value `{m[1]}` failed (it was {m[2]}): a number that changes, such as a "
-               "hyperparameter, recompiles every time; make it a tensor"),
-]
+_words = { # What a failed guard of each kind (see `guard_failure`) means, in plain words, from the values it names
+    'batch_size': lambda v: f"batch size changed from {v[0]} to {v[1]} (often the last, smaller batch: pass `drop_last=True` to "
+                            "the DataLoader or `dynamic=True` to compile)",
+    'size': lambda v: f"input size changed at dimension {v[0]} from {v[1]} to {v[2]} (pass `dynamic=True` to compile varying shapes)",
+    'requires_grad': lambda v: "a parameter's `requires_grad` changed (freezing or unfreezing)",
+    'training': lambda v: "the model switched between training and evaluation mode",
+    'grad_mode': lambda v: "gradients were switched on or off (validation and inference run without them)",
+    'dtype': lambda v: "the input dtype changed (e.g. mixed precision switched on or off)",
+    'stride': lambda v: "the input's memory layout changed (e.g. channels_last)",
+    'device': lambda v: "the model or its input moved to another device",
+    'dynamic_range': lambda v: "an input size fell outside the range its dynamic graph was compiled for (sizes 0 and 1 are always specialised)",
+    'value': lambda v: f"a guard on the Python value `{v[0]}` failed (it was {v[1]}): a number that changes, such as a "
+                       "hyperparameter, recompiles every time; make it a tensor",
+}
 
 def plain_reason(
     reason:str|None, # TorchDynamo's reason for a recompile (a failed guard)
 )->str:
     "A TorchDynamo guard failure `reason` in plain words"
     if not reason: return ''
-    first = reason.split('\n')[0]
-    for pat,msg in _reasons:
-        if m := re.search(pat, first): return msg(m)
-    return first
+    if (failed := guard_failure(reason)) is None: return reason.split('\n')[0]
+    kind, values = failed
+    return _words[kind](values)
 
-_grad_mode_reason = plain_reason('GLOBAL_STATE changed: grad_mode')
+_grad_mode_reason = _words['grad_mode'](())
 
 # %% ../nbs/01_report.ipynb #836f2742
 @dataclass
@@ -218,7 +213,7 @@ def _fix(reason:str)->str:
     if re.match(r"(batch|input) size|an input size", reason): return _shape_fix
     return "keep what the guard checks from changing between calls, or raise `torch._dynamo.config.recompile_limit`"
 
-_torch_dir, _entry_file = str(Path(torch.__file__).parent), _call_module.__code__.co_filename # Where `compiled_entry`s live
+_torch_dir = str(Path(torch.__file__).parent)
 _library_dirs = (str(Path(fastai.__file__).parent), _torch_dir) # Code that is fastai's or torch's, not the user's
 
 def _library_reason(reason:str, raw:str)->str:
@@ -303,8 +298,7 @@ class CompileRecorder:
         "Turn TorchDynamo's 'hit config.recompile_limit' warning into a fallback event and a Python warning"
         if (hit := recompile_limit_hit(record)) is None: return
         limit_type, limit, func, reason = hit
-        m = re.match(r"'(.*)' \((.*):(\d+)\)", func)
-        frame = self.model_name if not m else self._name(m[1], m[2], m[3])
+        frame = self.model_name if func is None else self._name(*func)
         ev = CompileEvent('fallback', frame, 0., plain_reason(reason), reason, self.during)
         self.report.events.append(ev)
         warnings.warn(f"torch.compile gave up on {ev.frame} after {limit} recompiles ({limit_type}) and runs it eagerly "
@@ -328,20 +322,19 @@ class CompileRecorder:
 
     def _name(self, co_name:str, filename:str, line)->str:
         "A compiled frame's name as the report shows it"
-        if filename == _entry_file: return co_name.removesuffix('_call') # A `compiled_entry`, named after the model's class
+        if (name := frame_name(co_name, filename, line)) is not None: return name # The library's own: a model, the optimizer step
         if filename.startswith(_torch_dir): return self.model_name
-        if co_name == '_foreach_step' and filename.endswith('optimizer.py'): return 'optimizer step'
-        if self.compiled_backward and filename.startswith('<eval_with_key>'): return 'backward (compiled autograd)' # Its FX graph
+        if self.compiled_backward and is_fx_code(filename): return 'backward (compiled autograd)' # Its FX graph
         return f"{co_name} ({filename}:{line})"
 
     def _reason(self, raw:str, during:str)->str:
         "The plain reason for a recompile during `during`, correcting what TorchDynamo can't see"
         reason = _library_reason(plain_reason(raw), raw)
-        if self.training in self.froze: reason = plain_reason('requires_grad mismatch'); self.froze.discard(self.training)
+        if self.training in self.froze: reason = _words['requires_grad'](()); self.froze.discard(self.training)
         elif reason == _grad_mode_reason and (old := self.phase_shapes.get(self.training)) is not None:
             # This phase had its graph already: TorchDynamo named the newest graph's failed guard, of the other phase
             new = self.shapes
-            reason = (plain_reason(f"size mismatch at index 0. expected {old[0][0]}, actual {new[0][0]}")
+            reason = (_words['batch_size']((old[0][0], new[0][0]))
                       if old and new and old[0][0] != new[0][0] else "the inputs changed (their shape, dtype or layout)")
         return reason
 
@@ -350,12 +343,11 @@ class CompileRecorder:
         metrics = compilation_metrics()
         new = [m for m in metrics if id(m) not in self.seen]
         self.seen = _by_id(metrics)
-        for m in new:
-            if m.fail_type or m.co_name is None: continue # Failed (see `_on_log`), or not a frame (a lazy backward graph)
-            raw, name = m.recompile_reason or '', self._name(m.co_name, m.co_filename, m.co_firstlineno)
+        for f in filter(None, map(frame_compile, new)): # Failed compiles are left to `_on_log`
+            raw, name = f.reason, self._name(f.name, f.filename, f.line)
             # A model compiles afresh for a new freeze state (see `CompiledCall`): a recompile, with no reason from TorchDynamo
             again = bool(raw) or (name != 'optimizer step' and self.training in self.froze)
-            ev = CompileEvent('recompile' if again else 'compile', name, m.entire_frame_compile_time_s or 0.,
+            ev = CompileEvent('recompile' if again else 'compile', name, f.seconds,
                               self._reason(raw, during) if again else '', raw, during)
             self.report.events.append(ev)
         if new and self.training is not None: self.phase_shapes[self.training] = self.shapes

@@ -6,6 +6,7 @@ from fastai.torch_core import TensorImage
 from fastai.test_utils import synth_learner
 import fastxtend_compile
 from fastxtend_compile import *
+from fastxtend_compile.core import compile_settings
 from conftest import two_conv_cnn
 
 def defaults(f): return {k: v.default for k,v in inspect.signature(f).parameters.items() if k not in ('self', 'kwargs')}
@@ -14,13 +15,26 @@ compile_defaults = dict(fullgraph=False, dynamic=False, backend='inductor', mode
                         matmul_precision='high', recompile=False, verbose=False, regional=False, compile_valid=False, compile_opt=True,
                         ddp_split=False, ddp_compiled_autograd=False, precompile=False, background=None)
 
+public_api = ['CompileMode', 'MatMulPrecision', 'CompilerCallback', 'DynamoExplainCallback', 'load_learner', # fastxtend's
+    'GraphBreakError', 'compile_model', 'uncompile_model', 'is_compiled', 'compiled_settings', # Compiling a model
+    'CompileReport', 'CompileEvent', # The report
+    'compile_optimizer', 'uncompile_optimizer', 'compiled_optimizer_settings', 'step_rules', 'StepRule', # The optimizer step
+    'explain_summary', 'CompileStage'] # The explain tools
+
+def test_public_api_is_these_names():
+    assert sorted(fastxtend_compile.__all__) == sorted(public_api)
+    ns = {}
+    exec('from fastxtend_compile import *', ns)
+    assert sorted(k for k in ns if not k.startswith('__')) == sorted(public_api)
+
 def test_star_import_gives_the_api():
     ns = {}
     exec('from fastxtend_compile import *', ns)
     for name in ('CompileMode', 'MatMulPrecision', 'CompilerCallback', 'DynamoExplainCallback', 'load_learner', 'CompileReport'):
         assert name in ns, name
     assert not {'core', 'internals', 'callback', 'own_function', 'set_compiled_call'} & set(ns) # The public API only
-    for meth in ('compile', 'export', 'freeze_to', 'fine_tune', 'debug_compile', 'save', 'load', 'fit', 'remove_cb'):
+    for meth in ('compile', 'export', 'freeze_to', 'fine_tune', 'debug_compile', 'save', 'load', 'fit', 'remove_cb',
+                 'save_compile_cache', 'load_compile_cache'):
         assert 'fastxtend_compile' in getattr(Learner, meth).__code__.co_filename, meth # Ours, patched over fastai's
 
 def test_signatures_and_defaults():

@@ -5,6 +5,7 @@ from fastai.learner import Learner
 from fastai.callback.core import Callback, CancelFitException
 from fastai.torch_core import set_seed
 from fastxtend_compile import *
+from fastxtend_compile.background import BackgroundCompile
 from conftest import two_conv_cnn, digits_dls, EAGER_PRECISION, assert_fit_close
 
 def _leftovers()->set: return set(glob.glob(os.path.join(tempfile.gettempdir(), 'fxc-background-*')))

@@ -15,6 +15,7 @@ from fastai.vision.models import resnet18
 import fastai.callback.schedule # fine_tune, fit_one_cycle
 import fastxtend_compile
 from fastxtend_compile import *
+from fastxtend_compile.core import compile_settings, inner_model
 from fastxtend_compile.internals import graphs_compiled, compiled_call, traced_op_error
 from conftest import two_conv_cnn, bn_cnn, body_head_splitter, digits_dls, text_dls, EAGER_PRECISION, GRAD_TOL
 

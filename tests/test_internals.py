@@ -1,8 +1,9 @@
 "Each use of PyTorch's private API, one test each: a torch upgrade that changes one fails here, by name"
-import logging, pickle, pytest, torch
+import logging, operator, pickle, pytest, torch
 from torch import nn
 from fastxtend_compile.internals import *
 from fastxtend_compile.core import compiled_entry, graph_break_reason
+from fastxtend_compile.internals import FrameCompile, tree_map_only, tree_flatten, tree_unflatten, tree_leaves
 
 def _fresh_compiled(f): return torch.compile(own_function(f, 'internals_test_call'), backend='eager')
 
@@ -54,7 +55,9 @@ def test_recompile_limit_record_is_recognised():
             for n in range(3): f(torch.ones(1), n)
     finally: recompile_limit_logger.removeHandler(h)
     hits = [r for r in map(recompile_limit_hit, records) if r]
-    assert hits and hits[0][0] == 'recompile_limit' and int(hits[0][1]) == 1 and 'internals_test_call' in hits[0][2]
+    assert hits and hits[0][0] == 'recompile_limit' and int(hits[0][1]) == 1
+    name, filename, line = hits[0][2]
+    assert name == 'internals_test_call' and filename == __file__ and isinstance(line, int) and hits[0][3]
 
 def test_compilation_metrics_describe_each_frame():
     seen = set(map(id, compilation_metrics())) # A bounded deque: once full, old records drop off the front
@@ -64,6 +67,51 @@ def test_compilation_metrics_describe_each_frame():
     assert [m.co_name for m in new] == ['internals_test_call'] * 2
     assert new[0].recompile_reason is None and new[1].recompile_reason and new[1].fail_type is None
     assert new[0].entire_frame_compile_time_s >= 0 and new[0].co_filename == __file__ and new[0].co_firstlineno > 0
+    first, again = map(frame_compile, new) # As the report reads them
+    assert first.name == 'internals_test_call' and first.filename == __file__ and first.line == new[0].co_firstlineno
+    assert first.reason == '' and again.reason == new[1].recompile_reason and first.seconds >= 0
+
+def test_failed_compile_has_no_frame_compile():
+    seen = set(map(id, compilation_metrics()))
+    def f(x):
+        if x.sum() > 0: return x
+        return -x
+    with pytest.raises(graph_break_error()): torch.compile(own_function(f, 'internals_fail_call'), backend='eager', fullgraph=True)(torch.ones(1))
+    new = [m for m in compilation_metrics() if id(m) not in seen]
+    assert new and [frame_compile(m) for m in new] == [None] * len(new)
+
+def _recompile_reasons(f, *calls)->list:
+    "TorchDynamo's reason for each recompile of `f` over `calls`, each a thunk that calls it"
+    seen = set(map(id, compilation_metrics()))
+    for c in calls: c()
+    return [m.recompile_reason for m in compilation_metrics() if id(m) not in seen and m.recompile_reason]
+
+def test_guard_failures_are_recognised_in_torch_s_words():
+    f = _fresh_compiled(lambda x: x * 2)
+    lin = nn.Sequential(nn.Linear(3, 2), nn.Dropout(0.1)) # Reads its `training` flag
+    g = torch.compile(own_function(lambda m, x: m(x), 'internals_guard_call'), backend='eager')
+    reasons = _recompile_reasons(f, lambda: f(torch.ones(4, 3)), lambda: f(torch.ones(5, 3)), lambda: f(torch.ones(5, 7)),
+                                 lambda: f(torch.ones(5, 7, dtype=torch.float64)), lambda: f(torch.ones(7, 5, dtype=torch.float64).t()))
+    kinds = [guard_failure(r) for r in reasons]
+    assert kinds[:4] == [('batch_size', ('4', '5')), ('size', ('1', '3', '7')), ('dtype', ()), ('stride', ())], reasons
+    reasons = _recompile_reasons(g, lambda: g(lin, torch.ones(2, 3)), lambda: lin.eval() and g(lin, torch.ones(2, 3)))
+    assert [guard_failure(r)[0] for r in reasons] == ['training'], reasons
+    lin.train()
+    def nograd():
+        with torch.no_grad(): g(lin, torch.ones(2, 3))
+    reasons = _recompile_reasons(g, nograd)
+    assert [guard_failure(r)[0] for r in reasons] == ['grad_mode'], reasons
+    lin[0].weight.requires_grad_(False)
+    reasons = _recompile_reasons(g, lambda: g(lin, torch.ones(2, 3)))
+    assert reasons == [] or guard_failure(reasons[0])[0] in ('requires_grad', 'grad_mode'), reasons # Some versions don't guard it
+    h = _fresh_compiled(lambda x, n: x * n)
+    reasons = _recompile_reasons(h, lambda: h(torch.ones(1), 2), lambda: h(torch.ones(1), 3))
+    assert guard_failure(reasons[0]) == ('value', ('n', '2')), reasons
+    assert guard_failure('something TorchDynamo never said') is None
+
+def test_fx_code_is_recognised():
+    gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    assert is_fx_code(gm.forward.__code__.co_filename) and not is_fx_code(__file__)
 
 def test_graph_and_graph_break_counters():
     graphs, breaks = graphs_compiled(), graph_break_reasons()
@@ -75,6 +123,39 @@ def test_graph_and_graph_break_counters():
     new = graph_break_reasons() - breaks
     assert graphs_compiled() - graphs == 2 and sum(new.values()) == 1
     assert '`print`' in graph_break_reason(next(iter(new))) # Its reason, as TorchDynamo words it
+
+def test_graph_break_parts_from_torch_s_words():
+    def print_break(x):
+        print('break')
+        return x
+    def branch(x):
+        if x.sum() > 0: return x
+        return -x
+    for f,expl in ((print_break, '`print`'), (branch, None)):
+        with pytest.raises(graph_break_error()) as e: torch.compile(own_function(f, 'internals_parts_call'), backend='eager', fullgraph=True)(torch.ones(1))
+        b = graph_break_parts(str(e.value))
+        assert isinstance(b.explanation, str) and b.explanation and (b.hint is None or b.hint.startswith('Hint:'))
+        if expl: assert expl in b.explanation or expl in (b.hint or ''), b
+        else: assert b.data_dependent or 'data-dependent' in b.explanation.lower() or 'data dependent' in b.explanation.lower(), b
+        frame = error_frame(e.value) # The user's line where it broke
+        assert frame.filename == __file__ and frame.name == 'internals_parts_call' and frame.lineno > f.__code__.co_firstlineno
+
+def test_call_module_runs_hooks_but_not_the_compiled_call():
+    m, seen = nn.Linear(2, 2), []
+    m.register_forward_hook(lambda *a: seen.append('hook'))
+    set_compiled_call(m, lambda *a, **k: 'compiled')
+    try: assert call_module(m, torch.ones(2)).shape == (2,) and seen == ['hook']
+    finally: set_compiled_call(m, None)
+
+def test_optimized_inner_is_the_module_inside_torch_compile():
+    m = nn.Linear(1, 1)
+    assert optimized_inner(torch.compile(m, backend='eager')) is m and optimized_inner(m) is m
+
+def test_pytree_flattens_and_rebuilds_nested_inputs():
+    xs = ((torch.ones(1), [torch.zeros(2), 3]), {'k': torch.ones(3)})
+    leaves, spec = tree_flatten(xs)
+    assert len(leaves) == 4 and tree_unflatten(leaves, spec)[0][1][1] == 3
+    assert [t.shape for t in tree_leaves(tree_map_only(torch.Tensor, lambda t: t * 2, xs)) if isinstance(t, torch.Tensor)] == [(1,), (2,), (3,)]
 
 def test_hook_dicts_see_every_kind_of_hook():
     m = nn.Sequential(nn.Linear(1, 1))
@@ -95,7 +176,7 @@ def test_dynamo_marks_are_set_on_traced_parameters_and_stripped():
     assert '_dynamo_static_input_type' in p.__dict__
 
 def test_kernels_options_and_support():
-    assert 'cpu' in fused_kernel_devices() and hasattr(torch, '_fused_adam_') and hasattr(torch, '_fused_adamw_')
+    assert 'cpu' in fused_kernel_devices() and fused_adam_kernel(True) is torch._fused_adamw_ and fused_adam_kernel(False) is torch._fused_adam_
     assert 'max_autotune' in inductor_options() and 'triton.cudagraphs' in inductor_options()
     assert dynamo_supported() is True
     assert inductor_cxx() is None or isinstance(inductor_cxx(), str)
@@ -110,6 +191,9 @@ def test_explain_leaves_other_compiled_code_alone():
         return x * 2
     out = explain(g, torch.ones(2))
     assert (out.graph_count, out.graph_break_count, len(out.break_reasons)) == (2, 1, 1) and out.op_count == 2
+    assert out.ops_per_graph == [[operator.add], [operator.mul]] and out.out_guards and len(out.graphs) == 2
+    reason, (filename, line, name, code) = explained_break(out.break_reasons[0])
+    assert '`print`' in graph_break_reason(reason) and filename == __file__ and name == 'g' and code == "print('break')"
     seen = set(map(id, compilation_metrics()))
     f(torch.ones(2)) # Still compiled: no new compile, as there would be after `torch._dynamo.reset()`
     assert all(id(m) in seen for m in compilation_metrics())

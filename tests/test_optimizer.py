@@ -13,6 +13,7 @@ from fastai.callback.core import Callback
 from fastai.torch_core import params
 import fastai.callback.schedule
 from fastxtend_compile.optimizer import *
+from fastxtend_compile.optimizer import CompiledOptimizerStep
 
 RTOL, ATOL = 1e-5, 1e-6
 

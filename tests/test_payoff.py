@@ -17,6 +17,8 @@ from torchvision.models import resnet18
 from torchvision.models.resnet import BasicBlock
 import fastai.callback.schedule
 from fastxtend_compile import *
+from fastxtend_compile.core import repeated_blocks
+from fastxtend_compile.report import plain_reason
 from conftest import two_conv_cnn, digits_dls
 
 def image_folder(path, n=200, size=40, seed=0):

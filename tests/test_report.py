@@ -11,6 +11,7 @@ from fastai.data.load import DataLoader
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.core import Callback
 from fastxtend_compile import *
+from fastxtend_compile.report import CompileRecorder
 from fastxtend_compile.core import cannot_compile_reason
 from fastxtend_compile.internals import compiled_call
 from conftest import two_conv_cnn, digits_dls

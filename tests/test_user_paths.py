@@ -8,6 +8,7 @@ from fastai.losses import CrossEntropyLossFlat
 from fastai.callback.core import Callback
 from fastai.torch_core import set_seed
 from fastxtend_compile import *
+from fastxtend_compile.report import CompileRecorder
 from conftest import two_conv_cnn, digits_dls
 
 BACKEND = 'aot_eager' # Traces forward and backward like inductor without its C++ compile time
