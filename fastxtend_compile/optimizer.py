@@ -169,7 +169,7 @@ _fused_devices = fused_kernel_devices()
 
 # fastai's `Adam` is the update of PyTorch's fused Adam kernels: with true weight decay the decoupled one, with L2 the other
 _fused_adam = {(weight_decay, average_grad, average_sqr_grad, step_stat, adam_step): fused_adam_kernel(decoupled=True),
-               (l2_reg, average_grad, average_sqr_grad, step_stat, adam_step): fused_adam_kernel(decoupled=False)}
+               (l2_reg, average_grad, average_sqr_grad, step_stat, adam_step): (_l2_kernel := fused_adam_kernel(decoupled=False))}
 
 def _fused_kernel(cbs, rules)->Callable|None:
     "PyTorch's fused kernel making the update of step functions `cbs`, if they are fastai's `Adam` (damped averages)"
@@ -242,9 +242,13 @@ class CompiledOptimizerStep:
         ps, hyper, step = [p for p,_ in pairs], self.opt.hypers[i], (step or 0) + 1
         if ('fused', device) not in self.scalars: self.scalars['fused', device] = _Scalars(device, torch.float32)
         step_t = self.scalars['fused', device]('step', step) # The kernel reads the step from a tensor: one, for all of them
-        self.fused(ps, [p.grad for p in ps], [_state_tensor(st, 'grad_avg', _zeros, p) for p,st in pairs],
+        grads, wd = [p.grad for p in ps], hyper['wd'] if do_wd else 0.
+        if wd and self.fused is _l2_kernel: # fastai's L2 adds `wd*p` to the gradients themselves, where `after_step` sees it
+            torch._foreach_add_(grads, ps, alpha=wd)
+            wd = 0.
+        self.fused(ps, grads, [_state_tensor(st, 'grad_avg', _zeros, p) for p,st in pairs],
                    [_state_tensor(st, 'sqr_avg', _zeros, p) for p,st in pairs], [], [step_t]*len(ps),
-                   lr=hyper['lr'], beta1=hyper['mom'], beta2=hyper['sqr_mom'], weight_decay=hyper['wd'] if do_wd else 0.,
+                   lr=hyper['lr'], beta1=hyper['mom'], beta2=hyper['sqr_mom'], weight_decay=wd,
                    eps=hyper['eps'], amsgrad=False, maximize=False)
         for _,st in pairs: st['step'] = step
 

@@ -278,9 +278,7 @@ def test_fit_sees_what_eager_sees(kind):
     assert [l[:3] for l in eager.printed.splitlines()] == ['[0,', '[1,'] # One log line per epoch
 
 @pytest.mark.parametrize('opt_func', [partial(SGD, mom=0.9, wd=1e-2), partial(OptimWrapper, opt=torch.optim.AdamW),
-                                      pytest.param(partial(Adam, wd=0.1, decouple_wd=False), marks=pytest.mark.xfail(strict=True,
-                                          reason="the compiled step of Adam with L2 decay leaves the gradients without the decay term that "
-                                                 "fastai's `l2_reg` adds in place, which a callback sees at `after_step` (the step itself is eager's)"))],
+                                      partial(Adam, wd=0.1, decouple_wd=False)],
                          ids=['sgd_momentum', 'torch_adamw', 'adam_l2'])
 def test_optimizers(opt_func):
     "fastai's optimizers and a wrapped PyTorch one step the compiled model as they step the eager one"
