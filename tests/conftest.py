@@ -5,13 +5,13 @@ from torch import nn
 from fastai.vision.all import *
 from fastai.tabular.all import *
 
-from fastxtend_compile.background import BackgroundCompile
-
 warnings.filterwarnings('ignore', message='.*load_learner.*insecure.*')
 
 @pytest.fixture(autouse=True)
 def compile_in_the_fits_path(monkeypatch):
     "Compiled fits are checked against eager ones: on a GPU too, compiled in the fit's path unless a test asks for `background`"
+    # Imported here, not at the top: a test's child process imports this file without the library
+    from fastxtend_compile.background import BackgroundCompile
     monkeypatch.setattr(BackgroundCompile, 'default_on', ())
 
 def digits_dls(bs=64, seed=42):
