@@ -13,6 +13,8 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
                 tabular_learner(layers=[200,100]) -> fit_one_cycle
     text        synthetic token sequences -> fastai Datasets/DataLoaders -> a transformer encoder classifier
                 (nn.TransformerEncoder) (.to_bf16() on CUDA) -> fit_one_cycle
+    awd-lstm    synthetic sentences from word lists in a DataFrame -> TextDataLoaders.from_df (spaCy's tokenizer where
+                installed, else fastai's BaseTokenizer) -> text_classifier_learner(AWD_LSTM, pretrained=False) -> fit_one_cycle
 
     eager         no compiling
     compile-cold  learn.compile(background=False): compiled in the fit's path, fresh TORCHINDUCTOR_CACHE_DIR
@@ -88,6 +90,9 @@ WORKFLOWS = {
     'text': dict(
         gpu=dict(n=40_000, seq=256, vocab=8000, d=384, layers=6, heads=6, classes=4, bs=64, epochs=3, valid_pct=0.2),
         smoke=dict(n=400, seq=32, vocab=200, d=32, layers=2, heads=2, classes=4, bs=16, epochs=2, valid_pct=0.2)),
+    'awd-lstm': dict(
+        gpu=dict(rows=6000, words=(20, 80), classes=3, bs=64, seq_len=72, epochs=3, valid_pct=0.2),
+        smoke=dict(rows=120, words=(8, 16), classes=3, bs=16, seq_len=16, epochs=1, valid_pct=0.2)),
 }
 
 def describe(w:str, c:dict)->str:
@@ -98,6 +103,10 @@ def describe(w:str, c:dict)->str:
     if w == 'segmentation':
         return (f"{c['n']} PNG images and masks at {c['size']} px, a square to find on a patterned background, aug_transforms, "
                 f"unet_learner({c['arch']}, pretrained=False), bs {c['bs']}, fine_tune({c['epochs']})")
+    if w == 'awd-lstm':
+        return (f"{c['rows']:,} synthetic sentences of {c['words'][0]}–{c['words'][1]} words, {c['classes']} classes, "
+                f"TextDataLoaders.from_df, text_classifier_learner(AWD_LSTM, pretrained=False), bs {c['bs']}, "
+                f"seq_len {c['seq_len']}, fit_one_cycle({c['epochs']})")
     if w == 'tabular':
         return f"{c['rows']:,} rows, 4 categorical + 6 continuous columns, tabular_learner(layers={c['layers']}), bs {c['bs']}, fit_one_cycle({c['epochs']})"
     return (f"{c['n']:,} sequences of {c['seq']} tokens, vocab {c['vocab']}, nn.TransformerEncoder {c['layers']} layers, "
@@ -260,12 +269,46 @@ def build_text(w, c, data, device, num_workers):
     if device == 'cuda': learn = learn.to_bf16()
     return learn, lambda: learn.fit_one_cycle(c['epochs'], 1e-3)
 
+# Words every class uses, and each class's own: a sentence mixes them, a few of its class's words among the rest
+COMMON = ('the a of and to in is was it for on with as at by from this that but not all were when we there can an your '
+          'which their said if do will each about how up out them then she many some so these would other into has more').split()
+TOPICS = [('goal match team coach season player score league final striker keeper referee stadium fans transfer').split(),
+          ('market shares profit bank price investor growth rate fund stock earnings trade debt merger budget').split(),
+          ('planet orbit telescope galaxy star rocket mission comet lunar solar crater probe nebula gravity asteroid').split(),
+          ('recipe oven flour butter sugar garlic onion sauce bake roast simmer pepper salad dough spice').split()]
+
+def text_frame(c:dict):
+    "A DataFrame of sentences (`text`), their class (`label`) and `is_valid`, made from the word lists above"
+    import numpy as np, pandas as pd
+    rng = np.random.default_rng(0)
+    n, k = c['rows'], c['classes']
+    labels = rng.integers(0, k, n)
+    texts = []
+    for y in labels:
+        words = list(rng.choice(COMMON, rng.integers(*c['words'])))
+        for i in rng.integers(0, len(words), max(2, len(words)//8)): words[i] = rng.choice(TOPICS[y % len(TOPICS)])
+        texts.append(' '.join(words).capitalize() + '.')
+    valid = np.zeros(n, bool)
+    valid[:n_valid(n, c['valid_pct'], c['bs'])] = True
+    return pd.DataFrame(dict(text=texts, label=[f'topic{y}' for y in labels], is_valid=valid))
+
+def build_awd_lstm(w, c, data, device, num_workers):
+    from fastai.text.all import TextDataLoaders, text_classifier_learner, AWD_LSTM, BaseTokenizer, accuracy
+    try: import spacy # noqa: F401 (fastai's default tokenizer)
+    except ImportError: tok = BaseTokenizer() # Splits on spaces: the same words for these sentences
+    else: tok = None
+    kw = {} if num_workers is None else dict(num_workers=num_workers)
+    dls = TextDataLoaders.from_df(text_frame(c), text_col='text', label_col='label', valid_col='is_valid', tok_tfm=tok,
+                                  seq_len=c['seq_len'], bs=c['bs'], device=device, **kw)
+    learn = text_classifier_learner(dls, AWD_LSTM, pretrained=False, metrics=accuracy)
+    return learn, lambda: learn.fit_one_cycle(c['epochs'])
+
 def _num(v):
     try: return float(v)
     except Exception: return str(v)
 
 BUILDERS = {'vision': build_vision, 'vision-big': build_vision, 'segmentation': build_segmentation, 'tabular': build_tabular,
-            'text': build_text}
+            'text': build_text, 'awd-lstm': build_awd_lstm}
 
 def compile_phases()->str|None:
     "TorchDynamo's compile time by phase (tracing, AOTAutograd, inductor's code generation, cache loads), as it prints it"
