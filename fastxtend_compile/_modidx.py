@@ -11,6 +11,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                         'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background.BackgroundCompile._end': ( 'background.html#backgroundcompile._end',
                                                                                                        'fastxtend_compile/background.py'),
+                                              'fastxtend_compile.background.BackgroundCompile._new_probe': ( 'background.html#backgroundcompile._new_probe',
+                                                                                                             'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background.BackgroundCompile._start': ( 'background.html#backgroundcompile._start',
                                                                                                          'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background.BackgroundCompile._worth': ( 'background.html#backgroundcompile._worth',

@@ -119,10 +119,11 @@ class BackgroundCompile:
         self.notes = [] # One line for the report per background compile of this fit
         self.short = set() # Signatures whose fit is too short to compile for: their batches run eagerly until it ends
         self.probe = None # (signature, its first batch's start, batches seen) while timing a new state's eager batches
+        self.changes = 0 # Times this fit's probe started over on a new signature, mostly a new shape of the batches
 
     def __getstate__(self): # A copy of the callback (`learn.export`) starts with no worker and nothing compiled
         return {**self.__dict__, 'proc': None, 'signature': None, 'tmp': None, 'log': None, 'ready': set(), 'failed': set(), 'short': set(),
-                'probe': None, 'show': None}
+                'probe': None, 'changes': 0, 'show': None}
 
     def runs_eagerly(self,
         learn, # The `Learner` whose batch this is
@@ -145,7 +146,7 @@ class BackgroundCompile:
         "Whether the fit's eager rest, timed over its first `probe_batches` batches of this state, is long enough to compile for"
         if self.min_fit_s <= 0: return True
         now = time.perf_counter()
-        if self.probe is None or self.probe[0] != sig: self.probe = (sig, now, 0)
+        if self.probe is None or self.probe[0] != sig: self._new_probe(sig, now)
         sig, start, seen = self.probe
         self.probe = (sig, start, seen + 1)
         if seen < self.probe_batches: return False
@@ -156,6 +157,14 @@ class BackgroundCompile:
         self.notes.append(f"trained eagerly: the fit's {left} training batches left, about {rest:.0f}s eagerly, are too few to "
                           f"pay back a compile (under {self.min_fit_s:.0f}s; `background=False` compiles in the fit's path)")
         return False
+
+    def _new_probe(self, sig:tuple, now:float):
+        "Time a new signature's eager batches; say once if signatures change too often for any to be timed"
+        self.probe, self.changes = (sig, now, 0), self.changes + 1
+        if self.changes != 2*self.probe_batches or self.proc is not None or self.ready: return
+        self.notes.append(f"trained eagerly: the training batches' shapes kept changing ({self.changes} times, none "
+                          f"{self.probe_batches} batches in a row), so none is worth a graph of its own; batches of one size (padded "
+                          "to one length, `drop_last=True`) or `dynamic=True` let one graph serve them")
 
     def _start(self, sig:tuple, model:nn.Module, learn)->bool:
         device = next(model.parameters()).device
@@ -217,7 +226,7 @@ class BackgroundCompile:
 
     def take_notes(self)->list:
         "The report's lines about this fit, emptied for the next; a state not worth compiling in this fit may be in the next"
-        self.short, self.probe = set(), None
+        self.short, self.probe, self.changes = set(), None, 0
         notes, self.notes = self.notes, []
         return notes
 

@@ -1,6 +1,7 @@
 "Compiling outside the fit's path: the fit trains eagerly while a worker process compiles, then the compiled code takes over"
 import glob, os, tempfile, time
 import pytest, torch
+from torch import nn
 from fastai.learner import Learner
 from fastai.callback.core import Callback, CancelFitException
 from fastai.torch_core import set_seed
@@ -85,3 +86,26 @@ def test_a_fit_too_short_to_pay_trains_eagerly_without_a_worker(tmp_path, monkey
 
 def test_background_must_be_a_bool():
     with pytest.raises(TypeError, match="background must be True, False or None, not 'yes'"): CompilerCallback(background='yes')
+
+class Lengths(Callback):
+    "Each training batch a sequence of another length, as text batches padded to their longest item are"
+    order = 0
+    def before_batch(self):
+        if self.training: self.learn.xb = (self.xb[0].flatten(1)[:, None].expand(-1, 1 + self.iter % 5, -1),)
+
+class MeanOverLength(nn.Module):
+    def __init__(self): super().__init__(); self.lin = nn.Linear(64, 10)
+    def forward(self, x): return self.lin(x.mean(1) if x.ndim == 3 else x.flatten(1)) # Validation: the plain images
+
+def test_batches_of_ever_new_shapes_train_eagerly_and_say_so(tmp_path, monkeypatch):
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path/'inductor'))
+    started = []
+    monkeypatch.setattr(BackgroundCompile, '_start', lambda *a: started.append(a) or True)
+    learn = Learner(digits_dls(), MeanOverLength(), cbs=Lengths()).compile(backend='inductor', background=True)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    assert not started and learn.compiler.report.graphs == 0
+    n = 2*BackgroundCompile.probe_batches
+    assert learn.compiler.report.background == [
+        f"trained eagerly: the training batches' shapes kept changing ({n} times, none {BackgroundCompile.probe_batches} batches "
+        "in a row), so none is worth a graph of its own; batches of one size (padded to one length, `drop_last=True`) or "
+        "`dynamic=True` let one graph serve them"]
