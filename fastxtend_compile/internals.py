@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging, re, sys, types
 from collections import Counter
 from contextlib import contextmanager
-from typing import Callable, NamedTuple
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -79,7 +80,8 @@ def error_frame(e:Exception):
     stack = getattr(e, 'real_stack', None)
     return stack[-1] if stack else None
 
-class GraphBreak(NamedTuple):
+@dataclass(frozen=True)
+class GraphBreak:
     "A graph break as TorchDynamo words it"
     data_dependent:bool # Python branched on a tensor's value (in older torch's words)
     explanation:str # What broke the graph
@@ -184,7 +186,8 @@ def compilation_metrics()->list:
     "TorchDynamo's record of each frame compile in this process, each read with `frame_compile`"
     return list(torch._dynamo.utils.get_compilation_metrics())
 
-class FrameCompile(NamedTuple):
+@dataclass(frozen=True)
+class FrameCompile:
     "One compile of a frame by TorchDynamo"
     name:str # Its function's name
     filename:str # Its function's file
