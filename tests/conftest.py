@@ -14,6 +14,14 @@ def compile_in_the_fits_path(monkeypatch):
     from fastxtend_compile.background import BackgroundCompile
     monkeypatch.setattr(BackgroundCompile, 'default_on', ())
 
+@pytest.fixture(scope='module')
+def one_thread():
+    "One intra-op thread for a module's tests: their models are tiny, and on a small shared CPU more threads only spin"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 def digits_dls(bs=64, seed=42):
     "scikit-learn's 8x8 digits as a fastai image task through a `DataBlock`"
     from sklearn.datasets import load_digits

@@ -31,13 +31,7 @@ def marks(model)->list: return [p.__dict__.get('_dynamo_static_input_type') for 
 def quiet_fit(learn, *args, **kwargs):
     with learn.no_bar(), learn.no_logging(): learn.fit(*args, **kwargs)
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    "One intra-op thread: on a small CPU machine shared with other work, several threads spin and slow tiny models tenfold"
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures('one_thread') # Tiny models on a shared CPU: see conftest
 
 # --- 1. One graph per model, whatever its top module ---------------------------------------------------------------
 

@@ -35,13 +35,7 @@ from fastai.tabular.learner import tabular_learner
 from fastxtend_compile import *
 from conftest import digits_dls, cancer_dls, text_dls, bn_cnn, body_head_splitter, EAGER_PRECISION, GRAD_TOL
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    "One intra-op thread: the models here are tiny and the CPU is shared, where several threads only spin"
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures('one_thread') # Tiny models on a shared CPU: see conftest
 
 # --- Tolerances ------------------------------------------------------------------------------------------------------
 
