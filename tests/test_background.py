@@ -9,7 +9,7 @@ from fastxtend_compile import *
 from fastxtend_compile.background import BackgroundCompile
 from conftest import two_conv_cnn, digits_dls, EAGER_PRECISION, assert_fit_close
 
-def _leftovers()->set: return set(glob.glob(os.path.join(tempfile.gettempdir(), 'fxc-background-*')))
+def _leftovers()->list: return glob.glob(os.path.join(tempfile.gettempdir(), 'fxc-background-*'))
 
 class WaitForWorker(Callback):
     "At training batch `at` of the first epoch, wait for the compile worker to end, so the hand-over comes at the next batch"
@@ -31,12 +31,13 @@ def _fit(compiled, cbs=(), epochs=2, **kw):
 
 @pytest.fixture
 def cold_cache(tmp_path, monkeypatch):
-    "An empty inductor cache for this test, as on a first run, and a worker for a fit of any length"
+    "An empty inductor cache for this test, as on a first run, a worker for a fit of any length, and a temporary folder of its own"
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path/'inductor'))
     monkeypatch.setattr(BackgroundCompile, 'min_fit_s', 0)
-    before = _leftovers()
+    (tmp_path/'tmp').mkdir()
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path/'tmp')) # Other processes' workers never show up in this test's check
     yield tmp_path/'inductor'
-    assert _leftovers() == before, "a worker's temporary folder outlived the fit"
+    assert _leftovers() == [], "a worker's temporary folder outlived the fit"
 
 def test_compiled_code_takes_over_from_the_worker_and_trains_like_eager(cold_cache):
     eager = _fit(False)
