@@ -8,7 +8,7 @@ An arm is one way of training one workload with one optimizer:
 only to debug one arm.
 """
 from __future__ import annotations
-import argparse, inspect, json, os, platform, statistics, sys, time, traceback
+import argparse, inspect, json, os, platform, statistics, sys, time, traceback, types
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
@@ -22,15 +22,17 @@ import torch.nn.functional as F
 from procs import library_version, versions
 
 ARMS = {
-    # name: (training loop, torch.compile mode or None for eager, regional)
+    # name: (training loop, torch.compile mode or None for eager, regional: False, True or 'nested')
     'hand_eager':              ('hand',   None,              False),
     'hand_compile':            ('hand',   'default',         False),
     'hand_compile_ro':         ('hand',   'reduce-overhead', False),
     'hand_compile_regional':   ('hand',   'default',         True),
+    'hand_compile_nested':     ('hand',   'default',         'nested'),
     'fastai_eager':            ('fastai', None,              False),
     'fastai_compile':          ('fastai', 'default',         False),
     'fastai_compile_ro':       ('fastai', 'reduce-overhead', False),
     'fastai_compile_regional': ('fastai', 'default',         True),
+    'fastai_compile_nested':   ('fastai', 'default',         'nested'),
 }
 OPTS = ('fastai_adam', 'fused_adamw')
 LR = 1e-3
@@ -42,6 +44,10 @@ WORKLOADS = {
     'gpt':      dict(full=dict(kind='gpt', n_layer=8, d=512, n_head=8, T=256, vocab=8192, bs=64),
                      smoke=dict(kind='gpt', n_layer=2, d=64, n_head=2, T=32, vocab=256, bs=4)),
 }
+
+def workload_config(args)->dict:
+    "The workload's sizes: full or smoke, with `--config`'s changes"
+    return {**WORKLOADS[args.workload]['smoke' if args.smoke else 'full'], **json.loads(args.config)}
 
 def describe(cfg:dict)->str:
     "A workload's size in a few words"
@@ -105,6 +111,23 @@ def repeated_blocks(model)->list:
     if isinstance(model, GPT): return list(model.blocks)
     return [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for b in layer]
 
+def twins(blocks:list)->list:
+    "`blocks` in sets of twins: of one class, with parameters of the same shapes"
+    res = {}
+    for b in blocks: res.setdefault((type(b), tuple(p.shape for p in b.parameters())), []).append(b)
+    return list(res.values())
+
+def nest_by_hand(model):
+    """Each set of twin blocks runs its `forward` as one `torch.compiler.nested_compile_region`, as a PyTorch user would
+    mark it; `torch.compile(model)` then traces each set once inside the whole model's graph"""
+    def block_forward(module, *args, **kwargs): return type(module).forward(module, *args, **kwargs)
+    for i, group in enumerate(twins(repeated_blocks(model))):
+        # A code object of its own for each set (TorchDynamo keeps a region's traces by its code); the block is passed to
+        # the region as an argument, as `partial` does, not captured by a closure or a bound method
+        code = block_forward.__code__.replace(co_name=f'block_region{i}')
+        region = torch.compiler.nested_compile_region(types.FunctionType(code, globals(), f'block_region{i}'))
+        for b in group: b.forward = partial(region, b)
+
 def make_batches(cfg, device, n=4, typed=True)->list:
     "`n` distinct synthetic batches, already on `device`; typed as fastai's data blocks would type them if `typed`"
     from fastai.torch_core import TensorBase, TensorImage, TensorCategory
@@ -165,7 +188,10 @@ class StepTimer:
 def hand_loop(args, cfg, model, batches, device, mode, regional, timer):
     "A hand-written PyTorch training loop"
     if mode is not None:
-        if regional:
+        if regional == 'nested':
+            nest_by_hand(model)
+            model = torch.compile(model, backend=args.backend, mode=mode)
+        elif regional:
             for b in repeated_blocks(model): b.compile(backend=args.backend, mode=mode)
         else: model = torch.compile(model, backend=args.backend, mode=mode)
     if args.opt == 'fused_adamw': opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
@@ -186,7 +212,7 @@ def hand_loop(args, cfg, model, batches, device, mode, regional, timer):
         opt.step()
         opt.zero_grad()
         timer.step_done(i)
-    return {}
+    return dict(compiled=model)
 
 def fastai_loop(args, cfg, model, batches, device, mode, regional, timer, cbs=()):
     "`Learner.fit` for exactly warmup+steps batches, no validation, no progress bar or logging"
@@ -228,7 +254,9 @@ def fastai_loop(args, cfg, model, batches, device, mode, regional, timer, cbs=()
         if regional:
             if 'regional' not in inspect.signature(CompilerCallback.__init__).parameters:
                 raise Skip(f"fastxtend_compile {library_version()} has no `regional` option on `learn.compile`")
-            kwargs['regional'] = True
+            if regional == 'nested' and not hasattr(fastxtend_compile.core, 'nest_blocks'):
+                raise Skip(f"fastxtend_compile {library_version()} has no `regional='nested'`")
+            kwargs['regional'] = regional
         learn.compile(**kwargs)
         info['compile_kwargs'] = {k:str(v) for k,v in kwargs.items()}
     learn.fit(1)
@@ -238,6 +266,7 @@ def fastai_loop(args, cfg, model, batches, device, mode, regional, timer, cbs=()
             info['compile_report'] = dict(graphs=r.graphs, graph_breaks=r.graph_breaks, recompiles=len(r.recompiles),
                                           fallbacks=len(r.fallbacks), compile_seconds=round(r.compile_seconds, 2))
         except AttributeError as e: info['compile_report_error'] = str(e) # The report's fields moved: not fatal here
+    info['compiled'] = learn.model
     return info
 
 class Skip(Exception): "The arm cannot run with this version of the library"
@@ -280,7 +309,7 @@ def profile(args)->dict:
     if loop != 'fastai': raise Skip('--profile profiles the fastai arms')
     device = torch.device(args.device)
     cuda = device.type == 'cuda'
-    cfg = WORKLOADS[args.workload]['smoke' if args.smoke else 'full']
+    cfg = workload_config(args)
     if cuda: torch.set_float32_matmul_precision('high')
     def sync():
         if cuda: torch.cuda.synchronize()
@@ -319,10 +348,43 @@ def profile(args)->dict:
     return dict(status='profiled', reason=f'wrote {args.profile}')
 
 # ---------------------------------------------------------------------------------------------------------------------
+# What the compiler made, and whether it trains as eager does
+
+def compile_stats()->dict:
+    "TorchDynamo's graphs, inductor's compiled graphs (forward and backward count apart), nested regions traced and reused"
+    from torch._dynamo.utils import counters, compilation_time_metrics
+    ind = counters['inductor']
+    return dict(dynamo_graphs=counters['stats']['unique_graphs'],
+                inductor_graphs=ind['fxgraph_cache_miss'] + ind['fxgraph_cache_hit'],
+                regions_traced=len(compilation_time_metrics.get('invoke_subgraph_trace', [])),
+                regions_reused=len(compilation_time_metrics.get('invoke_subgraph_reuse_stamp_out', [])))
+
+def matches_eager(cfg, module, compiled, batch, device)->dict:
+    """One training step's loss and gradients through `compiled` against an eager copy of `module` with the same weights:
+    the loss's absolute difference and the largest relative difference (by norm) of a parameter's gradient"""
+    eager = make_model(cfg).to(device)
+    eager.load_state_dict(module.state_dict())
+    autocast = torch.autocast('cuda', torch.bfloat16) if device.type == 'cuda' else nullcontext()
+    x, y = (t.as_subclass(torch.Tensor) for t in batch)
+    module.zero_grad(set_to_none=True)
+    losses = []
+    for m in (compiled, eager):
+        with autocast:
+            out = m(x)
+            loss = F.cross_entropy(out.view(-1, out.shape[-1]).float(), y.view(-1))
+        loss.backward()
+        losses.append(loss.item())
+    errs = [((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-12)).item()
+            for p,q in zip(module.parameters(), eager.parameters()) if q.grad is not None]
+    missing = sum(p.grad is None for p,q in zip(module.parameters(), eager.parameters()) if q.grad is not None)
+    return dict(loss_diff=abs(losses[0] - losses[1]), grad_rel_err=max(errs) if not missing else float('inf'),
+                grads_missing=missing)
+
+# ---------------------------------------------------------------------------------------------------------------------
 
 def run(args)->dict:
     device = torch.device(args.device)
-    cfg = WORKLOADS[args.workload]['smoke' if args.smoke else 'full']
+    cfg = workload_config(args)
     loop, mode, regional = ARMS[args.arm]
     if device.type == 'cuda':
         torch.zeros(1, device=device); torch.cuda.synchronize() # CUDA context up front, not in the first step
@@ -335,6 +397,10 @@ def run(args)->dict:
     t0 = time.perf_counter()
     info = (hand_loop if loop == 'hand' else fastai_loop)(args, cfg, model, batches, device, mode, regional, timer)
     ms = timer.step_ms()
+    compiled = info.pop('compiled', None)
+    if mode is not None:
+        info.update(compile_stats())
+        info['vs_eager'] = matches_eager(cfg, model, compiled, batches[0], device)
     if len(ms) != args.steps: raise RuntimeError(f"timed {len(ms)} steps, expected {args.steps}")
     med = statistics.median(ms)
     return dict(status='ok', median_ms=med, mean_ms=statistics.fmean(ms), min_ms=min(ms), max_ms=max(ms),
@@ -357,6 +423,7 @@ def main():
     p.add_argument('--backend', default='inductor', help='torch.compile backend for the compiled arms')
     p.add_argument('--compile-kwargs', default='{}', help='extra keyword arguments for `learn.compile`, as JSON')
     p.add_argument('--smoke', action='store_true', help='tiny workload sizes')
+    p.add_argument('--config', default='{}', help='changes to the workload\'s sizes, as JSON, e.g. \'{"n_layer": 4}\'')
     p.add_argument('--plain', action='store_true', help="feed the fastai arms plain tensors, not fastai's typed ones")
     p.add_argument('--phase', default='cold', help='label only: cold or warm (bench.py reuses the cache dir for warm)')
     p.add_argument('--profile', default=None, help="a fastai arm: profile its steady steps into this file instead of timing them")
@@ -365,7 +432,7 @@ def main():
     if args.warmup < 1: p.error('--warmup must be at least 1')
     rec = dict(workload=args.workload, arm=args.arm, opt=args.opt, phase=args.phase, backend=args.backend,
                steps=args.steps, warmup=args.warmup, smoke=args.smoke,
-               config=WORKLOADS[args.workload]['smoke' if args.smoke else 'full'],
+               config=workload_config(args),
                cache_dir=os.environ.get('TORCHINDUCTOR_CACHE_DIR'))
     rc = 0
     try:

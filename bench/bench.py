@@ -24,9 +24,9 @@ from procs import arm_env, env_line, git_commit, log_process, run_jobs, run_proc
 
 LABELS = {
     'hand_eager': 'hand eager', 'hand_compile': 'hand compile', 'hand_compile_ro': 'hand compile RO',
-    'hand_compile_regional': 'hand compile regional', 'fastai_eager': 'fastai eager',
+    'hand_compile_regional': 'hand compile regional', 'hand_compile_nested': 'hand compile nested', 'fastai_eager': 'fastai eager',
     'fastai_compile': 'fastai learn.compile()', 'fastai_compile_ro': 'fastai learn.compile(RO)',
-    'fastai_compile_regional': 'fastai learn.compile regional',
+    'fastai_compile_regional': 'fastai learn.compile regional', 'fastai_compile_nested': "fastai learn.compile regional='nested'",
 }
 OPT_LABELS = {'fastai_adam': "fastai Adam", 'fused_adamw': 'fused AdamW'}
 DEFAULT_ARMS = ['hand_eager', 'hand_compile', 'hand_compile_ro', 'fastai_eager', 'fastai_compile', 'fastai_compile_ro']
@@ -44,7 +44,8 @@ def plan(args)->list:
     arms = args.arms.split(',') if args.arms else None
     if args.smoke and not arms and not args.warm:
         return [(w, a, o, ph) for w in args.workloads.split(',') for a, o, warm in
-                SMOKE_JOBS + ([('fastai_compile_regional', 'fastai_adam', False)] if w == 'gpt' else [])
+                SMOKE_JOBS + ([('fastai_compile_regional', 'fastai_adam', False), ('fastai_compile_nested', 'fastai_adam', False)]
+                              if w == 'gpt' else [])
                 if o in args.opts.split(',') for ph in ('cold', 'warm')[:1+warm]]
     warm = args.warm or 'hand_compile,fastai_compile'
     warm = {'all': [a for a in ARMS if ARMS[a][1]], 'none': []}.get(warm, warm.split(','))
@@ -56,7 +57,7 @@ def plan(args)->list:
             for o in args.opts.split(','):
                 # The hand loops are the ceiling: fused AdamW, unless asked for fastai's Adam too
                 if a.startswith('hand') and o == 'fastai_adam' and not args.hand_fastai_adam: continue
-                if a.endswith('regional') and o == 'fused_adamw' and not arms: continue
+                if a.endswith(('regional', 'nested')) and o == 'fused_adamw' and not arms: continue
                 jobs.append((w, a, o, 'cold'))
                 if a in warm and ARMS[a][1]: jobs.append((w, a, o, 'warm'))
     return jobs
@@ -67,7 +68,7 @@ def run_job(args, job, cache_root:Path, log)->dict:
     result = cache_root/f'{w}-{a}-{o}-{phase}.json'
     cmd = [sys.executable, HERE/'arm.py', '--workload', w, '--arm', a, '--opt', o, '--phase', phase,
            '--device', args.device, '--steps', args.steps, '--warmup', args.warmup, '--backend', args.backend,
-           '--compile-kwargs', args.compile_kwargs, '--result', result] + ['--smoke']*args.smoke + ['--plain']*args.plain
+           '--compile-kwargs', args.compile_kwargs, '--config', json.dumps(json.loads(args.config).get(w, {})), '--result', result] + ['--smoke']*args.smoke + ['--plain']*args.plain
     if args.profile: cmd += ['--profile', Path(args.out)/f'profile_{w}_{a}_{o}.txt']
     fin = run_process(cmd, arm_env(cache), args.timeout)
     tail = log_process(log, ' '.join(job), cmd, fin)
@@ -84,6 +85,8 @@ def fmt_progress(rec)->str:
     s = f"{rec['median_ms']:.2f} ms/step, first step {rec['first_step_s']:.1f}s"
     if rec.get('compile_s') is not None: s += f" (compile {rec['compile_s']:.1f}s)"
     if rec.get('peak_mem_gb') is not None: s += f", peak {rec['peak_mem_gb']:.2f} GB"
+    if rec.get('dynamo_graphs') is not None: s += f", graphs {compiled_stats(rec)}"
+    if rec.get('vs_eager'): s += f", vs eager {eager_match(rec)}"
     return s + f", process {rec['process_s']:.0f}s"
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -126,6 +129,13 @@ def goals(idx, workloads)->list:
             add("regional compilation: learn.compile() cold compile over regional's, fastai Adam", w,
                 ratio(get(w, 'fastai_compile', 'fastai_adam', 'compile_s'), get(w, 'fastai_compile_regional', 'fastai_adam', 'compile_s')),
                 '≥ 2×', '{:.2f}×', lambda v: v >= 2)
+        for loop, o in (('hand', 'fused_adamw'), ('fastai', 'fastai_adam')): # Nested regions, where they were measured
+            whole, nested = ok(idx, w, f'{loop}_compile', o), ok(idx, w, f'{loop}_compile_nested', o)
+            if not (whole and nested): continue
+            add(f"{loop} nested regions: cold compile over the whole model's, {OPT_LABELS[o]}", w,
+                ratio(nested['compile_s'], whole['compile_s']), '≤ 0.7×', '{:.2f}×', lambda v: v <= 0.7)
+            add(f"{loop} nested regions: step time over the whole model's, {OPT_LABELS[o]}", w,
+                ratio(nested['median_ms'], whole['median_ms']), '≤ 1.05×', '{:.2f}×', lambda v: v <= 1.05)
     return res
 
 def fmt(v, spec, none='—'): return none if v is None else format(v, spec)
@@ -136,6 +146,17 @@ def config(recs, w)->dict:
                 WORKLOADS[w]['smoke' if any(r.get('smoke') for r in recs) else 'full'])
 
 def graph_stats(rep)->str: return '' if not rep else f"{rep['graphs']} / {rep['graph_breaks']} / {rep['recompiles']}"
+
+def compiled_stats(r)->str:
+    "TorchDynamo's graphs / inductor's (forward and backward) / nested regions traced + reused, where the arm recorded them"
+    if r.get('dynamo_graphs') is None: return ''
+    return f"{r['dynamo_graphs']} / {r['inductor_graphs']} / {r['regions_traced']} + {r['regions_reused']}"
+
+def eager_match(r)->str:
+    "A training step's loss difference and largest relative gradient difference against eager, where measured"
+    v = r.get('vs_eager')
+    if not v: return ''
+    return f"{v['loss_diff']:.1e} / {v['grad_rel_err']:.1e}" + (f" ({v['grads_missing']} grads missing)" if v['grads_missing'] else '')
 
 def render_md(data)->str:
     env, meta, recs = data['env'], data['meta'], data['records']
@@ -187,8 +208,8 @@ def render_md(data)->str:
         ceil = ok(idx, w, *CEILING)
         L += ["", f"### {w}: {describe(config(recs, w))}", "",
               "| arm | optimizer | ms/step | mean | × ceiling | × faster than fastai eager | cold compile s | warm compile s "
-              "| warm/cold | peak GB | graphs / breaks / recompiles |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "| warm/cold | peak GB | graphs / breaks / recompiles | dynamo / inductor graphs / regions | vs eager: loss Δ / grad rel. err |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
         for o in OPTS:
             eager = ok(idx, w, 'fastai_eager', o)
             for a in arms:
@@ -200,7 +221,7 @@ def render_md(data)->str:
                          f"{fmt(ceil and r['median_ms']/ceil['median_ms'], '.2f')} | "
                          f"{fmt(eager and eager['median_ms']/r['median_ms'], '.2f')} | {fmt(cold, '.1f')} | {fmt(warm, '.1f')} | "
                          f"{fmt(warm/cold if warm is not None and cold else None, '.0%')} | {fmt(r.get('peak_mem_gb'), '.2f')} | "
-                         f"{graph_stats(rep)} |")
+                         f"{graph_stats(rep)} | {compiled_stats(r)} | {eager_match(r)} |")
     return '\n'.join(L) + '\n'
 
 def plot(data, path):
@@ -265,6 +286,7 @@ def main():
     p.add_argument('--warmup', type=int, default=None, help='warm-up steps per arm, the compile step included (default 20; smoke 1)')
     p.add_argument('--backend', default=None, help="torch.compile backend (default inductor; smoke aot_eager, for speed)")
     p.add_argument('--compile-kwargs', default='{}', help="extra `learn.compile` keyword arguments, as JSON, for the fastai compiled arms")
+    p.add_argument('--config', default='{}', help='changes to workload sizes, as JSON by workload, e.g. \'{"gpt": {"n_layer": 4}}\'')
     p.add_argument('--timeout', type=float, default=300, help='seconds per arm process before it is killed')
     p.add_argument('--budget', type=float, default=None, help='start no arm process after this many seconds (the rest are skipped)')
     p.add_argument('--smoke', action='store_true', help='tiny sizes and few steps: checks that every code path runs')
