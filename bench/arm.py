@@ -357,13 +357,18 @@ def compile_stats()->dict:
     return dict(dynamo_graphs=counters['stats']['unique_graphs'],
                 inductor_graphs=ind['fxgraph_cache_miss'] + ind['fxgraph_cache_hit'],
                 regions_traced=len(compilation_time_metrics.get('invoke_subgraph_trace', [])),
-                regions_reused=len(compilation_time_metrics.get('invoke_subgraph_reuse_stamp_out', [])))
+                regions_reused=len(compilation_time_metrics.get('invoke_subgraph_reuse_stamp_out', [])),
+                # Where the seconds went: TorchDynamo's tracing, AOTAutograd (which calls inductor), inductor's lowering and
+                # code generation, and the wait for its compiled kernels (C++ or triton)
+                phases={k: round(sum(compilation_time_metrics.get(k, [])), 2) for k in
+                        ('bytecode_tracing', 'create_aot_dispatcher_function', 'GraphLowering.run', 'Scheduler.codegen', 'async_compile.wait')})
 
 def matches_eager(cfg, module, compiled, batch, device)->dict:
     """One training step's loss and gradients through `compiled` against an eager copy of `module` with the same weights:
     the loss's absolute difference and the largest relative difference (by norm) of a parameter's gradient"""
     eager = make_model(cfg).to(device)
     eager.load_state_dict(module.state_dict())
+    module.train(), eager.train() # A fastai fit ends on its validation, in eval mode
     autocast = torch.autocast('cuda', torch.bfloat16) if device.type == 'cuda' else nullcontext()
     x, y = (t.as_subclass(torch.Tensor) for t in batch)
     module.zero_grad(set_to_none=True)

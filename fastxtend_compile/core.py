@@ -413,6 +413,17 @@ def _unnest(module:nn.Module):
     if isinstance(f, NestedForward) or isinstance(f, MethodType) and f.__self__ is module and f.__func__ is type(module).forward:
         del module.forward
 
+@contextmanager
+def plain_blocks(
+    model:nn.Module, # Model whose blocks `nest_blocks` may have marked
+):
+    "Within this context the blocks of `model` run their class's `forward`, so a pickle of it holds the plain model"
+    nested = [(m, f) for m in model.modules() if isinstance(f := m.__dict__.get('forward'), NestedForward)]
+    for m,_ in nested: del m.forward
+    try: yield model
+    finally:
+        for m,f in nested: m.forward = f
+
 # %% ../nbs/00_core.ipynb #5c0e7a31
 def compiled_settings(
     model:nn.Module, # Model, compiled in place, wrapped by `torch.compile` or neither
@@ -439,6 +450,10 @@ def compile_model(
     "Compile `model` in place with `torch.compile` `settings`, unwrapping an `OptimizedModule` first"
     if regional not in (False, True, 'nested'): raise ValueError(f"regional={regional!r}: choose False, True or 'nested'")
     settings = compile_settings(**settings)
+    if regional == 'nested' and not nested_regions_train_right(settings['backend']):
+        raise ValueError(f"regional='nested' with backend='inductor' is refused on torch {torch.__version__}: its inductor computes "
+                         "wrong gradients for twin blocks that share a nested compile region (measured right on torch "
+                         f"{', '.join(NESTED_REGIONS_RIGHT)}). Use regional=True, or compile the whole model (regional=False)")
     model = uncompile_model(model)
     if not regional:
         set_compiled_call(model, CompiledCall(model, on_refused=on_refused, **settings))
