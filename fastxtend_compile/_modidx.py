@@ -394,6 +394,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                        'fastxtend_compile/internals.py'),
                                              'fastxtend_compile.internals.restore_python_reducer_settings': ( 'internals.html#restore_python_reducer_settings',
                                                                                                               'fastxtend_compile/internals.py'),
+                                             'fastxtend_compile.internals.running_stats': ( 'internals.html#running_stats',
+                                                                                            'fastxtend_compile/internals.py'),
                                              'fastxtend_compile.internals.set_aot_autograd_cache': ( 'internals.html#set_aot_autograd_cache',
                                                                                                      'fastxtend_compile/internals.py'),
                                              'fastxtend_compile.internals.set_caching_precompile': ( 'internals.html#set_caching_precompile',

@@ -462,6 +462,10 @@ def compile_model(
     if not blocks: raise ValueError(f"regional={regional!r}, but {type(model).__name__} has no repeated blocks (children of a ModuleList or Sequential of the same class) to compile")
     # Twins, blocks of a class with parameters of the same shapes, share their compiled code: each reuses the first one's.
     # Twins of other shapes (a ResNet's stages) get code of their own, and recompile limits of their own
+    if regional == 'nested' and (norms := [m for b in blocks for m in running_stats(b)]):
+        raise ValueError(f"regional='nested', but the repeated blocks of {type(model).__name__} update running statistics in "
+                         f"training ({type(norms[0]).__name__}): torch's nested compile regions can't train blocks that change "
+                         "their buffers. Use regional=True, or compile the whole model (regional=False)")
     twins = {}
     for b in blocks: twins.setdefault((type(b), tuple(p.shape for p in b.parameters())), []).append(b)
     if len(twins) == len(blocks):

@@ -27,7 +27,7 @@ __all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'ddp_split_logger', '
            'fused_kernel_devices', 'fused_adam_kernel', 'dynamo_supported', 'inductor_cxx', 'inductor_options',
            'guarded_code', 'explain', 'explained_break', 'inductor_fallback_random', 'inductor_cache_dir',
            'cpp_kernel_files', 'precompile_supported', 'caching_precompile', 'set_caching_precompile',
-           'precompiled_loads', 'dropped_guard', 'nested_regions_train_right']
+           'precompiled_loads', 'dropped_guard', 'nested_regions_train_right', 'running_stats']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
 def own_function(
@@ -421,3 +421,9 @@ def nested_regions_train_right(
     if backend != 'inductor': return True
     v = TorchVersion(torch.__version__)
     return any(v >= r and v < f"{r.split('.')[0]}.{int(r.split('.')[1]) + 1}" for r in NESTED_REGIONS_RIGHT)
+
+def running_stats(
+    module:nn.Module, # A block, say
+)->list:
+    "The modules in `module` that update running statistics in training (BatchNorm's, InstanceNorm's with `track_running_stats`)"
+    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]

@@ -420,3 +420,15 @@ def test_nested_regions_train_right_where_inductor_trains_shared_regions_as_eage
     err = max(((p.grad - q.grad).norm() / q.grad.norm()).item() for p,q in zip(model.parameters(), eager.parameters()))
     assert (err < 1e-4) == nested_regions_train_right('inductor'), f"largest gradient error {err:.1e} on torch {torch.__version__}"
     assert nested_regions_train_right('aot_eager')
+
+def test_running_stats_are_what_nested_regions_cannot_train():
+    "Blocks with BatchNorm's running statistics, shared as a nested region, fail to train (torch 2.11; 2.14 trains a small one): `running_stats` finds them"
+    from torch.torch_version import TorchVersion
+    from fastxtend_compile.core import nest_blocks
+    conv = lambda: nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+    assert len(running_stats(conv())) == 1 and running_stats(nn.Sequential(nn.LayerNorm(4), nn.BatchNorm1d(4, track_running_stats=False))) == []
+    model = nn.Sequential(conv(), conv())
+    nest_blocks(list(model), 'bn_block_region')
+    if TorchVersion(torch.__version__) >= '2.12': return # Not measured on 2.12 and 2.13; 2.14 trains this one, not a ResNet-18
+    with pytest.raises(Exception, match='does not currently support training with in-place input or buffer mutations'):
+        torch.compile(model, backend='aot_eager')(torch.randn(2, 4, 8, 8)).sum().backward()

@@ -351,6 +351,11 @@ def test_regional_takes_false_true_or_nested():
     with pytest.raises(ValueError, match="regional='nest': choose False, True or 'nested'"): compile_model(tower(), regional='nest')
     with pytest.raises(ValueError, match="regional='nested', but Linear has no repeated blocks"):
         compile_model(nn.Linear(2, 2), regional='nested', backend=BACKEND)
+    stages = nn.Sequential(*[nn.Sequential(nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4)) for _ in range(2)])
+    with pytest.raises(ValueError, match=r"regional='nested', but the repeated blocks of Sequential update running statistics "
+                                         r"in training \(BatchNorm2d\).*Use regional=True"):
+        compile_model(stages, regional='nested', backend=BACKEND)
+    assert not any('forward' in m.__dict__ for m in stages.modules())
 
 @pytest.mark.skipif(nested_regions_train_right('inductor'), reason="this torch's inductor trains nested regions as eager")
 def test_nested_regions_are_refused_where_inductor_trains_them_wrong():
