@@ -8,8 +8,6 @@ import hashlib, shutil, sys, warnings
 from collections import Counter
 from contextlib import contextmanager
 from enum import Enum
-from functools import partial
-from types import MethodType
 from typing import Callable, Dict, Union
 
 import torch
@@ -388,42 +386,6 @@ def repeated_blocks(
     # `Sequential`s): they are blocks only where nothing inside them repeats
     return _twins(model, containers=False) or _twins(model, containers=True)
 
-# %% ../nbs/00_core.ipynb #a3c91e57
-def _block_forward(module:nn.Module, *args, **kwargs):
-    "Run `module`'s `forward` as its class defines it"
-    return type(module).forward(module, *args, **kwargs)
-
-class NestedForward(partial):
-    "A repeated block's `forward` as a nested compile region: traced once in its model's graph, reused by its twins"
-    # The block is an argument of the region, never a value the region captures: torch 2.14 reuses a region traced for
-    # one block, with that block's parameters, for each twin that reaches it through a closure or a bound method
-    def __reduce__(self): return getattr, (self.args[0], 'forward') # A pickled copy (`learn.export`) runs its class's forward
-
-def nest_blocks(
-    blocks:list, # Twins: repeated blocks of one class with parameters of the same shapes
-    name:str, # Name of their region, as TorchDynamo's logs show it
-):
-    "Have `blocks` run their `forward` as one `torch.compiler.nested_compile_region` when their model is compiled whole"
-    region = torch.compiler.nested_compile_region(own_function(_block_forward, name))
-    for b in blocks: b.forward = NestedForward(region, b)
-
-def _unnest(module:nn.Module):
-    "Drop what `nest_blocks` set on `module`, and the bound `forward` of its class that a pickled copy of it holds"
-    f = module.__dict__.get('forward')
-    if isinstance(f, NestedForward) or isinstance(f, MethodType) and f.__self__ is module and f.__func__ is type(module).forward:
-        del module.forward
-
-@contextmanager
-def plain_blocks(
-    model:nn.Module, # Model whose blocks `nest_blocks` may have marked
-):
-    "Within this context the blocks of `model` run their class's `forward`, so a pickle of it holds the plain model"
-    nested = [(m, f) for m in model.modules() if isinstance(f := m.__dict__.get('forward'), NestedForward)]
-    for m,_ in nested: del m.forward
-    try: yield model
-    finally:
-        for m,f in nested: m.forward = f
-
 # %% ../nbs/00_core.ipynb #5c0e7a31
 def compiled_settings(
     model:nn.Module, # Model, compiled in place, wrapped by `torch.compile` or neither
@@ -443,42 +405,28 @@ def is_compiled(
 @delegates(compile_settings)
 def compile_model(
     model:nn.Module, # Model to compile in place
-    regional:bool|str=False, # Compile only its repeated blocks, each reusing its twins' compiled code; 'nested': the whole model, each block traced once
+    regional:bool=False, # Compile only its repeated blocks, each reusing its twins' compiled code
     on_refused:Callable|None=None, # Called when a `fullgraph=True` compile is refused
     **settings # `torch.compile` settings: `fullgraph`, `dynamic`, `backend`, `mode`, `options`
 )->nn.Module:
     "Compile `model` in place with `torch.compile` `settings`, unwrapping an `OptimizedModule` first"
-    if regional not in (False, True, 'nested'): raise ValueError(f"regional={regional!r}: choose False, True or 'nested'")
     settings = compile_settings(**settings)
-    if regional == 'nested' and not nested_regions_train_right(settings['backend']):
-        raise ValueError(f"regional='nested' with backend='inductor' is refused on torch {torch.__version__}: its inductor computes "
-                         "wrong gradients for twin blocks that share a nested compile region (measured right on torch "
-                         f"{', '.join(NESTED_REGIONS_RIGHT)}). Use regional=True, or compile the whole model (regional=False)")
     model = uncompile_model(model)
     if not regional:
         set_compiled_call(model, CompiledCall(model, on_refused=on_refused, **settings))
         return model
     blocks = repeated_blocks(model)
-    if not blocks: raise ValueError(f"regional={regional!r}, but {type(model).__name__} has no repeated blocks (children of a ModuleList or Sequential of the same class) to compile")
-    # Twins, blocks of a class with parameters of the same shapes, share their compiled code: each reuses the first one's.
-    # Twins of other shapes (a ResNet's stages) get code of their own, and recompile limits of their own
-    if regional == 'nested' and (norms := [m for b in blocks for m in running_stats(b)]):
-        raise ValueError(f"regional='nested', but the repeated blocks of {type(model).__name__} update running statistics in "
-                         f"training ({type(norms[0]).__name__}): torch's nested compile regions can't train blocks that change "
-                         "their buffers. Use regional=True, or compile the whole model (regional=False)")
-    twins = {}
-    for b in blocks: twins.setdefault((type(b), tuple(p.shape for p in b.parameters())), []).append(b)
-    if len(twins) == len(blocks):
-        warnings.warn(f"regional={regional!r}, but none of the {len(blocks)} repeated blocks of {type(model).__name__} has a twin with "
+    if not blocks: raise ValueError(f"regional=True, but {type(model).__name__} has no repeated blocks (children of a ModuleList or Sequential of the same class) to compile")
+    # Twins, blocks of a class with parameters of the same shapes, share their compiled functions: each reuses the first
+    # one's graphs. Twins of other shapes (a ResNet's stages) get functions of their own, and recompile limits of their own
+    entries = {}
+    for b in blocks:
+        twins = entries.setdefault((type(b), tuple(p.shape for p in b.parameters())), {})
+        set_compiled_call(b, CompiledCall(b, twins, on_refused=on_refused, **settings))
+    if len(entries) == len(blocks):
+        warnings.warn(f"regional=True, but none of the {len(blocks)} repeated blocks of {type(model).__name__} has a twin with "
                       "parameters of the same shapes, so each compiles alone: compiling the whole model (regional=False) "
-                      + ("compiles as much" if regional == 'nested' else "makes fewer graphs"), stacklevel=2)
-    if regional == 'nested': # One graph of the whole model, in which each set of twins is traced and compiled once
-        for i, group in enumerate(twins.values()): nest_blocks(group, f'{type(group[0]).__name__}_region{i}')
-        set_compiled_call(model, CompiledCall(model, on_refused=on_refused, **settings))
-        return model
-    for group in twins.values():
-        entries = {}
-        for b in group: set_compiled_call(b, CompiledCall(b, entries, on_refused=on_refused, **settings))
+                      "makes fewer graphs", stacklevel=2)
     return model
 
 def uncompile_model(
@@ -486,9 +434,7 @@ def uncompile_model(
 )->nn.Module:
     "`model` with its compiled state, and that of any compiled block inside it, dropped, so it runs eagerly"
     model = unwrap_model(model)
-    for m in model.modules():
-        set_compiled_call(m, None)
-        _unnest(m)
+    for m in model.modules(): set_compiled_call(m, None)
     return model
 
 # %% ../nbs/00_core.ipynb #948b7302

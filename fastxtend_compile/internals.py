@@ -15,10 +15,10 @@ from torch import nn
 from torch.torch_version import TorchVersion
 
 # %% auto #0
-__all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'ddp_split_logger', 'precompile_guard_logger', 'NESTED_REGIONS_RIGHT',
-           'own_function', 'call_module', 'set_compiled_call', 'compiled_call', 'is_optimized_module',
-           'optimized_inner', 'graph_break_error', 'traced_op_error', 'error_frame', 'GraphBreak', 'graph_break_parts',
-           'HeldRecords', 'data_dependent_error', 'is_data_dependent', 'recompile_limit_error', 'last_recompile',
+__all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'ddp_split_logger', 'precompile_guard_logger', 'own_function',
+           'call_module', 'set_compiled_call', 'compiled_call', 'is_optimized_module', 'optimized_inner',
+           'graph_break_error', 'traced_op_error', 'error_frame', 'GraphBreak', 'graph_break_parts', 'HeldRecords',
+           'data_dependent_error', 'is_data_dependent', 'recompile_limit_error', 'last_recompile',
            'add_compile_callbacks', 'remove_compile_callbacks', 'recompile_limit_hit', 'guard_failure',
            'compilation_metrics', 'FrameCompile', 'frame_compile', 'is_fx_code', 'graph_break_reasons',
            'graphs_compiled', 'hook_dicts', 'optimize_ddp', 'set_optimize_ddp', 'ddp_split_pieces',
@@ -27,7 +27,7 @@ __all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'ddp_split_logger', '
            'fused_kernel_devices', 'fused_adam_kernel', 'dynamo_supported', 'inductor_cxx', 'inductor_options',
            'guarded_code', 'explain', 'explained_break', 'inductor_fallback_random', 'inductor_cache_dir',
            'cpp_kernel_files', 'precompile_supported', 'caching_precompile', 'set_caching_precompile',
-           'precompiled_loads', 'dropped_guard', 'nested_regions_train_right', 'running_stats']
+           'precompiled_loads', 'dropped_guard']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
 def own_function(
@@ -407,23 +407,3 @@ precompile_guard_logger = logging.getLogger('torch._dynamo.guards') # Warns of e
 def dropped_guard(record:logging.LogRecord)->bool:
     "Whether `record` is TorchDynamo's warning that precompiled code goes without a guard (on a global: a module, a builtin)"
     return 'is dropped with caching_precompile=True' in str(record.msg)
-
-# %% ../nbs/06_internals.ipynb #b7e2d4c1
-NESTED_REGIONS_RIGHT = ('2.11',) # torch versions whose inductor trains twin blocks that share a nested region as eager does
-
-def nested_regions_train_right(
-    backend:str|Callable, # `torch.compile` backend
-)->bool:
-    "Whether `backend` compiles the backward of a `torch.compiler.nested_compile_region` its twins share as eager computes it"
-    # torch 2.14.1's inductor gets a reused region's parameter gradients wrong: on a 3-layer transformer on the CPU, the
-    # last block's LayerNorm weight gradient is 46% off eager's, the others ~3%; torch 2.11's are eager's to 1e-6. Versions
-    # not measured are refused too, rather than train a model wrong without a word
-    if backend != 'inductor': return True
-    v = TorchVersion(torch.__version__)
-    return any(v >= r and v < f"{r.split('.')[0]}.{int(r.split('.')[1]) + 1}" for r in NESTED_REGIONS_RIGHT)
-
-def running_stats(
-    module:nn.Module, # A block, say
-)->list:
-    "The modules in `module` that update running statistics in training (BatchNorm's, InstanceNorm's with `track_running_stats`)"
-    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]

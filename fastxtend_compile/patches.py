@@ -16,7 +16,7 @@ from fastai.learner import Learner
 import fastai.callback.schedule # Patches `Learner.fine_tune` and `fit_one_cycle`
 
 from .core import *
-from .core import unwrap_model, plain_blocks
+from .core import unwrap_model
 from .internals import without_dynamo_marks
 from .callback import CompilerCallback
 
@@ -63,7 +63,7 @@ def export(self:Learner, fname='export.pkl', **kwargs):
     for cb in cbs: _fastai_remove_cb(self, cb) # Set aside, not removed: the model stays compiled
     kept = self.__dict__.pop('compiler', None) # A removed `CompilerCallback`, kept for its report
     try:
-        with plain_model(self) as model, without_dynamo_marks(model), plain_blocks(model): _fastai_export(self, fname, **kwargs)
+        with plain_model(self) as model, without_dynamo_marks(model): _fastai_export(self, fname, **kwargs)
     finally:
         if kept is not None: self.compiler = kept
         self.add_cbs(cbs)

@@ -11,7 +11,6 @@ import fastai.callback.schedule # fit_one_cycle, lr_find
 from fastai.torch_core import set_seed
 from fastai.metrics import accuracy
 from fastxtend_compile import *
-from fastxtend_compile.internals import nested_regions_train_right
 from conftest import two_conv_cnn, bn_cnn, body_head_splitter, digits_dls, EAGER_PRECISION, assert_fit_close
 
 BACKEND = 'aot_eager' # Traces forward and backward like inductor without its C++ compile time; inductor runs below
@@ -304,62 +303,3 @@ def test_regional_training_compiles_once_per_graph_kind(digits):
     assert all(is_compiled(b) for b in learn.model[2]) and not is_compiled(learn.model)
     train = [e for e in learn.compiler.report.events if e.during.startswith('training') and e.frame != 'optimizer step']
     assert len(train) == 1, [str(e) for e in train] # six blocks, one compile
-
-def two_stage_tower():
-    "Blocks of one class in two sets of twins, as a ResNet's stages: three at width 32, three at 16"
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Sequential(*[Block() for _ in range(3)]), nn.Linear(32, 16),
-                         nn.Sequential(*[Block(16) for _ in range(3)]), nn.Linear(16, 10))
-
-def test_nested_regions_train_every_block_like_eager():
-    "`regional='nested'`: every block trains with its own weights as eagerly, though their twins share one traced region"
-    eager, comp = _fit_pair(lambda dls: Learner(dls, tower()), regional='nested')
-    assert is_compiled(comp.model) and not any(is_compiled(b) for b in comp.model[2])
-    assert_fit_close(eager.model, comp.model)
-
-def test_nested_regions_trace_each_set_of_twins_once():
-    "One graph of the whole model, calling one traced region a set of twins, the same for all its blocks"
-    graphs = []
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-    model, x = two_stage_tower(), torch.randn(5, 8, 8)
-    expected = model(x)
-    compile_model(model, regional='nested', backend=record)
-    out = model(x)
-    out.sum().backward()
-    torch.testing.assert_close(out, expected)
-    assert len(graphs) == 1
-    calls = [n for n in graphs[0].graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
-    assert len(calls) == 6 and len({n.args[1] for n in calls}) == 2 # Six blocks, two sets of twins, two regions
-    assert all(p.grad is not None for p in model.parameters())
-
-def test_nested_regions_leave_no_trace_in_a_pickle_or_after_uncompiling(digits, tmp_path):
-    import pickle
-    learn = Learner(digits, tower(), path=tmp_path).compile(backend=BACKEND, regional='nested')
-    learn.fit(1)
-    blocks = learn.model[2]
-    learn.export('nested.pkl')
-    assert b'fastxtend_compile' not in (tmp_path/'nested.pkl').read_bytes()
-    loaded = load_learner(tmp_path/'nested.pkl')
-    assert not any('forward' in b.__dict__ for b in loaded.model[2]) # The plain model, as plain fastai exports it
-    copy = pickle.loads(pickle.dumps(learn.model)) # Another pickle of the compiled model: its class's forward
-    xb = digits.valid.one_batch()[0].as_subclass(Tensor)
-    torch.testing.assert_close(copy(xb), uncompile_model(learn.model)(xb))
-    assert not any('forward' in b.__dict__ for b in (*blocks, *uncompile_model(copy)[2]))
-
-def test_regional_takes_false_true_or_nested():
-    with pytest.raises(ValueError, match="regional='nest': choose False, True or 'nested'"): compile_model(tower(), regional='nest')
-    with pytest.raises(ValueError, match="regional='nested', but Linear has no repeated blocks"):
-        compile_model(nn.Linear(2, 2), regional='nested', backend=BACKEND)
-    stages = nn.Sequential(*[nn.Sequential(nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4)) for _ in range(2)])
-    with pytest.raises(ValueError, match=r"regional='nested', but the repeated blocks of Sequential update running statistics "
-                                         r"in training \(BatchNorm2d\).*Use regional=True"):
-        compile_model(stages, regional='nested', backend=BACKEND)
-    assert not any('forward' in m.__dict__ for m in stages.modules())
-
-@pytest.mark.skipif(nested_regions_train_right('inductor'), reason="this torch's inductor trains nested regions as eager")
-def test_nested_regions_are_refused_where_inductor_trains_them_wrong():
-    model = tower()
-    with pytest.raises(ValueError, match=r"regional='nested' with backend='inductor' is refused on torch .* wrong gradients"):
-        compile_model(model, regional='nested')
-    assert not any(is_compiled(m) or 'forward' in m.__dict__ for m in model.modules()) # Nothing half-applied
