@@ -446,7 +446,8 @@ def main():
     except Skip as e: rec.update(status='skipped', reason=str(e))
     except Exception as e:
         traceback.print_exc()
-        rec.update(status='error', reason=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        lines = [l.strip() for l in str(e).strip().splitlines() if l.strip()] # torch's compiler errors say what failed on a later line
+        rec.update(status='error', reason=f"{type(e).__name__}: {' '.join(lines[:2])[:400]}")
         rc = 1
     Path(args.result).write_text(json.dumps(rec, indent=1))
     sys.exit(rc)
