@@ -44,7 +44,7 @@ def plan(args)->list:
     arms = args.arms.split(',') if args.arms else None
     if args.smoke and not arms and not args.warm:
         return [(w, a, o, ph) for w in args.workloads.split(',') for a, o, warm in
-                SMOKE_JOBS + ([('fastai_compile_regional', 'fastai_adam', False), ('fastai_compile_nested', 'fastai_adam', False)]
+                SMOKE_JOBS + ([('fastai_compile_regional', 'fastai_adam', False), ('hand_compile_nested', 'fused_adamw', False)]
                               if w == 'gpt' else [])
                 if o in args.opts.split(',') for ph in ('cold', 'warm')[:1+warm]]
     warm = args.warm or 'hand_compile,fastai_compile'
@@ -129,7 +129,7 @@ def goals(idx, workloads)->list:
             add("regional compilation: learn.compile() cold compile over regional's, fastai Adam", w,
                 ratio(get(w, 'fastai_compile', 'fastai_adam', 'compile_s'), get(w, 'fastai_compile_regional', 'fastai_adam', 'compile_s')),
                 '≥ 2×', '{:.2f}×', lambda v: v >= 2)
-        for loop, o in (('hand', 'fused_adamw'), ('fastai', 'fastai_adam')): # Nested regions, where they were measured
+        for loop, o in ((l, o) for l in ('hand', 'fastai') for o in OPTS): # Nested regions, where they were measured
             whole, nested = ok(idx, w, f'{loop}_compile', o), ok(idx, w, f'{loop}_compile_nested', o)
             if not (whole and nested): continue
             add(f"{loop} nested regions: cold compile over the whole model's, {OPT_LABELS[o]}", w,
