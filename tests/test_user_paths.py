@@ -184,7 +184,7 @@ def test_report_says_why_calls_ran_eagerly_in_the_users_terms(digits, cancer):
     assert "ran eagerly while hooks of ActivationStats read the model's values" in s and "1 frozen fit(s) of `fine_tune`" in s
     text = CompileReport(batch_times=[(0.01, False)]*4, data_waits=[0.05]*4, images=False).data_advice()
     assert text.startswith('the DataLoader: 83% of training time') and 'image' not in text and 'batch_tfms' not in text
-    from fastxtend_compile.callback import _image_batches
+    from fastxtend_compile.report import _image_batches
     assert _image_batches(digits.train) and not _image_batches(cancer.train)
 
 def test_a_fit_run_eagerly_for_hooks_says_so(digits):
