@@ -6,8 +6,8 @@ One command runs everything and writes `ddp.md` and `ddp.json` to `--out`:
 
 It starts a 1-GPU launch as a plain process (no DDP, as one GPU trains), then `--repeat` launches of
 `torchrun --standalone --nproc_per_node=GPUS`. In each launch every workload trains once per mode, the modes in turn
-and in reverse order every other launch: by default eager, `learn.compile()` (whole graphs, `ddp_split=False`) and
-`learn.compile(ddp_split=True)` (TorchDynamo's DDPOptimizer splits each graph at DDP's gradient buckets). Workloads: ResNet-18
+and in reverse order every other launch: by default eager, `learn.compile()` (whole graphs) and
+`learn.compile(ddp_compiled_autograd=True)` (DDP's all-reduces in compiled autograd's backward graphs). Workloads: ResNet-18
 (torchvision, 128 px, bs 64 per GPU) and a GPT-style model (8 layers, d=512, T=256, vocab 8192, bs 64 per GPU) on
 synthetic batches already on the GPU, no validation; a step is timed from the end of the warm-up steps to the end of the
 last step, synchronized, slowest rank. And `vision`: the workflow benchmark's images on disk (bench/workflow.py, written
@@ -80,16 +80,11 @@ def _cpu_gloo_patch():
         return t.tolist()
     DistributedDL._broadcast = _broadcast
 
-COMPILE_KWARGS = {'compile': {}, 'compile-split': dict(ddp_split=True), 'compile-nosplit': dict(ddp_split=False),
-                  'compile-split-100mb': dict(ddp_split=True), 'compile-ca': dict(ddp_compiled_autograd=True)}
-BUCKET_MB = {'compile-split-100mb': 100} # DDP's `bucket_cap_mb` (25 by default): fewer, larger buckets, fewer pieces
+COMPILE_KWARGS = {'compile': {}, 'compile-ca': dict(ddp_compiled_autograd=True)}
 
 def ddp_context(learn, mode:str, cuda:bool, sync_bn:bool):
-    "fastai's `distrib_ctx`, with DDP's bucket size as `mode` says"
+    "fastai's `distrib_ctx`"
     ctx = dict(sync_bn=sync_bn) if cuda else dict(sync_bn=False, cpu=True) # SyncBatchNorm needs a GPU
-    if mode in BUCKET_MB:
-        from accelerate import DistributedDataParallelKwargs
-        ctx['kwargs_handlers'] = [DistributedDataParallelKwargs(bucket_cap_mb=BUCKET_MB[mode])]
     return learn.distrib_ctx(**ctx)
 
 def run_one(args, name, cfg, mode, device, rank, world):
@@ -166,8 +161,8 @@ def finish(learn, res:dict, mode:str, device, world:int)->dict:
     if mode in COMPILE_KWARGS:
         r = learn.compiler.report
         res.update(graphs=r.graphs, graph_breaks=r.graph_breaks, recompiles=len(r.recompiles), fallbacks=len(r.fallbacks),
-                   compile_s=r.compile_seconds, events=[str(e) for e in r.events], ddp_split=r.ddp_split,
-                   ddp_pieces=list(r.ddp_pieces), ddp_backward_graphs=r.ddp_backward_graphs, summary=r.summary())
+                   compile_s=r.compile_seconds, events=[str(e) for e in r.events], ddp=r.ddp,
+                   ddp_backward_graphs=r.ddp_backward_graphs, summary=r.summary())
     if world > 1:
         t = torch.tensor([res['step_ms'], res['first_step_s'], res['fit_s']], device=device, dtype=torch.float64)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
@@ -266,13 +261,11 @@ def launch(args, world:int, modes:list, result:Path, timeout:float, cache:str)->
     fin = run_process(cmd, env, timeout, capture=False) # The ranks print as they go
     return 'timeout' if fin.timed_out else fin.rc, fin.wall
 
-MODE_NAMES = {'eager': 'eager', 'compile': 'learn.compile()', 'compile-split': 'learn.compile(ddp_split=True)',
-              'compile-nosplit': 'learn.compile(ddp_split=False)',
-              'compile-split-100mb': 'learn.compile(ddp_split=True), DDP buckets of 100 MB',
+MODE_NAMES = {'eager': 'eager', 'compile': 'learn.compile()',
               'compile-ca': 'learn.compile(ddp_compiled_autograd=True)'}
 
 def one_gpu_mode(mode:str)->str:
-    "The mode of the 1-GPU launch a multi-GPU mode is compared with: without DDP, `ddp_split` changes nothing"
+    "The mode of the 1-GPU launch a multi-GPU mode is compared with: without DDP, the DDP strategy changes nothing"
     return 'compile' if mode in COMPILE_KWARGS else mode
 
 def medians(results:list)->str:
@@ -296,7 +289,7 @@ def medians(results:list)->str:
 def table(results:list, gpus:int)->str:
     one = {(r['workload'], r['mode']): r for r in results if r['world'] == 1 and 'error' not in r}
     lines = ['| workload | mode | GPUs | first step (s) | step (ms) | samples/s | vs eager | scaling vs 1 GPU | '
-             'graphs / breaks / recompiles | DDP buckets per graph | ranks identical | peak GiB |',
+             'graphs / breaks / recompiles | compiled autograd backward graphs | ranks identical | peak GiB |',
              '|---|---|---|---|---|---|---|---|---|---|---|---|']
     order = sorted(results, key=lambda r: (list(WORKLOADS).index(r['workload']), r['mode'] != 'eager', r['world']))
     for r in order:
@@ -311,11 +304,11 @@ def table(results:list, gpus:int)->str:
         scaling = f"{r['samples_per_s']/base['samples_per_s']:.2f}× ({r['samples_per_s']/base['samples_per_s']/r['world']:.0%})" \
                   if base and r['world'] > 1 else '–'
         graphs = f"{r['graphs']} / {r['graph_breaks']} / {r['recompiles']}" if 'graphs' in r else '–'
-        buckets = ', '.join(map(str, r['ddp_pieces'])) if r.get('ddp_pieces') else '–'
+        backs = r['ddp_backward_graphs'] if r.get('ddp_backward_graphs') is not None else '–'
         same = {True: 'yes', False: 'NO'}.get(r.get('ranks_identical'), '–')
         peak = f"{r['peak_gib']:.1f}" if r.get('peak_gib') is not None else '–'
         lines.append(f"{head} {r['first_step_s']:.1f} | {r['step_ms']:.1f} | {r['samples_per_s']:.0f} | {vs_eager} | "
-                     f"{scaling} | {graphs} | {buckets} | {same} | {peak} |")
+                     f"{scaling} | {graphs} | {backs} | {same} | {peak} |")
     return '\n'.join(lines)
 
 def report(args, results, env, launches, total_s)->str:
@@ -336,9 +329,9 @@ def report(args, results, env, launches, total_s)->str:
            "with `learn.distrib_ctx()`. The launches share one inductor cache: the first launch that compiles a graph "
            "compiles it cold, later ones load it.",
            f"- samples/s counts all GPUs' samples; scaling = {args.gpus}-GPU samples/s over 1-GPU samples/s (efficiency in "
-           "brackets), against the 1-GPU `learn.compile()` for both `ddp_split` settings (they differ only under DDP).",
-           "- graphs / breaks / recompiles come from `learn.compiler.report`; DDP buckets per graph is how many pieces "
-           "TorchDynamo's DDPOptimizer split each compiled graph into, from the report (`ddp_pieces`; none: whole graphs).",
+           "brackets), against the 1-GPU `learn.compile()` for every compiled mode (they differ only under DDP).",
+           "- graphs / breaks / recompiles come from `learn.compiler.report`; compiled autograd backward graphs are "
+           "those `ddp_compiled_autograd=True` captured, from the report (`ddp_backward_graphs`).",
            "- ranks identical: a checksum of every rank's parameters after the fit is the same."]
     for l in launches: out.append(f"- launch of {l['world']} process(es), modes {', '.join(l['modes'])}: exit {l['rc']}, {l['seconds']:.0f}s")
     return '\n'.join(out) + '\n'
@@ -385,9 +378,8 @@ def main():
     p.add_argument('--gpus', type=int, default=2, help='Processes of the multi-GPU launch')
     p.add_argument('--repeat', type=int, default=1, help='Multi-GPU launches, each running every mode in turn: medians and spread')
     p.add_argument('--workloads', default='resnet18,gpt,vision')
-    p.add_argument('--modes', default='eager,compile,compile-split',
-                   help="eager; compile (learn.compile()'s default), compile-split or compile-nosplit (ddp_split=True/False), "
-                        "compile-split-100mb (ddp_split=True, DDP buckets of 100 MB), compile-ca (ddp_compiled_autograd=True)")
+    p.add_argument('--modes', default='eager,compile,compile-ca',
+                   help="eager; compile (learn.compile()'s default), compile-ca (ddp_compiled_autograd=True)")
     p.add_argument('--data', default=None, help=argparse.SUPPRESS)
     p.add_argument('--device', default=None, help='cuda (default with a GPU) or cpu')
     p.add_argument('--backend', default=None, help="torch.compile backend (default: inductor; aot_eager with --smoke)")

@@ -131,7 +131,7 @@ class BackgroundCompile:
         training:bool, # A training batch
     )->bool:
         "Whether this batch runs eagerly: its model state's compiled code isn't ready; starts compiling it in a worker if new"
-        if not training: return False # Evaluation is left to `CompilerCallback`'s own policy
+        if not training: return False # Evaluation is left to the callback's `EagerPolicy`
         sig = _signature(model, learn.xb, training)
         if sig in self.ready: return False
         if sig in self.failed or sig in self.short: return True

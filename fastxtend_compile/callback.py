@@ -18,15 +18,13 @@ from fastai.callback.core import Callback
 from fastai.torch_core import get_model, rank_distrib, num_distrib, default_device
 from fastai.learner import Learner
 from fastai.imports import noop # What `Learner.no_logging` sets `learn.logger` to
-from fastai.data.transforms import IntToFloatTensor
 
 from .core import *
-from .core import _hook_owner
-from .core import compile_settings, cannot_compile_reason, uses_cudagraphs, CompiledCall, inner_model, model_device
+from .core import compile_settings, cannot_compile_reason, uses_cudagraphs, inner_model, model_device, EagerPolicy
 from .report import *
 from .report import CompileRecorder
 from .internals import (
-    compiled_call, optimize_ddp, set_optimize_ddp, uses_python_reducer, python_reducer_settings, restore_python_reducer_settings,
+    optimize_ddp, set_optimize_ddp, uses_python_reducer, python_reducer_settings, restore_python_reducer_settings,
     compiled_autograd, compiled_autograd_captures, aot_autograd_cache, set_aot_autograd_cache,
     precompile_supported, caching_precompile, set_caching_precompile, precompile_guard_logger, dropped_guard)
 from .optimizer import compile_optimizer, uncompile_optimizer
@@ -36,10 +34,6 @@ from .background import BackgroundCompile
 __all__ = ['CompilerCallback']
 
 # %% ../nbs/02_callback.ipynb #e595b152
-def _image_batches(dl)->bool:
-    "Whether `dl` makes batches of images: fastai's `IntToFloatTensor` turns their pixels to floats"
-    return any(isinstance(t, IntToFloatTensor) for t in getattr(getattr(dl, 'after_batch', None), 'fs', []))
-
 class _MatMulPrecision:
     "Set the float32 matmul precision for a fit where it has an effect, CUDA GPUs with TF32 tensor cores, and restore it"
     def __init__(self, precision:str): self.precision, self.old = precision, None
@@ -60,8 +54,12 @@ class _Precompile:
     def __init__(self,
         on:bool, # Asked for: `precompile=True`
         backend:str|Callable, # The `torch.compile` backend: TorchDynamo saves only inductor's code with its own
+        compiled_autograd:bool=False, # Compiled autograd compiles the backwards under DDP (`ddp_compiled_autograd=True`)
     ):
         if not isinstance(on, bool): raise TypeError(f"precompile must be True or False, not {on!r}")
+        if on and compiled_autograd:
+            raise ValueError("Choose ddp_compiled_autograd=True or precompile=True, not both: compiled autograd's backward graphs "
+                             "are not precompiled")
         if on and backend != 'inductor':
             raise ValueError(f"precompile=True needs backend='inductor', not {backend!r}: TorchDynamo saves its precompiled "
                              "code only with inductor's")
@@ -118,17 +116,16 @@ class _Precompile:
 
 # %% ../nbs/02_callback.ipynb #5d1f0c3a
 class _DDPStrategy:
-    "Under DDP, how compiled graphs meet DDP's all-reduce for a fit: split at its buckets, whole, or in compiled autograd's backward"
+    "Under DDP, how compiled graphs meet DDP's all-reduce for a fit: whole graphs, or in compiled autograd's backward"
     def __init__(self,
-        split:bool, # Split each graph at DDP's gradient buckets (TorchDynamo's DDPOptimizer)
         compiled_autograd:bool, # DDP's Python reducer: its all-reduces traced into each backward graph by compiled autograd
+        settings:dict, # The `torch.compile` settings the model compiles with (`compile_settings`): the backwards compile alike
     ):
-        for name, value in (('ddp_split', split), ('ddp_compiled_autograd', compiled_autograd)):
-            if not isinstance(value, bool): raise TypeError(f"{name} must be True or False, not {value!r}")
-        if split and compiled_autograd:
-            raise ValueError("Choose ddp_split=True or ddp_compiled_autograd=True, not both: compiled autograd needs DDP's Python "
-                             "reducer, which replaces the buckets that ddp_split splits graphs at")
-        self.split, self.compiled_autograd = split, compiled_autograd
+        if not isinstance(compiled_autograd, bool): raise TypeError(f"ddp_compiled_autograd must be True or False, not {compiled_autograd!r}")
+        if compiled_autograd and uses_cudagraphs(settings):
+            raise ValueError(f"ddp_compiled_autograd=True does not run with CUDA graphs (mode={settings['mode']!r}): choose one")
+        self.compiled_autograd = compiled_autograd
+        self.compiler = partial(torch.compile, **{k: settings[k] for k in ('backend', 'mode', 'options')}) # Of the backward graphs
         self.old, self.old_reducer, self.old_cache = None, None, None # What the fit changed, to restore
         self.in_backward = False # This fit's backwards run through compiled autograd, with DDP's all-reduces in their graphs
         self.captures = 0 # Backward graphs compiled autograd had captured in this process when the fit began
@@ -140,32 +137,32 @@ class _DDPStrategy:
         self.old, self.old_reducer = optimize_ddp(), python_reducer_settings()
         set_optimize_ddp('python_reducer')
 
-    def set(self, model:torch.nn.Module)->bool|None:
-        "Choose the strategy if DDP runs `model`: whether graphs are split; `None` without DDP or with a user's Python reducer"
-        if not isinstance(model, DistributedDataParallel): return None
+    def set(self, model:torch.nn.Module)->bool:
+        "Choose the strategy if DDP runs `model`: whether it is this library's (not without DDP, nor a user's Python reducer)"
+        if not isinstance(model, DistributedDataParallel): return False
         if uses_python_reducer(model): # Graphs stay whole: the all-reduces are in compiled autograd's backward graphs
-            if not self.compiled_autograd: return None # The user's own compiled autograd set-up
+            if not self.compiled_autograd: return False # The user's own compiled autograd set-up
             self.in_backward, self.captures = True, compiled_autograd_captures()
             # A backward loaded from AOTAutograd's cache fails compiled autograd's trace ("Expected a value of type 'Tensor'
             # ... found type 'Proxy'", torch 2.11): compile the forward afresh in this fit (inductor's cache still serves)
             self.old_cache = aot_autograd_cache()
             set_aot_autograd_cache(False)
-            return False
+            return True
         if self.compiled_autograd:
             warnings.warn("ddp_compiled_autograd=True, but DDP wrapped the model before the fit, with its bucketed reducer: "
                           "the graphs stay whole and the gradients are all-reduced after the backward")
         if self.old is None: self.old = optimize_ddp()
-        set_optimize_ddp('ddp_optimizer' if self.split else 'no_optimization')
-        return self.split
+        set_optimize_ddp('no_optimization') # Whole graphs: splitting them at DDP's buckets was slower in every launch measured
+        return True
 
     def backward_graphs(self)->int|None:
         "The backward graphs compiled autograd captured in this fit; `None` when it does not run the backwards"
         return compiled_autograd_captures() - self.captures if self.in_backward else None
 
-    def enter_backward(self, compiler:Callable):
-        "Run this backward through compiled autograd, its graph compiled by `compiler`, where it runs the fit's backwards"
+    def enter_backward(self):
+        "Run this backward through compiled autograd, where it runs the fit's backwards"
         if not self.in_backward: return
-        self.backward = compiled_autograd(compiler)
+        self.backward = compiled_autograd(self.compiler)
         self.backward.__enter__()
 
     def exit_backward(self):
@@ -187,7 +184,6 @@ class _DDPStrategy:
 class CompilerCallback(Callback):
     "A callback for using `torch.compile` with fastai"
     order = 12 # After `DistributedTrainer` (11) wraps the model in DDP, so the module inside it is compiled
-    eager_batches = 3 # Training batches run eagerly once, after the first compiled one, to measure what compiling gains
 
     def __init__(self,
         fullgraph:bool=False, # Prevent breaking model into subgraphs
@@ -201,41 +197,34 @@ class CompilerCallback(Callback):
         regional:bool=False, # Compile only the model's repeated blocks (e.g. transformer layers): a faster cold compile
         compile_valid:bool=False, # Compile the validation of a training fit too: its graph seldom pays back there, so it runs eagerly
         compile_opt:bool=True, # Speed up the step of a fastai `Optimizer` too: fused or compiled (see `compile_optimizer`)
-        ddp_split:bool=False, # Under DDP, split graphs at DDP's gradient buckets so the all-reduce overlaps the backward
         ddp_compiled_autograd:bool=False, # Under DDP, compile each backward with its all-reduces (DDP's Python reducer)
         precompile:bool=False, # Save TorchDynamo's traced code with the compile cache too: a warm start skips tracing (torch 2.15+)
         background:bool|None=None, # Train eagerly while a worker process compiles, then take over (None: on a CUDA GPU); False compiles in the fit's path
     ):
         self.settings = compile_settings(fullgraph, dynamic, backend, mode, options)
         self.precision = _MatMulPrecision(MatMulPrecision(matmul_precision).value)
-        store_attr('recompile,verbose,regional,compile_valid,compile_opt')
-        self.ddp = _DDPStrategy(ddp_split, ddp_compiled_autograd)
-        if ddp_compiled_autograd and uses_cudagraphs(self.settings):
-            raise ValueError(f"ddp_compiled_autograd=True does not run with CUDA graphs (mode={self.settings['mode']!r}): choose one")
-        if ddp_compiled_autograd and precompile:
-            raise ValueError("Choose ddp_compiled_autograd=True or precompile=True, not both: compiled autograd's backward graphs "
-                             "are not precompiled")
-        self.precompile = _Precompile(precompile, self.settings['backend'])
+        store_attr('recompile,verbose,regional,compile_opt')
+        self.ddp = _DDPStrategy(ddp_compiled_autograd, self.settings) # Under DDP, how graphs meet DDP's all-reduce
+        self.precompile = _Precompile(precompile, self.settings['backend'], ddp_compiled_autograd) # Precompiled code for the cache
         if background is not None and not isinstance(background, bool): raise TypeError(f"background must be True, False or None, not {background!r}")
         self.background = background
         self.aside = BackgroundCompile(self.settings, regional) # Compiles each new model state in a worker process, with `background`
-        self.in_background = False # This fit compiles in a worker process while it trains eagerly
-        self.waiting = False # This batch runs eagerly while the worker compiles: not timed as a compiled one
-        self.eager_eval = 0 # Evaluation batches outside a fit run eagerly with `background`, their graph not compiled yet
+        self.policy = EagerPolicy(compile_valid) # Decides which calls of the model run eagerly, each batch
         self.report = CompileReport()
         self.compile_recorder = CompileRecorder(self.report)
         self.compiled_model = None # Weak reference to the model this callback compiled
-        self.calls = () # Weak references to its compiled calls (its blocks' with `regional`), which each batch may mark
         self.freeze_changed = True # Parameters were frozen or unfrozen since the last compile (`recompile=True`)
+        self.frozen_eager = False # Fits of the frozen model run eagerly: `fine_tune(compile_frozen=False)`, in `eager_while_frozen`
         self.fits = 0 # Fits running: fastai runs `before_fit` again for a `validate` or `get_preds` inside a fit
         self.active = False # Compiling during this fit; `restore` undoes the fit's changes while set
-        self.trained = False # This fit ran a training batch
         self.cudagraph_grads = False # Gradients must be memory of their own, not the output of a CUDA graph
-        self.marked = False # The model's compiled calls were told to run this batch eagerly, or that it is a one-off
-        # Compiles compiled autograd's backward graphs, with `ddp_compiled_autograd`
-        self.backward_compiler = partial(torch.compile, **{k: self.settings[k] for k in ('backend', 'mode', 'options')})
 
-    def __getstate__(self): return {**self.__dict__, 'compiled_model': None, 'calls': ()} # A copy compiles its model afresh
+    def __getstate__(self): return {**self.__dict__, 'compiled_model': None} # A copy compiles its model afresh
+
+    @property
+    def compile_valid(self)->bool:
+        "Whether the validation of a training fit is compiled, rather than run eagerly"
+        return self.policy.compile_valid
 
     @property
     def matmul_precision(self)->str:
@@ -244,42 +233,42 @@ class CompilerCallback(Callback):
 
     def before_fit(self):
         self.fits += 1
-        if self.fits > 1: return # A `validate` or `get_preds` inside the fit: it compiles as the fit does
-        if self._stands_aside(): return
-        model = self.learn.model
-        if self._frozen_runs_eagerly():
-            self.report.eager_frozen += 1
-            return
-        device = model_device(model)
+        if self.fits > 1 or self._stands_aside(): return # A `validate` or `get_preds` inside the fit compiles as the fit does
+        if self._frozen_runs_eagerly(): return self.compile_recorder.note_eager_frozen()
+        device = model_device(self.learn.model)
         if reason := cannot_compile_reason(self.settings['backend'], device):
-            warnings.warn(f"Not compiling the model: {reason}. Training continues eagerly.")
-            return
-        self.active, self.trained = True, False # From here on `restore` undoes what changes, after the fit or when it raises
-        self.compile_recorder.model_name = type(inner_model(model)).__name__
-        self.compile_recorder.show = self._show
-        sync = partial(torch.cuda.synchronize, device) if device.type == 'cuda' else None
-        split = self.ddp.set(model)
-        self.compile_recorder.start(sync, ddp_split=split, compiled_backward=self.ddp.in_backward)
-        train = self.learn.dls.train # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
-        self.report.epoch_steps, self.report.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)
-        self.report.images = _image_batches(train)
-        self.precision.set(device)
-        self.precompile.set(inner_model(model), ddp=isinstance(model, DistributedDataParallel))
-        if self.compile_opt and self.learn.opt is not None: # `create_opt` makes an eager optimizer: check at every fit
-            # Parameter shapes never change, and CUDA graphs don't suit a step that updates its inputs in place
-            compile_optimizer(self.learn.opt, **{**self.settings, 'dynamic': False, 'mode': None, 'fullgraph': False})
+            return warnings.warn(f"Not compiling the model: {reason}. Training continues eagerly.")
+        self.active = True # From here on `restore` undoes what changes, after the fit or when it raises
+        self._start_parts(device)
+        self._compile_optimizer()
         self.cudagraph_grads = device.type == 'cuda' and uses_cudagraphs(self.settings)
         self._own_grads()
-        self.in_background = self._compiles_in_background(device, model)
         if self.recompile and self.freeze_changed: self._compile()
         self.freeze_changed = False
+
+    def _start_parts(self, device:torch.device):
+        "Start this fit's parts: the recorder, the DDP strategy, the matmul precision, precompiling and the eager policy"
+        model, rec = self.learn.model, self.compile_recorder
+        rec.model_name, rec.show = type(inner_model(model)).__name__, self._show
+        ddp = self.ddp.set(model)
+        rec.start(partial(torch.cuda.synchronize, device) if device.type == 'cuda' else None, ddp=ddp,
+                  compiled_backward=self.ddp.in_backward, train=self.learn.dls.train)
+        self.precision.set(device)
+        self.precompile.set(inner_model(model), ddp=isinstance(model, DistributedDataParallel))
+        self.policy.start_fit(self.aside if self._compiles_in_background(device, model) else None)
+
+    def _compile_optimizer(self):
+        "Compile the step of a fastai `Optimizer`: `create_opt` makes an eager one, so it is checked at every fit"
+        if not self.compile_opt or self.learn.opt is None: return
+        # Parameter shapes never change, and CUDA graphs don't suit a step that updates its inputs in place
+        compile_optimizer(self.learn.opt, **{**self.settings, 'dynamic': False, 'mode': None, 'fullgraph': False})
 
     def _compiles_in_background(self, device:torch.device, model:nn.Module)->bool:
         "Whether this fit compiles in a worker process: `background`, on a CUDA GPU by default, not under DDP"
         on = device.type in BackgroundCompile.default_on if self.background is None else self.background
         if on and isinstance(model, DistributedDataParallel):
-            self.report.background.append("compiled in the fit's path: under DDP each rank compiles as it trains (`background` "
-                                          "is for one process)")
+            self.compile_recorder.note_background("compiled in the fit's path: under DDP each rank compiles as it trains "
+                                                  "(`background` is for one process)")
             return False
         if on: self.aside.show = self._show
         return on
@@ -292,7 +281,16 @@ class CompilerCallback(Callback):
 
     def _frozen_runs_eagerly(self)->bool:
         "`fine_tune(compile_frozen=False)`: the frozen epochs run eagerly"
-        return not getattr(self.learn, 'compile_frozen', True) and self._frozen() and not is_compiled(inner_model(self.learn.model))
+        return self.frozen_eager and self._frozen() and not is_compiled(inner_model(self.learn.model))
+
+    @contextmanager
+    def eager_while_frozen(self,
+        on:bool=True, # Run fits of the frozen model eagerly, unless it is compiled already
+    ):
+        "A context in which fits of the frozen model run eagerly: `fine_tune(compile_frozen=False)`'s frozen epochs"
+        old, self.frozen_eager = self.frozen_eager, on
+        try: yield
+        finally: self.frozen_eager = old
 
     def before_ddp_wraps(self):
         "Called by `Learner.fit` before any callback: what DDP reads as it wraps the model for the fit"
@@ -306,58 +304,15 @@ class CompilerCallback(Callback):
         "Called by `Learner.freeze_to` when parameters' `requires_grad` changed"
         self.freeze_changed = True
         self.compile_recorder.note_freeze_change()
-        self.report.eager_times = [] # The step changed: measure it again
         if self.active: self._own_grads() # Parameters unfrozen during the fit
 
     def before_batch(self):
         if not self.active: return
         # Compile here, not only before the fit, so a model swapped mid-fit is compiled too
         if self.compiled_model is None or self.compiled_model() is not get_model(self.learn.model): self._compile()
-        measures = self.training and self._measures_eager()
-        validates = self._validates_eagerly()
-        if validates: self.report.eager_valid += 1
-        self.waiting = self.in_background and self.aside.runs_eagerly(self.learn, get_model(self.learn.model), self.training)
-        eager = measures or validates or self.waiting or self._evaluates_eagerly()
-        one_off = self._last_batch() # The last batch, often smaller: not worth a graph of its own
-        # Not in training when compiled autograd runs the backwards: an eager backward would all-reduce each gradient alone
-        one_off &= not (self.training and self.ddp.in_backward)
-        if eager or one_off: self._mark_calls(eager, one_off)
-        if not self.waiting: self.compile_recorder.batch_start(self.training, self.learn.xb, measures)
-
-    def _last_batch(self)->bool:
-        "Whether this is the last batch of the DataLoader; not for events called one by one, outside a fit's batch loop"
-        n = getattr(self.learn, 'n_iter', None)
-        return n is not None and getattr(self.learn, 'iter', None) == n - 1
-
-    def _validates_eagerly(self)->bool:
-        "Whether this is a validation batch of a training fit, which runs eagerly unless `compile_valid`"
-        # A fit's validation is a few batches an epoch, often waiting for the DataLoader: its graph (a recompile for the
-        # evaluation phase, each freeze state) costs more compiling than it saves. `validate` and `get_preds` alone compile
-        return not self.training and self.trained and not self.compile_valid
-
-    def _evaluates_eagerly(self)->bool:
-        "With `background`, whether an evaluation outside a fit (`get_preds`, `validate`) runs eagerly: its graph isn't compiled yet"
-        # Compiled in its path, an evaluation graph costs more than a few hundred batches save: eager unless it is there already
-        if self.training or self.trained or not self.in_background: return False
-        if any(c.shapes.get((torch.is_grad_enabled(), False)) for c in self._compiled_calls()): return False
-        self.eager_eval += 1
-        return True
-
-    def _measures_eager(self)->bool:
-        "Whether this training batch runs eagerly to measure the eager step: 3 batches after the first compiled one"
-        # Once per freeze state, in a fit long enough to hide them, after the first compiled batch (not delaying the compile)
-        r = self.report
-        if self.ddp.in_backward: return False # An eager backward would all-reduce each gradient alone: not DDP's eager step
-        if len(r.eager_times) >= self.eager_batches or not r.batch_times or getattr(self.learn, 'n_iter', 0) < 8: return False
-        if not r.eager_times: r.measured_from = len(r.batch_times)
-        return True
-
-    def _compiled_calls(self)->list: return [c for r in self.calls if (c := r()) is not None]
-
-    def _mark_calls(self, eager:bool, one_off:bool):
-        "Tell the model's compiled calls that this batch runs eagerly, or is a one-off not worth a graph of its own"
-        for c in self._compiled_calls(): c.eager, c.one_off = eager, one_off
-        self.marked = eager or one_off
+        rec, p = self.compile_recorder, self.policy
+        p.start_batch(self.learn, measure=rec.wants_eager_step(getattr(self.learn, 'n_iter', 0)), whole_backward=self.ddp.in_backward)
+        if not p.waiting: rec.batch_start(self.training, self.learn.xb, p.measuring, p.valid_eager) # Not timed as compiled
 
     def _own_grads(self):
         "With CUDA graphs, give each parameter that trains a zero gradient of its own if it has none"
@@ -368,7 +323,7 @@ class CompilerCallback(Callback):
             if p.requires_grad and p.grad is None: p.grad = torch.zeros_like(p)
 
     def before_backward(self):
-        if self.active: self.ddp.enter_backward(self.backward_compiler)
+        if self.active: self.ddp.enter_backward()
         self.compile_recorder.part = 'backward' # What a compile now compiles, for its notice
 
     def after_backward(self):
@@ -380,14 +335,13 @@ class CompilerCallback(Callback):
 
     def after_batch(self):
         if not self.active: return
-        if not self.waiting: self.compile_recorder.batch_done()
-        self.trained |= self.training
-        if self.marked: self._mark_calls(False, False)
+        if not self.policy.waiting: self.compile_recorder.batch_done()
+        self.policy.end_batch(self.training)
 
     def after_fit(self):
         self.fits -= 1
         if self.fits: return
-        trained = self.active and self.trained
+        trained = self.active and self.policy.trained
         self.restore()
         if self.verbose and trained: self._show(self.report.summary())
 
@@ -400,15 +354,14 @@ class CompilerCallback(Callback):
 
     def _compile(self):
         # Under DistributedDataParallel, compile the module DDP runs rather than DDP, whose forward breaks the graph on
-        # purpose: it runs inside DDP's forward, where TorchDynamo sees DDP (and with `ddp_split=True` splits it)
+        # purpose: it runs inside DDP's forward, where TorchDynamo sees DDP
         model = self.learn.model
         inner = get_model(model)
-        compiled = compile_model(inner, self.regional, on_refused=self._refused, **self.settings)
+        compiled = compile_model(inner, self.regional, on_refused=self._refused, policy=self.policy, **self.settings)
         if inner is model: self.learn.model = compiled
         elif compiled is not inner: model.module = compiled # `inner` was an `OptimizedModule`
         self.compiled_model = weakref.ref(compiled)
-        # Found once here, not by walking the model's modules at each batch that marks them
-        self.calls = tuple(weakref.ref(c) for m in compiled.modules() if isinstance(c := compiled_call(m), CompiledCall))
+        self.policy.watch(compiled)
         self.compile_recorder.phase_shapes = {}
 
     def restore(self):
@@ -416,19 +369,12 @@ class CompilerCallback(Callback):
         self.fits = 0
         if self.active:
             self.active = False
-            self.compile_recorder.stop()
+            self.aside.stop() # A worker still compiling, and its files
+            self.compile_recorder.note_background(*self.aside.take_notes())
+            self.compile_recorder.stop(self.policy.compiled_calls(), self.ddp.backward_graphs(), self.policy.eager_eval)
+            self.policy.stop()
             self.precision.restore()
             self.precompile.restore()
-            self.aside.stop() # A worker still compiling, and its files
-            self.report.background += self.aside.take_notes()
-            if self.eager_eval: self.report.background.append(
-                f"ran eagerly, evaluation outside a fit: {self.eager_eval} batch(es), its graph not compiled yet (`background=False` compiles it)")
-            self.in_background, self.waiting, self.eager_eval = False, False, 0
-            self.report.ddp_backward_graphs = self.ddp.backward_graphs()
-            if self.marked: self._mark_calls(False, False)
-            for c in self._compiled_calls(): # What ran eagerly rather than compile a graph for a shape seen once
-                for k,n in c.eager_calls.items(): self.report.eager_calls[k] = max(self.report.eager_calls.get(k, 0), n)
-                if c.warned_hooks: self.report.eager_hooks = ', '.join(dict.fromkeys(map(_hook_owner, c.warned_hooks)))
         self.ddp.restore() # Set before the fit's callbacks ran, compiled or not
 
     def uncompile(self):
@@ -437,7 +383,8 @@ class CompilerCallback(Callback):
         model = None if self.compiled_model is None else self.compiled_model()
         if model is not None: uncompile_model(model)
         if self.learn is not None and self.learn.opt is not None: uncompile_optimizer(self.learn.opt)
-        self.compiled_model, self.calls = None, ()
+        self.compiled_model = None
+        self.policy.watch(None)
 
     def _refused(self):
         "The compile was refused (`fullgraph=True` with a graph break): leave the Learner as it was without this callback"

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #de0ba488
 from __future__ import annotations
-import hashlib, shutil, sys, warnings
+import hashlib, shutil, sys, warnings, weakref
 from collections import Counter
 from contextlib import contextmanager
 from enum import Enum
@@ -217,6 +217,105 @@ def _hook_owner(hook:Callable)->str:
     f = getattr(getattr(hook, '__self__', None), 'hook_func', hook)
     return type(f.__self__).__name__ if hasattr(f, '__self__') else getattr(f, '__qualname__', repr(f))
 
+# %% ../nbs/00_core.ipynb #4b9d2e61
+class EagerPolicy:
+    "Whether a call of a compiled model runs eagerly: the one place that decides it, for the batch running and each call's inputs"
+    def __init__(self,
+        compile_valid:bool=True, # Compile the validation of a training fit too, rather than run it eagerly
+    ):
+        self.compile_valid = compile_valid
+        self.aside = None # A compile outside the fit's path (`BackgroundCompile`): its batches run eagerly until its code is ready
+        self.calls = () # Weak references to the compiled calls of the model this policy decides for (its blocks' with `regional`)
+        self.trained = False # This fit ran a training batch
+        self.measuring = False # This training batch runs eagerly, to measure the eager step
+        self.valid_eager = False # This validation batch of a training fit runs eagerly: its graph seldom pays back its compile
+        self.waiting = False # This batch runs eagerly while its compiled code is made outside the fit's path
+        self.evaluating = False # This evaluation outside a fit runs eagerly: its graph isn't compiled yet
+        self.one_off = False # This batch is a one-off, not worth a graph of its own: the last, often smaller, one
+        self.eager_eval = 0 # Evaluation batches outside a fit run eagerly in this fit, their graph not compiled yet
+
+    def __getstate__(self): return {**self.__dict__, 'calls': (), 'aside': None} # A copy decides for the calls it compiles
+
+    @property
+    def eager(self)->bool:
+        "Whether the batch running runs eagerly, whatever its inputs"
+        return self.measuring or self.valid_eager or self.waiting or self.evaluating
+
+    def watch(self,
+        model:nn.Module|None, # The model compiled in place (`compile_model`), `None` for none
+    ):
+        "Decide for `model`'s compiled calls from now on: those asked whether a graph of the evaluation phase exists"
+        self.calls = () if model is None else tuple(weakref.ref(c) for m in model.modules() if isinstance(c := compiled_call(m), CompiledCall))
+
+    def compiled_calls(self)->list: return [c for r in self.calls if (c := r()) is not None]
+
+    def start_fit(self,
+        aside=None, # A compile outside the fit's path, with `runs_eagerly(learn, model, training)`; `None` compiles in it
+    ):
+        "A fit starts: it has trained no batch yet"
+        self.trained, self.aside, self.eager_eval = False, aside, 0
+
+    def start_batch(self,
+        learn, # The `Learner` whose batch starts
+        measure:bool=False, # The report asks for a training batch run eagerly, to measure the eager step
+        whole_backward:bool=False, # Training runs compiled: compiled autograd runs the backward, DDP's all-reduces in it
+    ):
+        "Decide whether the batch starting runs eagerly, and whether it is a one-off"
+        # A fit's validation is a few batches an epoch, often waiting for the DataLoader: its graph (a recompile for the
+        # evaluation phase, each freeze state) costs more compiling than it saves. `validate` and `get_preds` alone compile.
+        # An eager backward would all-reduce each gradient alone: not DDP's eager step, and not a training batch to leave out
+        training = learn.training
+        self.measuring = training and measure and not whole_backward
+        self.valid_eager = not training and self.trained and not self.compile_valid
+        self.waiting = self.aside is not None and self.aside.runs_eagerly(learn, get_model(learn.model), training)
+        self.evaluating = not (self.measuring or self.valid_eager or self.waiting) and self._evaluates_eagerly(training)
+        self.one_off = _last_batch(learn) and not (training and whole_backward)
+
+    def _evaluates_eagerly(self, training:bool)->bool:
+        "With a compile outside the fit's path, whether an evaluation outside a fit (`get_preds`, `validate`) runs eagerly"
+        # Compiled in its path, an evaluation graph costs more than a few hundred batches save: eager unless it is there already
+        if training or self.trained or self.aside is None: return False
+        if any(c.shapes.get((torch.is_grad_enabled(), False)) for c in self.compiled_calls()): return False
+        self.eager_eval += 1
+        return True
+
+    def end_batch(self,
+        training:bool, # The batch trained
+    ):
+        "The batch ended: what comes next is decided afresh"
+        self.trained |= training
+        self.measuring = self.valid_eager = self.waiting = self.evaluating = self.one_off = False
+
+    def stop(self):
+        "The fit ended or raised: calls outside a fit run as their shapes say"
+        self.end_batch(False)
+        self.aside = None
+
+    def runs_eagerly(self,
+        call:CompiledCall, # The compiled call asking, with its input shapes compiled for and run eagerly, by phase
+        shapes:tuple, # The shapes of its inputs' tensors
+    )->bool:
+        "Whether `call` runs eagerly: in an eager batch, or for input shapes new to its phase, seen once or a one-off"
+        # A new shape costs a graph of its own (with `dynamic=False`), which a one-off call would use once: the smaller
+        # last batch of a validation set, a `predict` on one item. It runs eagerly; a shape seen again is compiled. A
+        # one-off call without gradients runs eagerly even where its phase has no graph yet (a `predict` after a fit)
+        if self.eager: return True
+        if call.settings.get('dynamic'): return False # Dynamic graphs take new shapes without recompiling
+        phase = (torch.is_grad_enabled(), call.module.training)
+        known = call.shapes.setdefault(phase, set())
+        if shapes in known: return False
+        one_off = self.one_off and (known or not phase[0]) # Not a whole training fit's only shape (one batch an epoch)
+        if one_off or known and not call.eager_calls[phase, shapes]:
+            call.eager_calls[phase, shapes] += 1
+            return True
+        known.add(shapes)
+        return False
+
+def _last_batch(learn)->bool:
+    "Whether this is the last batch of the DataLoader; not for events called one by one, outside a fit's batch loop"
+    n = getattr(learn, 'n_iter', None)
+    return n is not None and getattr(learn, 'iter', None) == n - 1
+
 # %% ../nbs/00_core.ipynb #e939e865
 def _shapes(leaves:list)->tuple: return tuple(tuple(o.shape) for o in leaves if isinstance(o, Tensor))
 
@@ -226,15 +325,15 @@ class CompiledCall:
         module:nn.Module, # Module to compile
         entries:dict|None=None, # `compiled_entry`s by freeze state, to share with modules of the same class (regional compilation)
         on_refused:Callable|None=None, # Called when a `fullgraph=True` compile is refused
+        policy:EagerPolicy|None=None, # Decides which calls run eagerly (`CompilerCallback`'s); one of its own if `None`
         **settings # `torch.compile` settings, from `compile_settings`
     ):
         self.module, self.on_refused, self.settings = module, on_refused, settings
+        self.policy = EagerPolicy() if policy is None else policy
         # CUDA graphs overwrite their outputs at the next replay, and fastai keeps outputs around (Recorder, metrics, preds)
         self.cudagraphs = uses_cudagraphs(settings)
         self.hook_dicts = hook_dicts(module)
         self.casts = _casts(module)
-        self.eager = False # Set by `CompilerCallback` for a batch that runs eagerly, to measure what compiling gains
-        self.one_off = False # Set by `CompilerCallback` for a batch it knows is a one-off: the last, often smaller, one
         self.eager_calls = Counter() # Calls run eagerly rather than compiled for a shape seen once, by (phase, shapes)
         self.new_entry(entries)
 
@@ -302,21 +401,8 @@ class CompiledCall:
         return out if cls is None else tree_map_only(Tensor, lambda t: _retyped(t, cls, like), out)
 
     def _runs_eagerly(self, leaves:list)->bool:
-        "Whether this call's input shapes are new to its phase: seen once where the phase has a graph, or marked `one_off`"
-        # A new shape costs a graph of its own (with `dynamic=False`), which a one-off call would use once: the smaller
-        # last batch of a validation set, a `predict` on one item. It runs eagerly; a shape seen again is compiled. A
-        # one-off call without gradients runs eagerly even where its phase has no graph yet (a `predict` after a fit)
-        if self.eager: return True
-        if self.settings.get('dynamic'): return False # Dynamic graphs take new shapes without recompiling
-        phase, shapes = (torch.is_grad_enabled(), self.module.training), _shapes(leaves)
-        known = self.shapes.setdefault(phase, set())
-        if shapes in known: return False
-        one_off = self.one_off and (known or not phase[0]) # Not a whole training fit's only shape (one batch an epoch)
-        if one_off or known and not self.eager_calls[phase, shapes]:
-            self.eager_calls[phase, shapes] += 1
-            return True
-        known.add(shapes)
-        return False
+        "Whether this call runs eagerly, as its `EagerPolicy` decides for the batch running and the shapes of `leaves`"
+        return self.policy.runs_eagerly(self, _shapes(leaves))
 
     def _raise_as_eager(self, error:Exception, args:tuple, kwargs:dict, held:HeldRecords|None=None):
         "Raise what eager raises for this call, where TorchDynamo failed to run one of its operations while tracing it"
@@ -407,22 +493,23 @@ def compile_model(
     model:nn.Module, # Model to compile in place
     regional:bool=False, # Compile only its repeated blocks, each reusing its twins' compiled code
     on_refused:Callable|None=None, # Called when a `fullgraph=True` compile is refused
+    policy:EagerPolicy|None=None, # Decides which calls run eagerly, shared by the compiled blocks (`CompilerCallback`'s)
     **settings # `torch.compile` settings: `fullgraph`, `dynamic`, `backend`, `mode`, `options`
 )->nn.Module:
     "Compile `model` in place with `torch.compile` `settings`, unwrapping an `OptimizedModule` first"
     settings = compile_settings(**settings)
     model = uncompile_model(model)
     if not regional:
-        set_compiled_call(model, CompiledCall(model, on_refused=on_refused, **settings))
+        set_compiled_call(model, CompiledCall(model, on_refused=on_refused, policy=policy, **settings))
         return model
     blocks = repeated_blocks(model)
     if not blocks: raise ValueError(f"regional=True, but {type(model).__name__} has no repeated blocks (children of a ModuleList or Sequential of the same class) to compile")
     # Twins, blocks of a class with parameters of the same shapes, share their compiled functions: each reuses the first
     # one's graphs. Twins of other shapes (a ResNet's stages) get functions of their own, and recompile limits of their own
-    entries = {}
+    entries, policy = {}, EagerPolicy() if policy is None else policy
     for b in blocks:
         twins = entries.setdefault((type(b), tuple(p.shape for p in b.parameters())), {})
-        set_compiled_call(b, CompiledCall(b, twins, on_refused=on_refused, **settings))
+        set_compiled_call(b, CompiledCall(b, twins, on_refused=on_refused, policy=policy, **settings))
     if len(entries) == len(blocks):
         warnings.warn(f"regional=True, but none of the {len(blocks)} repeated blocks of {type(model).__name__} has a twin with "
                       "parameters of the same shapes, so each compiles alone: compiling the whole model (regional=False) "

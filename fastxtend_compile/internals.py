@@ -15,19 +15,18 @@ from torch import nn
 from torch.torch_version import TorchVersion
 
 # %% auto #0
-__all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'ddp_split_logger', 'precompile_guard_logger', 'own_function',
-           'call_module', 'set_compiled_call', 'compiled_call', 'is_optimized_module', 'optimized_inner',
-           'graph_break_error', 'traced_op_error', 'error_frame', 'GraphBreak', 'graph_break_parts', 'HeldRecords',
-           'data_dependent_error', 'is_data_dependent', 'recompile_limit_error', 'last_recompile',
-           'add_compile_callbacks', 'remove_compile_callbacks', 'recompile_limit_hit', 'guard_failure',
-           'compilation_metrics', 'FrameCompile', 'frame_compile', 'is_fx_code', 'graph_break_reasons',
-           'graphs_compiled', 'hook_dicts', 'optimize_ddp', 'set_optimize_ddp', 'ddp_split_pieces',
-           'uses_python_reducer', 'python_reducer_settings', 'restore_python_reducer_settings', 'compiled_autograd',
-           'aot_autograd_cache', 'set_aot_autograd_cache', 'compiled_autograd_captures', 'without_dynamo_marks',
-           'fused_kernel_devices', 'fused_adam_kernel', 'dynamo_supported', 'inductor_cxx', 'inductor_options',
-           'guarded_code', 'explain', 'explained_break', 'inductor_fallback_random', 'inductor_cache_dir',
-           'cpp_kernel_files', 'precompile_supported', 'caching_precompile', 'set_caching_precompile',
-           'precompiled_loads', 'dropped_guard']
+__all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'precompile_guard_logger', 'own_function', 'call_module',
+           'set_compiled_call', 'compiled_call', 'is_optimized_module', 'optimized_inner', 'graph_break_error',
+           'traced_op_error', 'error_frame', 'GraphBreak', 'graph_break_parts', 'HeldRecords', 'data_dependent_error',
+           'is_data_dependent', 'recompile_limit_error', 'last_recompile', 'add_compile_callbacks',
+           'remove_compile_callbacks', 'recompile_limit_hit', 'guard_failure', 'compilation_metrics', 'FrameCompile',
+           'frame_compile', 'is_fx_code', 'graph_break_reasons', 'graphs_compiled', 'hook_dicts', 'optimize_ddp',
+           'set_optimize_ddp', 'uses_python_reducer', 'python_reducer_settings', 'restore_python_reducer_settings',
+           'compiled_autograd', 'aot_autograd_cache', 'set_aot_autograd_cache', 'compiled_autograd_captures',
+           'without_dynamo_marks', 'fused_kernel_devices', 'fused_adam_kernel', 'dynamo_supported', 'inductor_cxx',
+           'inductor_options', 'guarded_code', 'explain', 'explained_break', 'inductor_fallback_random',
+           'inductor_cache_dir', 'cpp_kernel_files', 'precompile_supported', 'caching_precompile',
+           'set_caching_precompile', 'precompiled_loads', 'dropped_guard']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
 def own_function(
@@ -228,15 +227,8 @@ def optimize_ddp()->bool|str:
     return torch._dynamo.config.optimize_ddp
 
 def set_optimize_ddp(mode:bool|str):
-    "Set `optimize_ddp`: 'ddp_optimizer' splits each graph at DDP's gradient buckets, 'no_optimization' keeps it whole"
+    "Set `optimize_ddp`: 'no_optimization' keeps each graph whole, 'python_reducer' has DDP's all-reduces traced by compiled autograd"
     torch._dynamo.config.optimize_ddp = mode
-
-ddp_split_logger = logging.getLogger('torch._dynamo.backends.distributed') # DDPOptimizer notes each split at INFO level
-
-def ddp_split_pieces(record:logging.LogRecord)->int|None:
-    "The number of pieces DDPOptimizer split a graph into, if `record` is its note of the split"
-    if 'DDPOptimizer used bucket cap' not in str(record.msg): return None
-    return int(record.args[1])
 
 # %% ../nbs/06_internals.ipynb #ca7e11a1
 def uses_python_reducer(model:nn.Module)->bool:

@@ -5,7 +5,7 @@
 # %% ../nbs/03_patches.ipynb #0ef90179
 from __future__ import annotations
 import inspect
-from contextlib import contextmanager
+from contextlib import contextmanager, ExitStack
 from functools import wraps
 
 import fastai.learner
@@ -147,6 +147,7 @@ def fine_tune(self:Learner,
     **kwargs
 ):
     "Fine tune with `Learner.freeze` for `freeze_epochs`, then with `Learner.unfreeze` for `epochs`, using discriminative LR."
-    self.compile_frozen = compile_frozen
-    try: _fastai_fine_tune(self, epochs, base_lr, freeze_epochs, lr_mult, pct_start, div, **kwargs)
-    finally: self.__dict__.pop('compile_frozen', None)
+    with ExitStack() as stack: # The Learner's `CompilerCallback`s, and those passed to its fits
+        for cb in [cb for cb in self.cbs + L(kwargs.get('cbs')) if isinstance(cb, CompilerCallback)]:
+            stack.enter_context(cb.eager_while_frozen(not compile_frozen))
+        _fastai_fine_tune(self, epochs, base_lr, freeze_epochs, lr_mult, pct_start, div, **kwargs)

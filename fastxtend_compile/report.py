@@ -11,9 +11,10 @@ from typing import Callable
 from dataclasses import dataclass, field
 
 import torch, fastai
+from fastai.data.transforms import IntToFloatTensor
 from fastcore.basics import store_attr, groupby
 
-from .core import graph_break_reason, frame_name
+from .core import graph_break_reason, frame_name, _hook_owner
 from .internals import *
 
 # %% auto #0
@@ -88,8 +89,7 @@ class CompileReport:
     eager_hooks:str = '' # Who registered the hooks that read the model's values, during which it ran eagerly
     images:bool = True # The training data are images (fastai's `IntToFloatTensor` makes its batches): the advice speaks of them
     precompiled:int = 0 # Compiled functions whose code TorchDynamo loaded precompiled from the compile cache, not traced again
-    ddp_split:bool|None = None # Under DDP, whether graphs were split at DDP's gradient buckets; `None` without DDP
-    ddp_pieces:list = field(default_factory=list) # The pieces DDPOptimizer split each graph into, with `ddp_split`
+    ddp:bool = False # The compiled model ran under DistributedDataParallel, as this library sets it up
     ddp_backward_graphs:int|None = None # The backward graphs compiled autograd captured, with `ddp_compiled_autograd`
     background:list = field(default_factory=list) # What compiling outside the fit's path did, a line each (`background`)
 
@@ -146,10 +146,7 @@ class CompileReport:
         if self.ddp_backward_graphs is not None:
             return (f"DDP: whole graphs, each backward compiled by compiled autograd with DDP's all-reduces in its graph "
                     f"(DDP's Python reducer, `ddp_compiled_autograd=True`): {self.ddp_backward_graphs} backward graph(s)")
-        if not self.ddp_split: return "DDP: whole graphs, gradients all-reduced after the backward (`ddp_split=False`)"
-        pieces = f"{', '.join(map(str, self.ddp_pieces))} piece(s) per graph" if self.ddp_pieces else "no graph split yet"
-        return (f"DDP: graphs split at DDP's gradient buckets, so the all-reduce overlaps the backward (TorchDynamo's "
-                f"DDPOptimizer, `ddp_split=True`): {pieces}")
+        return "DDP: whole graphs, gradients all-reduced after the backward"
 
     def data_advice(self, threshold:float=0.25)->str|None:
         "What to do when the model waits for the DataLoader for more than `threshold` of training time, else `None`"
@@ -184,7 +181,7 @@ class CompileReport:
                                           "not traced again (`precompile=True`)")
         if self.eager_valid: lines.append(f"  ran eagerly, validation within the fit: {self.eager_valid} batch(es), whose graph "
                                           "seldom pays back its compile (`compile_valid=True` compiles it)")
-        if self.ddp_split is not None: lines.append(f"  {self.ddp_strategy()}")
+        if self.ddp: lines.append(f"  {self.ddp_strategy()}")
         lines += [f"  {n}" for n in self.background]
         if self.batch_times: lines.append(f"  {self.payoff()}")
         if advice := self.data_advice(): lines.append(f"  {advice}")
@@ -225,12 +222,17 @@ def _library_reason(reason:str, raw:str)->str:
 
 def _shapes(xb)->tuple: return tuple(tuple(o.shape) for o in xb if isinstance(o, torch.Tensor))
 
+def _image_batches(dl)->bool:
+    "Whether `dl` makes batches of images: fastai's `IntToFloatTensor` turns their pixels to floats"
+    return any(isinstance(t, IntToFloatTensor) for t in getattr(getattr(dl, 'after_batch', None), 'fs', []))
+
 def _by_id(metrics:list)->dict:
     "`metrics` by `id`, kept alive: TorchDynamo keeps only the last 64, and a dropped one's id may be reused by a new one"
     return {id(m): m for m in metrics}
 
 class CompileRecorder:
-    "Fill a `CompileReport` from TorchDynamo's compilation metrics and compile callbacks while a fit runs"
+    "Fill a `CompileReport` while a fit runs, its one writer: TorchDynamo's compiles, the batches' times, what ran eagerly"
+    eager_batches = 3 # Training batches run eagerly once, after the first compiled one, to measure what compiling gains
     def __init__(self,
         report:CompileReport, # Report to add to
         model_name:str='model', # Name for frames compiled from inside torch
@@ -246,8 +248,6 @@ class CompileRecorder:
         self.sync = None # Waits for the device to finish its work (`torch.cuda.synchronize`), where work is asynchronous
         self.batch_end = None # When the last sampled training batch ended, to time the wait for the next one
         self.phase_shapes = {} # Input shapes compiled for, by phase (training or not): TorchDynamo names one guard
-        self.ddp_log_level = None # `ddp_split_logger`'s own level, to restore, while its notes of DDP splits are counted
-        self.ddp_shown = logging.WARNING # The lowest level `ddp_split_logger` showed before its notes were counted
         self.compiled_backward = False # Compiled autograd compiles the backwards (`ddp_compiled_autograd`)
         self.part = '' # The part of the training step running: '' (the model's forward), 'backward' or 'step'
 
@@ -256,20 +256,29 @@ class CompileRecorder:
     def note_freeze_change(self):
         "Note that parameters' `requires_grad` changed: TorchDynamo reports only the newest graph's failed guard"
         self.froze = set(self.phase_shapes) # The phases with a graph, training or evaluation: each recompiles for it
+        self.report.eager_times = [] # The step changed: measure it again
+
+    def note_eager_frozen(self):
+        "Note a frozen fit of `fine_tune` run eagerly (`compile_frozen=False`)"
+        self.report.eager_frozen += 1
+
+    def note_background(self, *lines:str):
+        "Add `lines` about compiling outside the fit's path to the report"
+        self.report.background += lines
 
     def start(self,
         sync:Callable|None=None, # Waits for the device, where its work is asynchronous
-        ddp_split:bool|None=None, # Under DDP, whether graphs are split at DDP's gradient buckets; `None` without DDP
+        ddp:bool=False, # The model runs under DDP, as this library sets it up
         compiled_backward:bool=False, # Compiled autograd compiles the backwards (`ddp_compiled_autograd`)
+        train=None, # The fit's training `DataLoader`
     ):
         "Start recording compiles"
         self.compiled_backward = compiled_backward
-        self.report.ddp_split = ddp_split
-        if ddp_split: # DDPOptimizer notes how it split each graph at INFO level: count its notes, show only what showed before
-            self.ddp_log_level = ddp_split_logger.level
-            self.ddp_shown = ddp_split_logger.getEffectiveLevel()
-            ddp_split_logger.setLevel(min(self.ddp_shown, logging.INFO))
-            ddp_split_logger.addFilter(self._on_ddp_log)
+        self.report.ddp = ddp
+        if train is not None: # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
+            r = self.report
+            r.epoch_steps, r.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)
+            r.images = _image_batches(train)
         self.compiling, self.batch_t, self.training, self.sync, self.batch_end = False, time.perf_counter(), None, sync, None
         self.seen = _by_id(compilation_metrics()) # Those of earlier compiles, which are not this fit's
         self.breaks0 = graph_break_reasons() # Those of earlier compiles, less those of this report's earlier fits
@@ -282,14 +291,21 @@ class CompileRecorder:
         self.log_handler.emit = self._on_log
         recompile_limit_logger.addHandler(self.log_handler)
 
-    def stop(self):
+    def stop(self,
+        calls:list=(), # The model's `CompiledCall`s: their calls run eagerly for a shape seen once, and while whose hooks
+        ddp_backward_graphs:int|None=None, # The backward graphs compiled autograd captured in the fit, if it ran the backwards
+        eager_eval:int=0, # Evaluation batches outside a fit run eagerly, their graph not compiled yet (`background`)
+    ):
         "Stop recording and collect what is left"
+        r = self.report
+        if eager_eval: r.background.append(f"ran eagerly, evaluation outside a fit: {eager_eval} batch(es), its graph not "
+                                           "compiled yet (`background=False` compiles it)")
+        r.ddp_backward_graphs = ddp_backward_graphs
+        for c in calls: # What ran eagerly rather than compile a graph for a shape seen once (twin blocks see alike)
+            for k,n in c.eager_calls.items(): r.eager_calls[k] = max(r.eager_calls.get(k, 0), n)
+            if c.warned_hooks: r.eager_hooks = ', '.join(dict.fromkeys(map(_hook_owner, c.warned_hooks)))
         remove_compile_callbacks(self._on_start, self._on_end)
         recompile_limit_logger.removeHandler(self.log_handler)
-        if self.ddp_log_level is not None:
-            ddp_split_logger.removeFilter(self._on_ddp_log)
-            ddp_split_logger.setLevel(self.ddp_log_level)
-            self.ddp_log_level = None
         self.collect(self.during)
         self.report.precompiled += precompiled_loads() - self.loads0
         self.training = None
@@ -303,11 +319,6 @@ class CompileRecorder:
         self.report.events.append(ev)
         warnings.warn(f"torch.compile gave up on {ev.frame} after {limit} recompiles ({limit_type}) and runs it eagerly "
                       f"from now on. Last cause: {ev.reason or 'unknown'}. To fix: {_fix(ev.reason)}.")
-
-    def _on_ddp_log(self, record:logging.LogRecord)->bool:
-        "Count the pieces of a graph DDPOptimizer split; pass the record on only if the logger showed it before"
-        if (n := ddp_split_pieces(record)) is not None: self.report.ddp_pieces.append(n)
-        return record.levelno >= self.ddp_shown
 
     def _on_start(self, *args): self.compiling, self.started = True, time.perf_counter()
 
@@ -361,8 +372,23 @@ class CompileRecorder:
         if self.training is None: return ''
         return f"training batch {len(self.report.batch_times)+len(self.report.eager_times)-self.batches0+1}" if self.training else 'validation'
 
-    def batch_start(self, training:bool, xb:tuple=(), eager:bool=False):
-        "Start timing a batch of inputs `xb`, one that runs eagerly to measure the eager step if `eager`"
+    def wants_eager_step(self,
+        n_iter:int, # Batches in an epoch of the fit
+    )->bool:
+        "Whether the next training batch should run eagerly to measure the eager step: 3 batches after the first compiled one"
+        # Once per freeze state, in a fit long enough to hide them, after the first compiled batch (not delaying the compile)
+        r = self.report
+        return len(r.eager_times) < self.eager_batches and bool(r.batch_times) and n_iter >= 8
+
+    def batch_start(self,
+        training:bool, # A training batch
+        xb:tuple=(), # Its inputs
+        eager:bool=False, # It runs eagerly to measure the eager step
+        valid_eager:bool=False, # A validation batch of a training fit run eagerly (`compile_valid=False`)
+    ):
+        "Start timing a batch of inputs `xb`"
+        if eager and not self.report.eager_times: self.report.measured_from = len(self.report.batch_times)
+        if valid_eager: self.report.eager_valid += 1
         if eager and self.sync is not None: self.sync() # Time the eager step alone, not the work queued before it
         now = time.perf_counter()
         if training and self.batch_end is not None: self.report.data_waits.append(now - self.batch_end)

@@ -26,7 +26,7 @@ def _broadcast(self, t, rank):
     return t.tolist()
 DistributedDL._broadcast = _broadcast
 
-# Record the buckets DDPOptimizer splits each graph into, when it does (`ddp_split=True`)
+# Record the buckets DDPOptimizer splits each graph into, if it does: graphs stay whole
 _ddp_buckets, _ddp_compile_fn = [], DDPOptimizer.compile_fn
 def _spy_compile_fn(self, gm, example_inputs, **kwargs):
     res = _ddp_compile_fn(self, gm, example_inputs, **kwargs)
@@ -103,14 +103,6 @@ def export_and_load(learn, fname, rank, world):
     if world > 1: distrib_barrier() # The other ranks wait for rank 0's file
     return saves, load_learner(fname)
 
-def split(world, model_kind, backend):
-    "A fit with `ddp_split=True`: DDPOptimizer splits the graphs at DDP's buckets"
-    _ddp_buckets.clear()
-    learn = fit(world, model_kind, backend, epochs=1, ddp_split=True)
-    r = learn.compiler.report
-    return dict(split_buckets=list(_ddp_buckets), split=r.ddp_split, split_pieces=r.ddp_pieces, split_summary=r.summary(),
-                split_params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
-
 def compiled_autograd(world, model_kind, backend):
     "A fit with `ddp_compiled_autograd=True`: DDP's Python reducer, its all-reduces in compiled autograd's backward graphs"
     from torch._inductor import config as inductor_config
@@ -121,7 +113,7 @@ def compiled_autograd(world, model_kind, backend):
     before, captures = settings(), torch._dynamo.utils.counters['compiled_autograd']['captures']
     learn = fit(world, model_kind, backend, epochs=1, ddp_compiled_autograd=True)
     r = learn.compiler.report
-    return dict(ca_summary=r.summary(), ca_backward_graphs=r.ddp_backward_graphs, ca_split=r.ddp_split, ca_events=events(r),
+    return dict(ca_summary=r.summary(), ca_backward_graphs=r.ddp_backward_graphs, ca_ddp=r.ddp, ca_events=events(r),
                 ca_captures=torch._dynamo.utils.counters['compiled_autograd']['captures'] - captures,
                 ca_settings=(before, settings()), ca_params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
 
@@ -146,14 +138,14 @@ def main():
     report = learn.compiler.report
     res = dict(rank=rank, world=world, fit_seconds=time.time()-t0, model_type=type(learn.model).__name__,
                compiled_after_fit=is_compiled(learn.model), events=events(report), graph_breaks=report.graph_breaks,
-               ddp_buckets=list(_ddp_buckets), ddp_split=report.ddp_split, ddp_pieces=report.ddp_pieces,
+               ddp_buckets=list(_ddp_buckets), ddp=report.ddp,
                summary=report.summary(), losses=[float(l) for l in learn.recorder.losses],
                params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
     res['export_saves'], loaded = export_and_load(learn, os.path.join(a.out, f'export{world}.pkl'), rank, world)
     x = data()[2][:4]
     with torch.no_grad(): res['loaded_out'], res['trained_out'] = loaded.model(x), learn.model.eval()(x)
     res['loaded_compiled'] = is_compiled(loaded.model)
-    res.update(split(world, a.model, a.backend), optimize_ddp_after=torch._dynamo.config.optimize_ddp)
+    res['optimize_ddp_after'] = torch._dynamo.config.optimize_ddp
     res.update(compiled_autograd(world, a.model, a.backend))
     if world > 1 and not a.no_explain:
         res.update(explain(world, a.model, a.backend))

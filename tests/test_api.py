@@ -13,7 +13,7 @@ def defaults(f): return {k: v.default for k,v in inspect.signature(f).parameters
 
 compile_defaults = dict(fullgraph=False, dynamic=False, backend='inductor', mode=None, options=None,
                         matmul_precision='high', recompile=False, verbose=False, regional=False, compile_valid=False, compile_opt=True,
-                        ddp_split=False, ddp_compiled_autograd=False, precompile=False, background=None)
+                        ddp_compiled_autograd=False, precompile=False, background=None)
 
 public_api = ['CompileMode', 'MatMulPrecision', 'CompilerCallback', 'DynamoExplainCallback', 'load_learner', # fastxtend's
     'GraphBreakError', 'compile_model', 'uncompile_model', 'is_compiled', 'compiled_settings', # Compiling a model

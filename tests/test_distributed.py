@@ -75,28 +75,16 @@ def test_two_processes_match_one_on_the_same_global_batch(runs):
 
 def test_graphs_stay_whole_by_default(runs):
     ranks, single = runs
-    for r in ranks: # `ddp_split=False`: DDPOptimizer did not split the graphs, and the report says so
-        assert r['ddp_buckets'] == [] and r['ddp_split'] is False and r['ddp_pieces'] == []
-        assert "DDP: whole graphs, gradients all-reduced after the backward (`ddp_split=False`)" in r['summary']
-    assert single['ddp_split'] is None and single['ddp_pieces'] == [] and 'DDP:' not in single['summary']
-
-def test_ddp_split_splits_at_buckets_names_its_pieces_and_trains_the_same(runs):
-    ranks, single = runs
-    for r in ranks: # Split into DDP's 1 MiB gradient buckets (the model has ~2 MiB); the report counted each graph's pieces
-        assert r['split_buckets'] and all(n >= 2 for n in r['split_buckets']), r['split_buckets']
-        assert r['split'] is True and r['split_pieces'] == r['split_buckets'], (r['split_pieces'], r['split_buckets'])
-        pieces = ', '.join(map(str, r['split_buckets']))
-        assert (f"DDP: graphs split at DDP's gradient buckets, so the all-reduce overlaps the backward (TorchDynamo's "
-                f"DDPOptimizer, `ddp_split=True`): {pieces} piece(s) per graph") in r['split_summary']
-    assert single['split_buckets'] == [] and single['split'] is None
-    for k,v in single['split_params'].items():
-        for r in ranks: torch.testing.assert_close(r['split_params'][k], v, rtol=1e-5, atol=1e-5, msg=k)
+    for r in ranks: # DDPOptimizer did not split the graphs at DDP's buckets, and the report says they stayed whole
+        assert r['ddp_buckets'] == [] and r['ddp'] is True
+        assert "DDP: whole graphs, gradients all-reduced after the backward" in r['summary']
+    assert single['ddp'] is False and 'DDP:' not in single['summary']
     for r in ranks + [single]: assert r['optimize_ddp_after'] is True # TorchDynamo's own setting, restored after each fit
 
 def test_ddp_compiled_autograd_traces_the_all_reduce_and_trains_the_same(runs):
     ranks, single = runs
     for r in ranks: # Compiled autograd compiled the backwards, DDP's all-reduces inside them, and the report says how many
-        assert r['ca_captures'] >= 1 and r['ca_backward_graphs'] == r['ca_captures'] and r['ca_split'] is False
+        assert r['ca_captures'] >= 1 and r['ca_backward_graphs'] == r['ca_captures'] and r['ca_ddp'] is True
         backwards = [e for e in r['ca_events'] if e['frame'] == 'backward (compiled autograd)']
         assert len(backwards) == r['ca_captures'] # Named as such, beside the graphs a compiled fit always has
         assert [e['frame'] for e in r['ca_events'] if e not in backwards] == ['Sequential', 'optimizer step'] # Validation: eager
@@ -141,36 +129,38 @@ def _ddp(python_reducer:bool):
 
 def test_ddp_strategy_leaves_a_users_python_reducer_alone():
     from fastxtend_compile.callback import _DDPStrategy
+    from fastxtend_compile.core import compile_settings
     from fastxtend_compile.internals import optimize_ddp, set_optimize_ddp
     old = optimize_ddp()
     try:
-        for reducer, mode, expected in ((True, 'python_reducer', None), (False, 'ddp_optimizer', False), (False, True, False)):
+        for reducer, mode, ours in ((True, 'python_reducer', False), (False, 'ddp_optimizer', True), (False, True, True)):
             set_optimize_ddp(mode)
-            strategy = _DDPStrategy(False, False)
-            assert strategy.set(_ddp(reducer)) is expected
-            assert optimize_ddp() == (mode if expected is None else 'no_optimization')
+            strategy = _DDPStrategy(False, compile_settings(backend='aot_eager'))
+            assert strategy.set(_ddp(reducer)) is ours
+            assert optimize_ddp() == ('no_optimization' if ours else mode) # Whole graphs, unless the user's reducer is left alone
             strategy.restore()
             assert optimize_ddp() == mode
-        assert _DDPStrategy(True, False).set(torch.nn.Linear(1, 1)) is None # No DDP: nothing set
+        assert _DDPStrategy(False, compile_settings()).set(torch.nn.Linear(1, 1)) is False # No DDP: nothing set
     finally: set_optimize_ddp(old)
 
 def test_ddp_compiled_autograd_chooses_the_python_reducer_for_the_fit_only(monkeypatch):
     from fastxtend_compile.callback import _DDPStrategy
+    from fastxtend_compile.core import compile_settings
     from fastxtend_compile.internals import optimize_ddp, python_reducer_settings, aot_autograd_cache
     before = (optimize_ddp(), python_reducer_settings(), aot_autograd_cache())
-    strategy = _DDPStrategy(False, True)
+    strategy = _DDPStrategy(True, compile_settings(backend='aot_eager'))
     strategy.before_wrap() # One process: no DDP to wrap the model
     assert optimize_ddp() == before[0]
     monkeypatch.setenv('WORLD_SIZE', '2')
     strategy.before_wrap()
     assert optimize_ddp() == 'python_reducer' # What DDP reads as it wraps the model
-    assert strategy.set(_ddp(True)) is False and strategy.in_backward
+    assert strategy.set(_ddp(True)) is True and strategy.in_backward
     assert not aot_autograd_cache() # Compiled autograd cannot trace a backward loaded from it (torch 2.11)
     strategy.restore()
     assert (optimize_ddp(), python_reducer_settings(), aot_autograd_cache()) == before and not strategy.in_backward
     strategy.before_wrap() # DDP wrapped the model before the fit, with its bucketed reducer: said, and graphs stay whole
     with pytest.warns(UserWarning, match="ddp_compiled_autograd=True, but DDP wrapped the model before the fit"):
-        assert strategy.set(_ddp(False)) is False and not strategy.in_backward
+        assert strategy.set(_ddp(False)) is True and not strategy.in_backward
     strategy.restore()
     assert (optimize_ddp(), python_reducer_settings(), aot_autograd_cache()) == before
 

@@ -412,17 +412,16 @@ def test_freeze_with_one_param_group_is_not_blamed():
 def test_bad_settings_refused_naming_the_parameter(digits):
     with pytest.raises(TypeError, match='dynamic'): CompilerCallback(dynamic='false')
     with pytest.raises(TypeError, match='fullgraph'): CompilerCallback(fullgraph='false')
-    with pytest.raises(TypeError, match=re.escape("ddp_split must be True or False, not 'false'")): CompilerCallback(ddp_split='false')
     with pytest.raises(TypeError, match=re.escape("ddp_compiled_autograd must be True or False, not 1")): CompilerCallback(ddp_compiled_autograd=1)
-    with pytest.raises(ValueError, match=re.escape("Choose ddp_split=True or ddp_compiled_autograd=True, not both")):
-        CompilerCallback(ddp_split=True, ddp_compiled_autograd=True)
+    with pytest.raises(ValueError, match=re.escape("Choose ddp_compiled_autograd=True or precompile=True, not both")):
+        CompilerCallback(ddp_compiled_autograd=True, precompile=True)
     with pytest.raises(ValueError, match=re.escape("ddp_compiled_autograd=True does not run with CUDA graphs (mode='reduce-overhead')")):
         CompilerCallback(ddp_compiled_autograd=True, mode='reduce-overhead')
     with pytest.raises(ValueError, match=re.escape("Unknown inductor option(s) in options: 'not_an_option'")):
         CompilerCallback(options={'not_an_option': 1})
     learn = Learner(digits, two_conv_cnn()).compile(backend=BACKEND)
     cb = learn.compiler
-    for bad in (dict(dynamic='false'), dict(fullgraph='false'), dict(ddp_split=None), dict(ddp_split=True, ddp_compiled_autograd=True), dict(options={'not_an_option': 1}), dict(backend='no_such_backend')):
+    for bad in (dict(dynamic='false'), dict(fullgraph='false'), dict(ddp_compiled_autograd=None), dict(ddp_compiled_autograd=True, precompile=True), dict(options={'not_an_option': 1}), dict(backend='no_such_backend')):
         with pytest.raises((TypeError, ValueError)): learn.compile(**bad)
         assert learn.compiler is cb and [c for c in learn.cbs if isinstance(c, CompilerCallback)] == [cb]
 

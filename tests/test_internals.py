@@ -221,21 +221,8 @@ def test_optimize_ddp_is_set_and_read():
         set_optimize_ddp('no_optimization')
         assert torch._dynamo.config.optimize_ddp == 'no_optimization' == optimize_ddp()
         assert torch._dynamo.utils.get_optimize_ddp_mode() == 'no_optimization' # What TorchDynamo acts on
-        set_optimize_ddp('ddp_optimizer')
-        assert torch._dynamo.utils.get_optimize_ddp_mode() == 'ddp_optimizer'
     finally: set_optimize_ddp(old)
-
-def test_ddp_split_note_is_recognised():
-    # DDPOptimizer's own note of a split, as it logs it (tests/test_distributed.py sees it from a real DDP fit)
-    from torch._dynamo.backends.distributed import Bucket, pretty_print_buckets
-    buckets = [Bucket(size=4096, params=['w1']), Bucket(size=4096, params=['w2']), Bucket(size=64, params=['b'])]
-    notes, level = [], ddp_split_logger.level
-    h = logging.Handler(logging.INFO); h.emit = notes.append
-    ddp_split_logger.addHandler(h); ddp_split_logger.setLevel(logging.INFO)
-    try: pretty_print_buckets(buckets, 2**20)
-    finally: ddp_split_logger.removeHandler(h); ddp_split_logger.setLevel(level)
-    assert [ddp_split_pieces(r) for r in notes][:1] == [3]
-    assert ddp_split_pieces(logging.makeLogRecord(dict(msg='something else', args=()))) is None
+    assert optimize_ddp() == old
 
 def test_python_reducer_is_seen_and_what_it_changes_is_restored():
     import socket

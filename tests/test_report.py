@@ -228,34 +228,14 @@ def test_explain_and_debug_compile_see_a_regional_model_eager_and_leave_it_compi
     assert all(s.ok for s in learn.debug_compile(backend='aot_eager', show=False))
     assert [compiled_call(b) for b in blocks] == calls
 
-def test_recorder_counts_ddp_pieces_quietly_and_restores_the_logger():
-    from torch._dynamo.backends.distributed import Bucket, pretty_print_buckets
-    from fastxtend_compile.internals import ddp_split_logger
-    shown, level = [], ddp_split_logger.level
-    h = logging.Handler(logging.DEBUG); h.emit = shown.append
-    logging.getLogger('torch').addHandler(h) # Where the note would go if it were let through
-    report = CompileReport()
-    rec = CompileRecorder(report)
-    try:
-        rec.start(ddp_split=True)
-        pretty_print_buckets([Bucket(size=8, params=['w']), Bucket(size=8, params=['b'])], 2**20)
-        rec.stop()
-        pretty_print_buckets([Bucket(size=8, params=['w'])], 2**20) # After the fit: not counted
-    finally: logging.getLogger('torch').removeHandler(h)
-    assert report.ddp_split is True and report.ddp_pieces == [2]
-    assert not [r for r in shown if 'DDPOptimizer' in str(r.msg)] # Counted, not shown: its level was below what showed
-    assert ddp_split_logger.level == level and not ddp_split_logger.filters
-    assert "`ddp_split=True`): 2 piece(s) per graph" in report.summary()
-
 def test_ddp_strategy_lines():
-    r = CompileReport(ddp_split=False)
-    assert r.ddp_strategy() == "DDP: whole graphs, gradients all-reduced after the backward (`ddp_split=False`)"
-    r = CompileReport(ddp_split=True)
-    assert r.ddp_strategy().endswith("`ddp_split=True`): no graph split yet")
-    r.ddp_pieces += [3, 2]
-    assert r.ddp_strategy().endswith("`ddp_split=True`): 3, 2 piece(s) per graph") and r.ddp_strategy() in r.summary()
+    report, rec = CompileReport(), None
+    rec = CompileRecorder(report)
+    rec.start(ddp=True); rec.stop()
+    assert report.ddp and report.ddp_strategy() == "DDP: whole graphs, gradients all-reduced after the backward"
+    assert report.ddp_strategy() in report.summary()
     assert 'DDP:' not in CompileReport().summary()
-    r = CompileReport(ddp_split=False, ddp_backward_graphs=2)
+    r = CompileReport(ddp=True, ddp_backward_graphs=2)
     assert r.ddp_strategy() == ("DDP: whole graphs, each backward compiled by compiled autograd with DDP's all-reduces in its "
                                 "graph (DDP's Python reducer, `ddp_compiled_autograd=True`): 2 backward graph(s)")
 

@@ -166,7 +166,7 @@ def test_report_numbers_batches_within_each_fit(digits):
     _quiet_fit(learn)
     new = [e for e in learn.compiler.report.events[n:] if e.frame == 'Sequential']
     # The unfrozen step is measured eagerly again first: it compiles at the 4th batch of this fit, not of both
-    assert new and new[0].during == f'training batch {CompilerCallback.eager_batches + 1}', [str(e) for e in new]
+    assert new and new[0].during == f'training batch {CompileRecorder.eager_batches + 1}', [str(e) for e in new]
 
 def _timed(eager:list, compiled:float, n:int=20)->CompileReport:
     return CompileReport(batch_times=[(compiled, False)]*n, eager_times=eager, epoch_steps=n, compile_seconds=1.)
@@ -184,7 +184,7 @@ def test_report_says_why_calls_ran_eagerly_in_the_users_terms(digits, cancer):
     assert "ran eagerly while hooks of ActivationStats read the model's values" in s and "1 frozen fit(s) of `fine_tune`" in s
     text = CompileReport(batch_times=[(0.01, False)]*4, data_waits=[0.05]*4, images=False).data_advice()
     assert text.startswith('the DataLoader: 83% of training time') and 'image' not in text and 'batch_tfms' not in text
-    from fastxtend_compile.callback import _image_batches
+    from fastxtend_compile.report import _image_batches
     assert _image_batches(digits.train) and not _image_batches(cancer.train)
 
 def test_a_fit_run_eagerly_for_hooks_says_so(digits):

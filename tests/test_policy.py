@@ -1,0 +1,140 @@
+"The eager-or-compiled decision: one `EagerPolicy`, told about each batch by `CompilerCallback`, asked by every compiled call"
+from types import SimpleNamespace
+import pickle
+import torch
+from torch import nn
+from fastxtend_compile import *
+from fastxtend_compile.core import EagerPolicy
+from fastxtend_compile.internals import graphs_compiled, compiled_call
+
+def batch(training=True, iter=0, n_iter=10, model=None):
+    "What the policy reads of a Learner at `before_batch`"
+    return SimpleNamespace(training=training, iter=iter, n_iter=n_iter, model=model or nn.Linear(2, 2), xb=())
+
+class Aside:
+    "A compile outside the fit's path whose code is ready once `ready` is set"
+    def __init__(self): self.ready, self.asked = False, []
+    def runs_eagerly(self, learn, model, training):
+        self.asked.append(training)
+        return training and not self.ready
+
+def test_training_batches_run_eagerly_only_to_measure_the_eager_step():
+    p = EagerPolicy(compile_valid=False)
+    p.start_fit()
+    p.start_batch(batch())
+    assert not p.eager and not p.one_off
+    p.end_batch(True)
+    p.start_batch(batch(), measure=True)
+    assert p.eager and p.measuring and not p.valid_eager
+    p.end_batch(True)
+    assert not p.eager and p.trained
+    # Compiled autograd runs the backward (DDP's all-reduces in it): training never runs eagerly, and its last batch is no one-off
+    p.start_batch(batch(iter=9), measure=True, whole_backward=True)
+    assert not p.eager and not p.one_off
+
+def test_a_fits_validation_runs_eagerly_unless_compile_valid():
+    for compile_valid in (False, True):
+        p = EagerPolicy(compile_valid=compile_valid)
+        p.start_fit()
+        p.start_batch(batch(training=False)) # `validate` alone, before any training batch: compiled
+        assert not p.eager
+        p.end_batch(False)
+        p.start_batch(batch(training=True)); p.end_batch(True)
+        p.start_batch(batch(training=False))
+        assert p.eager == p.valid_eager == (not compile_valid)
+        p.start_fit() # A new fit has trained nothing yet
+        p.start_batch(batch(training=False))
+        assert not p.eager
+
+def test_the_last_batch_is_a_one_off_and_events_called_alone_are_not():
+    p = EagerPolicy()
+    p.start_batch(batch(iter=9, n_iter=10))
+    assert p.one_off and not p.eager
+    p.start_batch(batch(iter=8, n_iter=10))
+    assert not p.one_off
+    p.start_batch(SimpleNamespace(training=True, model=nn.Linear(2, 2), xb=())) # No batch loop: no `iter`, no `n_iter`
+    assert not p.one_off
+
+def test_batches_wait_eagerly_for_a_compile_outside_the_fits_path():
+    p, aside = EagerPolicy(), Aside()
+    p.start_fit(aside)
+    p.start_batch(batch())
+    assert p.waiting and p.eager
+    p.end_batch(True)
+    aside.ready = True
+    p.start_batch(batch())
+    assert not p.waiting and not p.eager and aside.asked == [True, True]
+    p.stop()
+    p.start_batch(batch())
+    assert len(aside.asked) == 2 # The fit ended: its compile outside the path is no longer asked
+
+def test_evaluation_outside_a_fit_waits_for_its_graph_only_with_a_compile_outside_the_path():
+    torch.manual_seed(0)
+    model, p = nn.Linear(4, 2), EagerPolicy()
+    p.watch(compile_model(model, policy=p, backend='aot_eager'))
+    for aside, eager in ((None, False), (Aside(), True)):
+        p.start_fit(aside)
+        with torch.no_grad(): p.start_batch(batch(training=False))
+        assert p.evaluating == eager and p.eager_eval == int(eager)
+        p.stop()
+    # Its evaluation graph compiled (a no-grad call in eval mode): evaluation outside a fit runs it
+    model.eval()
+    with torch.no_grad(): model(torch.randn(8, 4))
+    p.start_fit(Aside())
+    with torch.no_grad(): p.start_batch(batch(training=False))
+    assert not p.evaluating and p.eager_eval == 0
+
+def test_a_shape_seen_once_runs_eagerly_and_compiles_when_seen_again():
+    torch.manual_seed(0)
+    model, p = nn.Linear(4, 2), EagerPolicy()
+    compile_model(model, policy=p, backend='aot_eager')
+    assert compiled_call(model).policy is p
+    g = graphs_compiled()
+    model(torch.randn(8, 4)); model(torch.randn(8, 4))
+    assert graphs_compiled() == g + 1
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(model(x), x @ model.weight.T + model.bias) # A new shape, seen once: eagerly
+    assert graphs_compiled() == g + 1 and compiled_call(model).eager_calls == {((True, True), ((3, 4),)): 1}
+    model(x) # Seen again: compiled
+    assert graphs_compiled() == g + 2
+
+def test_every_call_of_an_eager_batch_runs_eagerly_and_the_next_batch_compiles():
+    torch.manual_seed(0)
+    model, p = nn.Linear(4, 2), EagerPolicy()
+    compile_model(model, policy=p, backend='aot_eager')
+    g, x = graphs_compiled(), torch.randn(8, 4)
+    p.start_batch(batch(), measure=True)
+    torch.testing.assert_close(model(x), x @ model.weight.T + model.bias)
+    assert graphs_compiled() == g
+    p.end_batch(True)
+    model(x)
+    assert graphs_compiled() == g + 1
+
+def test_a_one_off_call_without_gradients_runs_eagerly_even_without_a_graph():
+    torch.manual_seed(0)
+    model, p = nn.Linear(4, 2), EagerPolicy()
+    compile_model(model, policy=p, backend='aot_eager')
+    g = graphs_compiled()
+    p.start_batch(batch(training=False, iter=0, n_iter=1)) # `predict` on one item
+    with torch.no_grad(): model(torch.randn(1, 4))
+    assert graphs_compiled() == g
+    p.start_batch(batch(training=True, iter=0, n_iter=1)) # A fit with one training batch an epoch compiles it
+    model(torch.randn(1, 4))
+    assert graphs_compiled() == g + 1
+
+def test_dynamic_graphs_take_new_shapes():
+    torch.manual_seed(0)
+    model, p = nn.Linear(4, 2), EagerPolicy()
+    compile_model(model, policy=p, backend='aot_eager', dynamic=True)
+    for n in (8, 3, 5): model(torch.randn(n, 4))
+    assert compiled_call(model).eager_calls == {}
+
+def test_regional_blocks_share_the_callbacks_policy_which_pickles_without_its_calls():
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3)])
+    cb = CompilerCallback(backend='aot_eager', regional=True, compile_valid=True)
+    compile_model(model, regional=True, policy=cb.policy, backend='aot_eager')
+    cb.policy.watch(model)
+    calls = cb.policy.compiled_calls()
+    assert len(calls) == 3 and all(c.policy is cb.policy for c in calls) and cb.compile_valid
+    copy = pickle.loads(pickle.dumps(cb))
+    assert copy.policy is not cb.policy and copy.policy.compiled_calls() == [] and copy.policy.compile_valid
