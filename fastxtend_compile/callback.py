@@ -428,6 +428,7 @@ class CompilerCallback(Callback):
             if self.marked: self._mark_calls(False, False)
             for c in self._compiled_calls(): # What ran eagerly rather than compile a graph for a shape seen once
                 for k,n in c.eager_calls.items(): self.report.eager_calls[k] = max(self.report.eager_calls.get(k, 0), n)
+                for phase,dims in c.dims.items(): self.report.dynamic[phase] = c.dynamic_shapes(phase)
                 if c.warned_hooks: self.report.eager_hooks = ', '.join(dict.fromkeys(map(_hook_owner, c.warned_hooks)))
         self.ddp.restore() # Set before the fit's callbacks ran, compiled or not
 

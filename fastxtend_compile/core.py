@@ -220,8 +220,18 @@ def _hook_owner(hook:Callable)->str:
 # %% ../nbs/00_core.ipynb #e939e865
 def _shapes(leaves:list)->tuple: return tuple(tuple(o.shape) for o in leaves if isinstance(o, Tensor))
 
+def _varying_dims(shapes:list)->frozenset:
+    "The (input, dimension) pairs in which input `shapes`, each a tuple of tensor shapes, differ; empty if their tensors or ranks differ"
+    if len({tuple(map(len, s)) for s in shapes}) != 1: return frozenset()
+    return frozenset((i,d) for i,sizes in enumerate(zip(*shapes)) for d,ns in enumerate(zip(*sizes)) if len(set(ns)) > 1)
+
+def _masked(shapes:tuple, dims:frozenset)->tuple:
+    "`shapes` with the sizes of the dynamic `dims` left out: the shapes one dynamic graph serves"
+    return tuple(tuple(None if (i,d) in dims else n for d,n in enumerate(s)) for i,s in enumerate(shapes))
+
 class CompiledCall:
     "The compiled `__call__` of a module: `torch.compile` on plain tensors, with outputs typed as fastai's eager ones"
+    vary_after = 3 # Input shapes of a phase after which the dimensions that changed between them compile dynamically
     def __init__(self,
         module:nn.Module, # Module to compile
         entries:dict|None=None, # `compiled_entry`s by freeze state, to share with modules of the same class (regional compilation)
@@ -236,6 +246,7 @@ class CompiledCall:
         self.eager = False # Set by `CompilerCallback` for a batch that runs eagerly, to measure what compiling gains
         self.one_off = False # Set by `CompilerCallback` for a batch it knows is a one-off: the last, often smaller, one
         self.eager_calls = Counter() # Calls run eagerly rather than compiled for a shape seen once, by (phase, shapes)
+        self.dims = {} # The input dimensions compiled dynamically, by phase, once they changed from call to call
         self.new_entry(entries)
 
     def new_entry(self, entries:dict|None=None):
@@ -252,12 +263,21 @@ class CompiledCall:
         # Some torch versions (2.11) don't guard on a parameter's `requires_grad` when the module is an argument: a graph
         # traced frozen would keep its parameters frozen. One function per freeze state compiles each once, on any torch
         self.trains, self.shapes = trains, {} # `shapes`: input shapes compiled for, by phase (gradients on, training mode)
+        self.seen = {} # Input shapes met by phase, one-offs left out: where they keep changing, a dynamic graph serves them
         self.unchecked = trains not in self.entries # A new entry's first call must capture a graph, or the model runs eagerly
         if self.unchecked:
             loads = precompiled_loads()
             self.entries[trains] = compiled_entry(type(self.module).__name__, self._precompile_key(trains), **self.settings)
             self.unchecked = precompiled_loads() == loads # Code TorchDynamo precompiled has its graphs: nothing to check
         self.entry = self.entries[trains]
+        self.dynamic_entry = None # Compiled for the phases whose input shapes keep changing, when one does
+
+    def _dynamic_entry(self):
+        "The compiled function for inputs whose sizes change from call to call: TorchDynamo's automatic dynamic shapes"
+        key = (self.trains, 'dynamic')
+        if key not in self.entries:
+            self.entries[key] = compiled_entry(type(self.module).__name__, self._precompile_key(key), **{**self.settings, 'dynamic': None})
+        return self.entries[key]
 
     def _precompile_key(self, trains:tuple)->str|None:
         "What the code TorchDynamo precompiles for this entry is for: the model, the settings, the freeze state and the hooks"
@@ -281,12 +301,13 @@ class CompiledCall:
         leaves, spec = tree_flatten((args, kwargs))
         if self._runs_eagerly(leaves): return call_module(self.module, *args, **kwargs)
         args, kwargs, like = _stripped(args, kwargs, leaves, spec)
+        entry = self._entry_for(args, kwargs)
         if self.cudagraphs: torch.compiler.cudagraph_mark_step_begin()
         graphs = graphs_compiled() if self.unchecked else 0
         try:
             # A model's own bug is logged by torch as it traces: held back until eager's run says whose bug it is
             with HeldRecords(fake_tensor_logger, traced_op_error()) as held, _casts_deferred(self.casts):
-                out = self.entry(self.module, *args, **kwargs)
+                out = entry(self.module, *args, **kwargs)
         except (graph_break_error(), data_dependent_error(), recompile_limit_error()) as e:
             if not self.settings.get('fullgraph'): raise
             set_compiled_call(self.module, None)
@@ -301,6 +322,15 @@ class CompiledCall:
         cls = self.casts[-1].tensor_cls if self.casts else None if like is None else type(like)
         return out if cls is None else tree_map_only(Tensor, lambda t: _retyped(t, cls, like), out)
 
+    def _entry_for(self, args:tuple, kwargs:dict)->Callable:
+        "The compiled function for this call: the dynamic one, its inputs' changing dimensions marked, where the phase has one"
+        dims = self.dims.get((torch.is_grad_enabled(), self.module.training))
+        if not dims: return self.entry
+        tensors = [o for o in tree_flatten((args, kwargs))[0] if isinstance(o, Tensor)]
+        for i,d in dims: mark_dynamic(tensors[i], d)
+        if self.dynamic_entry is None: self.dynamic_entry = self._dynamic_entry()
+        return self.dynamic_entry
+
     def _runs_eagerly(self, leaves:list)->bool:
         "Whether this call's input shapes are new to its phase: seen once where the phase has a graph, or marked `one_off`"
         # A new shape costs a graph of its own (with `dynamic=False`), which a one-off call would use once: the smaller
@@ -310,13 +340,34 @@ class CompiledCall:
         if self.settings.get('dynamic'): return False # Dynamic graphs take new shapes without recompiling
         phase, shapes = (torch.is_grad_enabled(), self.module.training), _shapes(leaves)
         known = self.shapes.setdefault(phase, set())
+        if (dims := self.dims.get(phase)): shapes = _masked(shapes, dims)
         if shapes in known: return False
         one_off = self.one_off and (known or not phase[0]) # Not a whole training fit's only shape (one batch an epoch)
-        if one_off or known and not self.eager_calls[phase, shapes]:
+        if one_off:
+            self.eager_calls[phase, shapes] += 1
+            return True
+        if self._varies(phase, shapes): return False
+        if known and not self.eager_calls[phase, shapes]:
             self.eager_calls[phase, shapes] += 1
             return True
         known.add(shapes)
         return False
+
+    def dynamic_shapes(self, phase:tuple)->tuple|None:
+        "The input shapes the phase's dynamic graph serves, `None` for each size that changed; `None` if it has none"
+        dims = self.dims.get(phase)
+        return None if dims is None else next(iter(self.shapes[phase]), None)
+
+    def _varies(self, phase:tuple, shapes:tuple)->bool:
+        "Whether the phase's input shapes keep changing, now at its `vary_after`th shape: then its changing dimensions compile dynamically"
+        seen = self.seen.setdefault(phase, set())
+        seen.add(shapes)
+        if len(seen) < self.vary_after or phase in self.dims: return False
+        dims = _varying_dims(list(seen))
+        if not dims: return False
+        self.dims[phase] = dims
+        self.shapes[phase] = {_masked(shapes, dims)}
+        return True
 
     def _raise_as_eager(self, error:Exception, args:tuple, kwargs:dict, held:HeldRecords|None=None):
         "Raise what eager raises for this call, where TorchDynamo failed to run one of its operations while tracing it"
