@@ -220,6 +220,7 @@ def _hook_owner(hook:Callable)->str:
 # %% ../nbs/00_core.ipynb #4b9d2e61
 class EagerPolicy:
     "Whether a call of a compiled model runs eagerly: the one place that decides it, for the batch running and each call's inputs"
+    vary_after = 3 # Input shapes of a phase after which the sizes that changed between them compile dynamically
     def __init__(self,
         compile_valid:bool=True, # Compile the validation of a training fit too, rather than run it eagerly
     ):
@@ -303,13 +304,30 @@ class EagerPolicy:
         if call.settings.get('dynamic'): return False # Dynamic graphs take new shapes without recompiling
         phase = (torch.is_grad_enabled(), call.module.training)
         known = call.shapes.setdefault(phase, set())
+        if dims := call.dims.get(phase): shapes = _masked(shapes, dims)
         if shapes in known: return False
         one_off = self.one_off and (known or not phase[0]) # Not a whole training fit's only shape (one batch an epoch)
-        if one_off or known and not call.eager_calls[phase, shapes]:
+        if one_off:
+            call.eager_calls[phase, shapes] += 1
+            return True
+        if self._varies(call, phase, shapes): return False
+        if known and not call.eager_calls[phase, shapes]:
             call.eager_calls[phase, shapes] += 1
             return True
         known.add(shapes)
         return False
+
+    def _varies(self, call:CompiledCall, phase:tuple, shapes:tuple)->bool:
+        "Whether the phase's input shapes keep changing, met at its `vary_after`th shape: its changing sizes then compile dynamically"
+        # Text padded to each batch's longest item changes length at every batch: a graph per length would recompile until
+        # TorchDynamo's limit. Sizes that changed once (the last batch) run eagerly as one-offs; sizes that keep changing
+        # get one graph with symbolic sizes
+        seen = call.seen.setdefault(phase, set())
+        seen.add(shapes)
+        if len(seen) < self.vary_after or phase in call.dims or not (dims := _varying_dims(list(seen))): return False
+        call.dims[phase] = dims
+        call.shapes[phase] = {_masked(shapes, dims)}
+        return True
 
 def _last_batch(learn)->bool:
     "Whether this is the last batch of the DataLoader; not for events called one by one, outside a fit's batch loop"
@@ -318,6 +336,15 @@ def _last_batch(learn)->bool:
 
 # %% ../nbs/00_core.ipynb #e939e865
 def _shapes(leaves:list)->tuple: return tuple(tuple(o.shape) for o in leaves if isinstance(o, Tensor))
+
+def _varying_dims(shapes:list)->frozenset:
+    "The (input, dimension) pairs in which input `shapes`, each a tuple of tensor shapes, differ; empty if their tensors or ranks differ"
+    if len({tuple(map(len, s)) for s in shapes}) != 1: return frozenset()
+    return frozenset((i,d) for i,sizes in enumerate(zip(*shapes)) for d,ns in enumerate(zip(*sizes)) if len(set(ns)) > 1)
+
+def _masked(shapes:tuple, dims:frozenset)->tuple:
+    "`shapes` with the sizes of the dynamic `dims` left out (`None`): the shapes one dynamic graph serves"
+    return tuple(tuple(None if (i,d) in dims else n for d,n in enumerate(s)) for i,s in enumerate(shapes))
 
 class CompiledCall:
     "The compiled `__call__` of a module: `torch.compile` on plain tensors, with outputs typed as fastai's eager ones"
@@ -335,6 +362,7 @@ class CompiledCall:
         self.hook_dicts = hook_dicts(module)
         self.casts = _casts(module)
         self.eager_calls = Counter() # Calls run eagerly rather than compiled for a shape seen once, by (phase, shapes)
+        self.dims = {} # The input sizes compiled dynamically, by phase, once they kept changing: {(input, dimension)}
         self.new_entry(entries)
 
     def new_entry(self, entries:dict|None=None):
@@ -351,12 +379,34 @@ class CompiledCall:
         # Some torch versions (2.11) don't guard on a parameter's `requires_grad` when the module is an argument: a graph
         # traced frozen would keep its parameters frozen. One function per freeze state compiles each once, on any torch
         self.trains, self.shapes = trains, {} # `shapes`: input shapes compiled for, by phase (gradients on, training mode)
+        self.seen = {} # Input shapes met by phase, one-offs left out
         self.unchecked = trains not in self.entries # A new entry's first call must capture a graph, or the model runs eagerly
         if self.unchecked:
             loads = precompiled_loads()
             self.entries[trains] = compiled_entry(type(self.module).__name__, self._precompile_key(trains), **self.settings)
             self.unchecked = precompiled_loads() == loads # Code TorchDynamo precompiled has its graphs: nothing to check
         self.entry = self.entries[trains]
+        self.dynamic_entry = None # Compiled for the phases whose input sizes keep changing, once one does
+
+    def _dynamic_entry(self):
+        "The compiled function for inputs whose sizes keep changing: marked dynamic, and TorchDynamo's automatic dynamic shapes inside"
+        key = (self.trains, 'dynamic')
+        if key not in self.entries:
+            self.entries[key] = compiled_entry(type(self.module).__name__, self._precompile_key(key), **{**self.settings, 'dynamic': None})
+        return self.entries[key]
+
+    def _entry_for(self, args:tuple, kwargs:dict)->Callable:
+        "The compiled function for this call: the dynamic one, its inputs' changing sizes marked, where the phase has one"
+        dims = self.dims.get((torch.is_grad_enabled(), self.module.training))
+        if not dims: return self.entry
+        tensors = [o for o in tree_flatten((args, kwargs))[0] if isinstance(o, Tensor)]
+        for i,d in dims: mark_dynamic(tensors[i], d)
+        if self.dynamic_entry is None: self.dynamic_entry = self._dynamic_entry()
+        return self.dynamic_entry
+
+    def dynamic_shapes(self, phase:tuple)->tuple|None:
+        "The input shapes the phase's dynamic graph serves, `None` for each size that changes; `None` if it has none"
+        return next(iter(self.shapes.get(phase, ())), None) if phase in self.dims else None
 
     def _precompile_key(self, trains:tuple)->str|None:
         "What the code TorchDynamo precompiles for this entry is for: the model, the settings, the freeze state and the hooks"
@@ -380,12 +430,13 @@ class CompiledCall:
         leaves, spec = tree_flatten((args, kwargs))
         if self._runs_eagerly(leaves): return call_module(self.module, *args, **kwargs)
         args, kwargs, like = _stripped(args, kwargs, leaves, spec)
+        entry = self._entry_for(args, kwargs)
         if self.cudagraphs: torch.compiler.cudagraph_mark_step_begin()
         graphs = graphs_compiled() if self.unchecked else 0
         try:
             # A model's own bug is logged by torch as it traces: held back until eager's run says whose bug it is
             with HeldRecords(fake_tensor_logger, traced_op_error()) as held, _casts_deferred(self.casts):
-                out = self.entry(self.module, *args, **kwargs)
+                out = entry(self.module, *args, **kwargs)
         except (graph_break_error(), data_dependent_error(), recompile_limit_error()) as e:
             if not self.settings.get('fullgraph'): raise
             set_compiled_call(self.module, None)

@@ -26,7 +26,7 @@ __all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'precompile_guard_log
            'without_dynamo_marks', 'fused_kernel_devices', 'fused_adam_kernel', 'dynamo_supported', 'inductor_cxx',
            'inductor_options', 'guarded_code', 'explain', 'explained_break', 'inductor_fallback_random',
            'inductor_cache_dir', 'cpp_kernel_files', 'precompile_supported', 'caching_precompile',
-           'set_caching_precompile', 'precompiled_loads', 'dropped_guard']
+           'set_caching_precompile', 'precompiled_loads', 'dropped_guard', 'mark_dynamic']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
 def own_function(
@@ -399,3 +399,7 @@ precompile_guard_logger = logging.getLogger('torch._dynamo.guards') # Warns of e
 def dropped_guard(record:logging.LogRecord)->bool:
     "Whether `record` is TorchDynamo's warning that precompiled code goes without a guard (on a global: a module, a builtin)"
     return 'is dropped with caching_precompile=True' in str(record.msg)
+
+def mark_dynamic(t:torch.Tensor, dim:int):
+    "Have TorchDynamo compile dimension `dim` of `t` dynamically, unless the model's code needs its size fixed"
+    torch._dynamo.maybe_mark_dynamic(t, dim)

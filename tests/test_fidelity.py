@@ -1,7 +1,7 @@
 "A compiled Learner is faithful to fastai: one graph per model, the gradients, output, hooks, exports and reports fastai users expect"
 import logging, re, subprocess, sys, textwrap, threading, warnings
 from pathlib import Path
-import numpy as np, pytest, torch
+import numpy as np, pandas as pd, pytest, torch
 from torch import nn
 from fastai.learner import Learner
 from fastai.callback.core import Callback
@@ -17,7 +17,7 @@ import fastxtend_compile
 from fastxtend_compile import *
 from fastxtend_compile.core import compile_settings, inner_model
 from fastxtend_compile.internals import graphs_compiled, compiled_call, traced_op_error
-from conftest import two_conv_cnn, bn_cnn, body_head_splitter, digits_dls, text_dls, EAGER_PRECISION, GRAD_TOL
+from conftest import assert_fit_close, two_conv_cnn, bn_cnn, body_head_splitter, digits_dls, text_dls, EAGER_PRECISION, GRAD_TOL
 
 BACKEND = 'aot_eager' # Traces forward and backward like inductor, without its C++ compile time
 _library_dir = str(Path(fastxtend_compile.__file__).resolve().parent)
@@ -73,6 +73,41 @@ def test_one_graph_per_model(kind, tmp_path, digits, cancer):
     assert {e.frame for e in r.events if e.during.startswith('training')} <= {name, 'optimizer step'}, r.events
     assert {e.frame for e in r.events} - {'optimizer step'} == {name}, r.events
     assert frames_ok() - ok0 == r.graphs, (frames_ok() - ok0, r.events)
+
+def _ragged_text_dls():
+    "Sentences of 3 to 30 words through fastai's `TextDataLoaders`, which pads each batch to its longest: lengths change"
+    from fastai.text.data import TextDataLoaders
+    from fastai.text.core import BaseTokenizer
+    rng = np.random.default_rng(0)
+    good, bad = ['great', 'good', 'fine', 'lovely'], ['awful', 'bad', 'poor', 'sad']
+    texts = [' '.join(rng.choice(good if i%2 else bad, rng.integers(3, 31))) for i in range(160)]
+    df = pd.DataFrame(dict(text=texts, label=['pos' if i%2 else 'neg' for i in range(160)]))
+    return TextDataLoaders.from_df(df, text_col='text', label_col='label', valid_pct=0.25, seed=0, bs=16,
+                                   tok_tfm=BaseTokenizer(), num_workers=0)
+
+class LengthSpy(Callback):
+    "The training batches' lengths"
+    def __init__(self): self.lengths = []
+    def before_batch(self):
+        if self.training: self.lengths.append(self.xb[0].shape[1])
+
+def test_text_of_changing_length_compiles_one_dynamic_graph():
+    dls = _ragged_text_dls()
+    def fit(compiled):
+        set_seed(0, reproducible=True)
+        learn = Learner(dls, TokenBag(len(dls.vocab[0])), cbs=LengthSpy())
+        if compiled: learn.compile(backend=BACKEND)
+        quiet_fit(learn, 2, 1e-2)
+        return learn
+    eager, learn = fit(False), fit(True)
+    assert len(set(learn.length_spy.lengths)) >= 5, learn.length_spy.lengths # The batches' lengths do change
+    r = learn.compiler.report
+    model = [e for e in r.events if e.frame == 'TokenBag']
+    # The first length compiles a static graph, the third the dynamic one that serves every length after it
+    assert [e.kind for e in model] == ['compile', 'compile'] and r.fallbacks == [], r.summary()
+    assert ("compiled dynamically: the training inputs' sizes kept changing (16×n, n for a size that changed), so one graph "
+            "serves them all") in r.summary(), r.summary()
+    assert_fit_close(eager.model, learn.model)
 
 # --- 2. A model whose call captures nothing warns ------------------------------------------------------------------
 

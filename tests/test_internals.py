@@ -369,3 +369,12 @@ def test_guarded_code_is_the_innermost_user_frame():
     reason = next(r.recompile_reason for r in reversed(compilation_metrics()) if r.co_name == 'guarded_call' and r.recompile_reason)
     file, line, code = guarded_code(reason)
     assert file == __file__ and code.strip() == 'self.log.append(1)'
+
+def test_mark_dynamic_compiles_one_graph_for_every_size():
+    f = _fresh_compiled(lambda x: x.sum(1) * 2)
+    before = graphs_compiled()
+    for n in (3, 5, 9):
+        x = torch.ones(2, n)
+        mark_dynamic(x, 1)
+        assert torch.equal(f(x), torch.full((2,), 2.*n))
+    assert graphs_compiled() - before == 1

@@ -12,7 +12,7 @@ from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.core import Callback
 from fastxtend_compile import *
 from fastxtend_compile.report import CompileRecorder
-from fastxtend_compile.core import cannot_compile_reason
+from fastxtend_compile.core import cannot_compile_reason, EagerPolicy
 from fastxtend_compile.internals import compiled_call
 from conftest import two_conv_cnn, digits_dls
 
@@ -75,7 +75,8 @@ def test_graph_breaks_counted():
     assert len(prints) == 1, lines # One line per reason, with how often it broke the graph
     assert "  `DynamoExplainCallback` shows the file and line of each graph break" in lines
 
-def test_fallback_to_eager_always_warns():
+def test_fallback_to_eager_always_warns(monkeypatch):
+    monkeypatch.setattr(EagerPolicy, 'vary_after', 99) # Sizes that keep changing would compile one dynamic graph: not here
     class Varying(DataLoader):
         "Batches of a different size each time, each size twice: a size seen again is compiled"
         def create_batches(self, samps):
