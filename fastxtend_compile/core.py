@@ -21,8 +21,8 @@ from .internals import *
 from .internals import tree_map_only, tree_flatten, tree_unflatten
 
 # %% auto #0
-__all__ = ['CompileMode', 'MatMulPrecision', 'GraphBreakError', 'compiled_settings', 'is_compiled', 'compile_model',
-           'uncompile_model']
+__all__ = ['CompileMode', 'MatMulPrecision', 'GraphBreakError', 'compiled_settings', 'is_compiled', 'rnn_free_parts',
+           'compile_model', 'uncompile_model']
 
 # %% ../nbs/00_core.ipynb #69462bf1
 class _CheckedEnum(str, Enum):
@@ -363,6 +363,7 @@ class CompiledCall:
         self.casts = _casts(module)
         self.eager_calls = Counter() # Calls run eagerly rather than compiled for a shape seen once, by (phase, shapes)
         self.dims = {} # The input sizes compiled dynamically, by phase, once they kept changing: {(input, dimension)}
+        self.around = '' # The recurrent layers this part of a model is compiled around, which run eagerly (`rnn_free_parts`)
         self.new_entry(entries)
 
     def new_entry(self, entries:dict|None=None):
@@ -527,9 +528,9 @@ def repeated_blocks(
 def compiled_settings(
     model:nn.Module, # Model, compiled in place, wrapped by `torch.compile` or neither
 )->dict|None:
-    "The `torch.compile` settings `model` is compiled with: `{}` if unknown, `None` if it isn't compiled"
+    "The `torch.compile` settings `model`, or the blocks of it compiled, are compiled with: `{}` if unknown, `None` if none is"
     if is_optimized_module(model): return {}
-    call = compiled_call(model)
+    call = compiled_call(model) or next((c for m in model.modules() if isinstance(c := compiled_call(m), CompiledCall)), None)
     if call is None: return None
     return getattr(call, 'settings', {})
 
@@ -539,6 +540,23 @@ def is_compiled(
     "Whether `model` is compiled, in place or wrapped by `torch.compile`"
     return compiled_settings(model) is not None
 
+def _has_rnn(m:nn.Module)->bool: return any(isinstance(o, nn.RNNBase) for o in m.modules())
+
+def rnn_free_parts(
+    model:nn.Module, # Model to search
+)->list|None:
+    "The largest parts of `model` with parameters and no recurrent layer (`nn.LSTM`, `nn.GRU`, `nn.RNN`); `None` without one"
+    # TorchDynamo breaks the graph at each recurrent layer (it doesn't trace them), and the small frames between them
+    # recompile for each batch size and length they meet: fastai's AWD_LSTM trains faster with only what surrounds them
+    # compiled (its embedding and its classifier or decoder), and its LSTMs running cuDNN's kernels eagerly
+    if not _has_rnn(model): return None
+    def parts(m):
+        if not _has_rnn(m): return [m] if next(m.parameters(), None) is not None else []
+        return [p for k in m.children() for p in parts(k)]
+    res = parts(model)
+    inside = {id(o) for p in res for o in list(p.modules())[1:]} # A module shared with another part (a tied embedding)
+    return [p for p in res if id(p) not in inside]
+
 @delegates(compile_settings)
 def compile_model(
     model:nn.Module, # Model to compile in place
@@ -547,11 +565,16 @@ def compile_model(
     policy:EagerPolicy|None=None, # Decides which calls run eagerly, shared by the compiled blocks (`CompilerCallback`'s)
     **settings # `torch.compile` settings: `fullgraph`, `dynamic`, `backend`, `mode`, `options`
 )->nn.Module:
-    "Compile `model` in place with `torch.compile` `settings`, unwrapping an `OptimizedModule` first"
+    "Compile `model` in place with `torch.compile` `settings`, unwrapping an `OptimizedModule` first; a recurrent one around its RNNs"
     settings = compile_settings(**settings)
     model = uncompile_model(model)
     if not regional:
-        set_compiled_call(model, CompiledCall(model, on_refused=on_refused, policy=policy, **settings))
+        policy = EagerPolicy() if policy is None else policy
+        parts = rnn_free_parts(model)
+        rnns = '' if parts is None else ', '.join(dict.fromkeys(type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)))
+        for m in [model] if parts is None else parts:
+            set_compiled_call(m, call := CompiledCall(m, on_refused=on_refused, policy=policy, **settings))
+            call.around = rnns
         return model
     blocks = repeated_blocks(model)
     if not blocks: raise ValueError(f"regional=True, but {type(model).__name__} has no repeated blocks (children of a ModuleList or Sequential of the same class) to compile")

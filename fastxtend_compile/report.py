@@ -84,7 +84,9 @@ class CompileReport:
     epoch_steps:int = 0 # Training batches in an epoch
     num_workers:int|None = None # The training DataLoader's worker processes
     eager_calls:dict = field(default_factory=dict) # Calls run eagerly, not compiled for a shape seen once: {(phase, shapes): count}
-    dynamic:dict = field(default_factory=dict) # Inputs compiled dynamically as their sizes kept changing: {phase: shapes, `None` for a size that changed}
+    dynamic:dict = field(default_factory=dict) # Inputs compiled dynamically as their sizes kept changing: {(phase, part): shapes, `None` for a size that changed}
+    rnns:str = '' # The model's recurrent layers, run eagerly with only the parts around them compiled
+    rnn_parts:str = '' # The parts compiled around them
     eager_valid:int = 0 # Validation batches of training fits run eagerly, their graph not worth compiling (`compile_valid=False`)
     eager_frozen:int = 0 # Frozen fits of `fine_tune` run eagerly (`compile_frozen=False`)
     eager_hooks:str = '' # Who registered the hooks that read the model's values, during which it ran eagerly
@@ -174,8 +176,11 @@ class CompileReport:
                   f"a graph: {n} {'training' if grad else 'validation or inference'} call(s) "
                   + (f"with input {s[0]}" if len(s) == 1 else f"with each of the inputs {'; '.join(s)}")
                   for (grad, n), s in once.items()]
-        lines += [f"  compiled dynamically: the {'training' if grad else 'validation or inference'} inputs' sizes kept changing "
-                  f"({_shape_text(shapes)}, n for a size that changed), so one graph serves them all" for (grad, _), shapes in self.dynamic.items()]
+        lines += [f"  compiled dynamically: the {'training' if grad else 'validation or inference'} inputs of {part} kept changing "
+                  f"in size ({_shape_text(shapes)}; n for a size that changed), so one graph serves them all"
+                  for ((grad, _), part), shapes in self.dynamic.items()]
+        if self.rnns: lines.append(f"  ran eagerly: the model's {self.rnns} layers, which TorchDynamo doesn't trace (it would break the "
+                                   f"graph at each); compiled around them: {self.rnn_parts}")
         if self.eager_hooks: lines.append(f"  ran eagerly while hooks of {self.eager_hooks} read the model's values (fastai `Hook`s "
                                           "with `detach=True`): it compiles once they are removed")
         if self.eager_frozen: lines.append(f"  ran eagerly: {self.eager_frozen} frozen fit(s) of `fine_tune` "
@@ -306,7 +311,9 @@ class CompileRecorder:
         r.ddp_backward_graphs = ddp_backward_graphs
         for c in calls: # What ran eagerly rather than compile a graph for a shape seen once (twin blocks see alike)
             for k,n in c.eager_calls.items(): r.eager_calls[k] = max(r.eager_calls.get(k, 0), n)
-            for phase in c.dims: r.dynamic[phase] = c.dynamic_shapes(phase)
+            for phase in c.dims: r.dynamic[phase, type(c.module).__name__] = c.dynamic_shapes(phase)
+        if rnn := [c for c in calls if c.around]:
+            r.rnns, r.rnn_parts = rnn[0].around, ', '.join(dict.fromkeys(type(c.module).__name__ for c in rnn))
             if c.warned_hooks: r.eager_hooks = ', '.join(dict.fromkeys(map(_hook_owner, c.warned_hooks)))
         remove_compile_callbacks(self._on_start, self._on_end)
         recompile_limit_logger.removeHandler(self.log_handler)

@@ -52,6 +52,17 @@ def text_dls():
     df = pd.DataFrame(dict(text=texts, label=['pos' if i%2 else 'neg' for i in range(96)]))
     return TextDataLoaders.from_df(df, text_col='text', label_col='label', valid_pct=0.25, seed=0, bs=16, seq_len=16, num_workers=0)
 
+def ragged_text_dls():
+    "Sentences of 3 to 30 words through fastai's `TextDataLoaders`, which pads each batch to its longest: lengths change"
+    from fastai.text.data import TextDataLoaders
+    from fastai.text.core import BaseTokenizer
+    rng = np.random.default_rng(0)
+    good, bad = ['great', 'good', 'fine', 'lovely'], ['awful', 'bad', 'poor', 'sad']
+    texts = [' '.join(rng.choice(good if i%2 else bad, rng.integers(3, 31))) for i in range(160)]
+    df = pd.DataFrame(dict(text=texts, label=['pos' if i%2 else 'neg' for i in range(160)]))
+    return TextDataLoaders.from_df(df, text_col='text', label_col='label', valid_pct=0.25, seed=0, bs=16,
+                                   tok_tfm=BaseTokenizer(), num_workers=0)
+
 def segmentation_dls(path, n=24, size=32, bs=4):
     "Images with a bright square on noise and their masks, written as PNG files with PIL, through `SegmentationDataLoaders`"
     from PIL import Image

@@ -11,7 +11,7 @@ from fastxtend_compile import *
 from fastxtend_compile.internals import compiled_call
 from fastai.layers import ToTensorBase
 from fastai.vision.all import unet_learner, resnet18
-from conftest import two_conv_cnn, digits_dls, cancer_dls, text_dls, segmentation_dls, assert_fit_close, EAGER_PRECISION
+from conftest import two_conv_cnn, digits_dls, cancer_dls, text_dls, ragged_text_dls, segmentation_dls, assert_fit_close, EAGER_PRECISION
 
 def compile_counts(learn):
     r = learn.compiler.report
@@ -68,6 +68,24 @@ def test_text_batches_are_plain_inside_the_model():
     seen.clear()
     out = learn.model(xb) # ...and so does the compiled call when it's given a typed batch directly
     assert set(seen) == {torch.Tensor} and type(out) is type(xb)
+
+def test_awd_lstm_compiles_around_its_lstms():
+    "fastai's AWD_LSTM classifier: its LSTMs run eagerly, with a handful of graphs around them and no graph break or fallback"
+    from fastai.text.learner import text_classifier_learner
+    from fastai.text.models.awdlstm import AWD_LSTM
+    dls = ragged_text_dls()
+    def fit(compiled):
+        set_seed(0, reproducible=True)
+        learn = text_classifier_learner(dls, AWD_LSTM, pretrained=False, config=dict(emb_sz=32, n_hid=48, n_layers=2))
+        if compiled: learn.compile(backend='aot_eager')
+        with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(2, 1e-2)
+        return learn
+    eager, learn = fit(False), fit(True)
+    r = learn.compiler.report
+    assert r.graph_breaks == 0 and r.fallbacks == [] and len([e for e in r.events if e.frame != 'optimizer step']) <= 8, r.summary()
+    assert ("ran eagerly: the model's LSTM layers, which TorchDynamo doesn't trace (it would break the graph at each); "
+            "compiled around them: EmbeddingDropout, PoolingLinearClassifier") in r.summary(), r.summary()
+    assert_fit_close(eager.model, learn.model)
 
 def test_unet_fine_tunes_as_one_graph_with_eager_types(tmp_path):
     "`unet_learner`'s `DynamicUnet` casts its output to `TensorBase` (`ToTensorBase`): compiled, it trains and predicts as eager"

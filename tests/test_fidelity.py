@@ -17,7 +17,7 @@ import fastxtend_compile
 from fastxtend_compile import *
 from fastxtend_compile.core import compile_settings, inner_model
 from fastxtend_compile.internals import graphs_compiled, compiled_call, traced_op_error
-from conftest import assert_fit_close, two_conv_cnn, bn_cnn, body_head_splitter, digits_dls, text_dls, EAGER_PRECISION, GRAD_TOL
+from conftest import assert_fit_close, ragged_text_dls, two_conv_cnn, bn_cnn, body_head_splitter, digits_dls, text_dls, EAGER_PRECISION, GRAD_TOL
 
 BACKEND = 'aot_eager' # Traces forward and backward like inductor, without its C++ compile time
 _library_dir = str(Path(fastxtend_compile.__file__).resolve().parent)
@@ -74,17 +74,6 @@ def test_one_graph_per_model(kind, tmp_path, digits, cancer):
     assert {e.frame for e in r.events} - {'optimizer step'} == {name}, r.events
     assert frames_ok() - ok0 == r.graphs, (frames_ok() - ok0, r.events)
 
-def _ragged_text_dls():
-    "Sentences of 3 to 30 words through fastai's `TextDataLoaders`, which pads each batch to its longest: lengths change"
-    from fastai.text.data import TextDataLoaders
-    from fastai.text.core import BaseTokenizer
-    rng = np.random.default_rng(0)
-    good, bad = ['great', 'good', 'fine', 'lovely'], ['awful', 'bad', 'poor', 'sad']
-    texts = [' '.join(rng.choice(good if i%2 else bad, rng.integers(3, 31))) for i in range(160)]
-    df = pd.DataFrame(dict(text=texts, label=['pos' if i%2 else 'neg' for i in range(160)]))
-    return TextDataLoaders.from_df(df, text_col='text', label_col='label', valid_pct=0.25, seed=0, bs=16,
-                                   tok_tfm=BaseTokenizer(), num_workers=0)
-
 class LengthSpy(Callback):
     "The training batches' lengths"
     def __init__(self): self.lengths = []
@@ -92,7 +81,7 @@ class LengthSpy(Callback):
         if self.training: self.lengths.append(self.xb[0].shape[1])
 
 def test_text_of_changing_length_compiles_one_dynamic_graph():
-    dls = _ragged_text_dls()
+    dls = ragged_text_dls()
     def fit(compiled):
         set_seed(0, reproducible=True)
         learn = Learner(dls, TokenBag(len(dls.vocab[0])), cbs=LengthSpy())
@@ -105,8 +94,8 @@ def test_text_of_changing_length_compiles_one_dynamic_graph():
     model = [e for e in r.events if e.frame == 'TokenBag']
     # The first length compiles a static graph, the third the dynamic one that serves every length after it
     assert [e.kind for e in model] == ['compile', 'compile'] and r.fallbacks == [], r.summary()
-    assert ("compiled dynamically: the training inputs' sizes kept changing (16×n, n for a size that changed), so one graph "
-            "serves them all") in r.summary(), r.summary()
+    assert ("compiled dynamically: the training inputs of TokenBag kept changing in size (16×n; n for a size that changed), so "
+            "one graph serves them all") in r.summary(), r.summary()
     assert_fit_close(eager.model, learn.model)
 
 # --- 2. A model whose call captures nothing warns ------------------------------------------------------------------
