@@ -21,8 +21,8 @@ from .internals import *
 from .internals import tree_map_only, tree_flatten, tree_unflatten
 
 # %% auto #0
-__all__ = ['CompileMode', 'MatMulPrecision', 'GraphBreakError', 'compiled_settings', 'is_compiled', 'rnn_free_parts',
-           'compile_model', 'uncompile_model']
+__all__ = ['CompileMode', 'MatMulPrecision', 'GraphBreakError', 'compiled_settings', 'is_compiled', 'compile_model',
+           'uncompile_model']
 
 # %% ../nbs/00_core.ipynb #69462bf1
 class _CheckedEnum(str, Enum):
@@ -363,7 +363,7 @@ class CompiledCall:
         self.casts = _casts(module)
         self.eager_calls = Counter() # Calls run eagerly rather than compiled for a shape seen once, by (phase, shapes)
         self.dims = {} # The input sizes compiled dynamically, by phase, once they kept changing: {(input, dimension)}
-        self.around = '' # The recurrent layers this part of a model is compiled around, which run eagerly (`rnn_free_parts`)
+        self.around = '' # The recurrent layers this part of a model is compiled around, which run eagerly (`_rnn_free_parts`)
         self.new_entry(entries)
 
     def new_entry(self, entries:dict|None=None):
@@ -528,9 +528,9 @@ def repeated_blocks(
 def compiled_settings(
     model:nn.Module, # Model, compiled in place, wrapped by `torch.compile` or neither
 )->dict|None:
-    "The `torch.compile` settings `model`, or the blocks of it compiled, are compiled with: `{}` if unknown, `None` if none is"
+    "The `torch.compile` settings `model` is compiled with: `{}` if unknown, `None` if it isn't compiled"
     if is_optimized_module(model): return {}
-    call = compiled_call(model) or next((c for m in model.modules() if isinstance(c := compiled_call(m), CompiledCall)), None)
+    call = compiled_call(model)
     if call is None: return None
     return getattr(call, 'settings', {})
 
@@ -542,7 +542,7 @@ def is_compiled(
 
 def _has_rnn(m:nn.Module)->bool: return any(isinstance(o, nn.RNNBase) for o in m.modules())
 
-def rnn_free_parts(
+def _rnn_free_parts(
     model:nn.Module, # Model to search
 )->list|None:
     "The largest parts of `model` with parameters and no recurrent layer (`nn.LSTM`, `nn.GRU`, `nn.RNN`); `None` without one"
@@ -570,7 +570,7 @@ def compile_model(
     model = uncompile_model(model)
     if not regional:
         policy = EagerPolicy() if policy is None else policy
-        parts = rnn_free_parts(model)
+        parts = _rnn_free_parts(model)
         rnns = '' if parts is None else ', '.join(dict.fromkeys(type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)))
         for m in [model] if parts is None else parts:
             set_compiled_call(m, call := CompiledCall(m, on_refused=on_refused, policy=policy, **settings))

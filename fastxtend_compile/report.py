@@ -312,9 +312,9 @@ class CompileRecorder:
         for c in calls: # What ran eagerly rather than compile a graph for a shape seen once (twin blocks see alike)
             for k,n in c.eager_calls.items(): r.eager_calls[k] = max(r.eager_calls.get(k, 0), n)
             for phase in c.dims: r.dynamic[phase, type(c.module).__name__] = c.dynamic_shapes(phase)
+            if c.warned_hooks: r.eager_hooks = ', '.join(dict.fromkeys(map(_hook_owner, c.warned_hooks)))
         if rnn := [c for c in calls if c.around]:
             r.rnns, r.rnn_parts = rnn[0].around, ', '.join(dict.fromkeys(type(c.module).__name__ for c in rnn))
-            if c.warned_hooks: r.eager_hooks = ', '.join(dict.fromkeys(map(_hook_owner, c.warned_hooks)))
         remove_compile_callbacks(self._on_start, self._on_end)
         recompile_limit_logger.removeHandler(self.log_handler)
         self.collect(self.during)
