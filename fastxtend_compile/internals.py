@@ -168,7 +168,7 @@ _guard_failures = [ # (kind, pattern) of TorchDynamo's words for a failed guard,
     ('training', r"\.training =="),
     ('grad_mode', r"GLOBAL_STATE changed: grad_mode"),
     ('dtype', r"dtype mismatch"),
-    ('stride', r"stride mismatch"),
+    ('stride', r"stride mismatch|\.stride\(\)\[\d+\] [!=]= "), # A dynamic graph's guard relates a stride to a size: a slice of a larger tensor
     ('device', r"device mismatch"),
     ('dynamic_range', r"\d+ <= .*size\(\)|size\(\).* <= \d+"),
     ('value', r"(?:^|: )([\w.'\[\]]+) == (-?[\d.e+-]+)\b"),

@@ -29,7 +29,7 @@ _words = { # What a failed guard of each kind (see `guard_failure`) means, in pl
     'training': lambda v: "the model switched between training and evaluation mode",
     'grad_mode': lambda v: "gradients were switched on or off (validation and inference run without them)",
     'dtype': lambda v: "the input dtype changed (e.g. mixed precision switched on or off)",
-    'stride': lambda v: "the input's memory layout changed (e.g. channels_last)",
+    'stride': lambda v: "the input's memory layout changed (its strides: a slice of a larger tensor, a transposed one, or channels_last)",
     'device': lambda v: "the model or its input moved to another device",
     'dynamic_range': lambda v: "an input size fell outside the range its dynamic graph was compiled for (sizes 0 and 1 are always specialised)",
     'value': lambda v: f"a guard on the Python value `{v[0]}` failed (it was {v[1]}): a number that changes, such as a "

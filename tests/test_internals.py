@@ -5,7 +5,7 @@ from fastxtend_compile.internals import *
 from fastxtend_compile.core import compiled_entry, graph_break_reason
 from fastxtend_compile.internals import FrameCompile, tree_map_only, tree_flatten, tree_unflatten, tree_leaves
 
-def _fresh_compiled(f): return torch.compile(own_function(f, 'internals_test_call'), backend='eager')
+def _fresh_compiled(f, **kw): return torch.compile(own_function(f, 'internals_test_call'), backend='eager', **kw)
 
 def test_own_function_gets_its_own_dynamo_cache():
     def f(x): return x + 1
@@ -108,6 +108,16 @@ def test_guard_failures_are_recognised_in_torch_s_words():
     reasons = _recompile_reasons(h, lambda: h(torch.ones(1), 2), lambda: h(torch.ones(1), 3))
     assert guard_failure(reasons[0]) == ('value', ('n', '2')), reasons
     assert guard_failure('something TorchDynamo never said') is None
+
+def test_a_dynamic_graphs_stride_guard_is_recognised():
+    # fastai's text encoders pass chunks of a batch, slices of a larger tensor: their strides follow another size
+    f = _fresh_compiled(lambda x: (x * 2).sum(1), dynamic=None)
+    def call(x):
+        mark_dynamic(x, 1)
+        return lambda: f(x)
+    full = torch.arange(80).view(4, 20)
+    reasons = _recompile_reasons(f, call(torch.arange(20).view(4, 5)), call(torch.arange(28).view(4, 7)), call(full[:, :6]), call(full[:, :9]))
+    assert [guard_failure(r) for r in reasons] == [('stride', ())], reasons
 
 def test_fx_code_is_recognised():
     gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
