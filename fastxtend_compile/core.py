@@ -381,13 +381,19 @@ class CompiledCall:
         # traced frozen would keep its parameters frozen. One function per freeze state compiles each once, on any torch
         self.trains, self.shapes = trains, {} # `shapes`: input shapes compiled for, by phase (gradients on, training mode)
         self.seen = {} # Input shapes met by phase, one-offs left out
-        self.unchecked = trains not in self.entries # A new entry's first call must capture a graph, or the model runs eagerly
-        if self.unchecked:
-            loads = precompiled_loads()
-            self.entries[trains] = compiled_entry(type(self.module).__name__, self._precompile_key(trains), **self.settings)
-            self.unchecked = precompiled_loads() == loads # Code TorchDynamo precompiled has its graphs: nothing to check
-        self.entry = self.entries[trains]
+        # Made at the first compiled call: `torch.compile` imports inductor, seconds that a fit running eagerly (while a
+        # worker compiles, or for its measurement batches) needn't wait for
+        self.entry = self.entries.get(trains)
+        self.unchecked = False # A new entry's first call must capture a graph, or the model runs eagerly
         self.dynamic_entry = None # Compiled for the phases whose input sizes keep changing, once one does
+
+    def _static_entry(self)->Callable:
+        "The compiled function for this freeze state: a twin's (regional compilation), or made now"
+        if (entry := self.entries.get(self.trains)) is not None: return entry
+        loads = precompiled_loads()
+        entry = self.entries[self.trains] = compiled_entry(type(self.module).__name__, self._precompile_key(self.trains), **self.settings)
+        self.unchecked = precompiled_loads() == loads # Code TorchDynamo precompiled has its graphs: nothing to check
+        return entry
 
     def _dynamic_entry(self):
         "The compiled function for inputs whose sizes keep changing: marked dynamic, and TorchDynamo's automatic dynamic shapes inside"
@@ -398,6 +404,7 @@ class CompiledCall:
 
     def _entry_for(self, args:tuple, kwargs:dict)->Callable:
         "The compiled function for this call: the dynamic one, its inputs' changing sizes marked, where the phase has one"
+        if self.entry is None: self.entry = self._static_entry()
         dims = self.dims.get((torch.is_grad_enabled(), self.module.training))
         if not dims: return self.entry
         tensors = [o for o in tree_flatten((args, kwargs))[0] if isinstance(o, Tensor)]
@@ -432,8 +439,8 @@ class CompiledCall:
         if self._runs_eagerly(leaves): return call_module(self.module, *args, **kwargs)
         args, kwargs, like = _stripped(args, kwargs, leaves, spec)
         entry = self._entry_for(args, kwargs)
-        if self.cudagraphs: torch.compiler.cudagraph_mark_step_begin()
         graphs = graphs_compiled() if self.unchecked else 0
+        if self.cudagraphs: torch.compiler.cudagraph_mark_step_begin()
         try:
             # A model's own bug is logged by torch as it traces: held back until eager's run says whose bug it is
             with HeldRecords(fake_tensor_logger, traced_op_error()) as held, _casts_deferred(self.casts):

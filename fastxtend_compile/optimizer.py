@@ -184,8 +184,12 @@ class CompiledOptimizerStep:
         **settings # `torch.compile` settings, from `compile_settings`
     ):
         self.opt, self.fused_ok, self.settings, self.cbs, self.warned, self.scalars = opt, fused, settings, None, False, {}
+        self.compiled = None # The compiled step, made at its first use: fastai's `Adam` runs fused without it
+
+    def _compiled(self)->Callable:
         # Each optimizer gets its own graphs, freed with it, and its own recompile limit, on every torch version
-        self.compiled = torch.compile(own_function(_foreach_step, '_foreach_step'), **settings)
+        if self.compiled is None: self.compiled = torch.compile(own_function(_foreach_step, '_foreach_step'), **self.settings)
+        return self.compiled
 
     def __reduce__(self): return (partial(type(self), fused=self.fused_ok, **self.settings), (self.opt,)) # Compiled anew when unpickled or copied
 
@@ -268,7 +272,7 @@ class CompiledOptimizerStep:
             for key in [k for k in groups if self._fusable(k)]: self._fused_step(key, groups.pop(key))
             groups = [self._prepare(j, key, pairs) for j,(key,pairs) in enumerate(groups.items())]
             if not groups: return
-            self.compiled(self.updates, [plan for plan,_,_ in groups])
+            self._compiled()(self.updates, [plan for plan,_,_ in groups])
         for _,states,counts in groups:
             if counts:
                 for st in states: st.update(counts)
