@@ -110,3 +110,21 @@ def test_batches_of_ever_new_shapes_train_eagerly_and_say_so(tmp_path, monkeypat
         f"trained eagerly: the training batches' shapes kept changing ({n} times, none {BackgroundCompile.probe_batches} batches "
         "in a row), so none is worth a graph of its own; batches of one size (padded to one length, `drop_last=True`) or "
         "`dynamic=True` let one graph serve them"]
+
+def test_a_fit_that_trains_eagerly_never_imports_inductor():
+    "`torch.compile` imports inductor (seconds on a GPU host): a fit that trains eagerly while it would compile elsewhere doesn't wait for it"
+    import subprocess, sys, textwrap
+    code = textwrap.dedent('''
+        import sys, warnings
+        warnings.simplefilter('ignore')
+        from fastai.learner import Learner
+        from fastxtend_compile import *
+        from conftest import two_conv_cnn, digits_dls
+        learn = Learner(digits_dls(), two_conv_cnn()).compile(background=True) # fastai's Adam: PyTorch's fused kernel, no compile
+        with learn.no_bar(), learn.no_logging(): learn.fit(1) # Too short to be worth a worker: it trains eagerly
+        print(learn.compiler.report.graphs, 'torch._inductor.compile_fx' in sys.modules)
+    ''')
+    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([os.path.dirname(__file__), os.environ.get('PYTHONPATH', '')])}
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ['0', 'False'], out.stdout
