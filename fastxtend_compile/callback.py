@@ -195,7 +195,7 @@ class CompilerCallback(Callback):
         recompile:bool=False, # Force a compiled model to recompile. Use when freezing/unfreezing a compiled model.
         verbose:bool=False, # Verbose output
         regional:bool=False, # Compile only the model's repeated blocks (e.g. transformer layers): a faster cold compile
-        compile_valid:bool=False, # Compile the validation of a training fit too: its graph seldom pays back there, so it runs eagerly
+        compile_valid:bool=False, # Compile evaluation always (a fit's validation, `get_preds`, `validate`), not only where it pays back
         compile_opt:bool=True, # Speed up the step of a fastai `Optimizer` too: fused or compiled (see `compile_optimizer`)
         ddp_compiled_autograd:bool=False, # Under DDP, compile each backward with its all-reduces (DDP's Python reducer)
         precompile:bool=False, # Save TorchDynamo's traced code with the compile cache too: a warm start skips tracing (torch 2.15+)
@@ -223,8 +223,11 @@ class CompilerCallback(Callback):
 
     @property
     def compile_valid(self)->bool:
-        "Whether the validation of a training fit is compiled, rather than run eagerly"
+        "Whether evaluation is compiled (a fit's validation, `get_preds`, `validate`), rather than run eagerly where it wouldn't pay"
         return self.policy.compile_valid
+
+    @compile_valid.setter
+    def compile_valid(self, on:bool): self.policy.compile_valid = on
 
     @property
     def matmul_precision(self)->str:
@@ -255,7 +258,7 @@ class CompilerCallback(Callback):
                   compiled_backward=self.ddp.in_backward, train=self.learn.dls.train)
         self.precision.set(device)
         self.precompile.set(inner_model(model), ddp=isinstance(model, DistributedDataParallel))
-        self.policy.start_fit(self.aside if self._compiles_in_background(device, model) else None)
+        self.policy.start_fit(self.aside if self._compiles_in_background(device, model) else None, self.report.pays_back)
 
     def _compile_optimizer(self):
         "Compile the step of a fastai `Optimizer`: `create_opt` makes an eager one, so it is checked at every fit"
@@ -312,7 +315,7 @@ class CompilerCallback(Callback):
         if self.compiled_model is None or self.compiled_model() is not get_model(self.learn.model): self._compile()
         rec, p = self.compile_recorder, self.policy
         p.start_batch(self.learn, measure=rec.wants_eager_step(getattr(self.learn, 'n_iter', 0)), whole_backward=self.ddp.in_backward)
-        if not p.waiting: rec.batch_start(self.training, self.learn.xb, p.measuring, p.valid_eager) # Not timed as compiled
+        if p.timed: rec.batch_start(self.training, self.learn.xb, p.measuring, p.valid_eager)
 
     def _own_grads(self):
         "With CUDA graphs, give each parameter that trains a zero gradient of its own if it has none"
@@ -335,7 +338,7 @@ class CompilerCallback(Callback):
 
     def after_batch(self):
         if not self.active: return
-        if not self.policy.waiting: self.compile_recorder.batch_done()
+        if self.policy.timed: self.compile_recorder.batch_done()
         self.policy.end_batch(self.training)
 
     def after_fit(self):
@@ -371,7 +374,8 @@ class CompilerCallback(Callback):
             self.active = False
             self.aside.stop() # A worker still compiling, and its files
             self.compile_recorder.note_background(*self.aside.take_notes())
-            self.compile_recorder.stop(self.policy.compiled_calls(), self.ddp.backward_graphs(), self.policy.eager_eval)
+            p = self.policy
+            self.compile_recorder.stop(p.compiled_calls(), self.ddp.backward_graphs(), p.eager_eval, p.eager_lr_find)
             self.policy.stop()
             self.precision.restore()
             self.precompile.restore()

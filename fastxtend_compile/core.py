@@ -16,6 +16,7 @@ from fastcore.meta import delegates
 from fastai.torch_core import TensorBase, get_model
 from fastai.layers import ToTensorBase
 from fastai.callback.hook import Hook
+from fastai.callback.schedule import LRFinder
 
 from .internals import *
 from .internals import tree_map_only, tree_flatten, tree_unflatten
@@ -222,7 +223,7 @@ class EagerPolicy:
     "Whether a call of a compiled model runs eagerly: the one place that decides it, for the batch running and each call's inputs"
     vary_after = 3 # Input shapes of a phase after which the sizes that changed between them compile dynamically
     def __init__(self,
-        compile_valid:bool=True, # Compile the validation of a training fit too, rather than run it eagerly
+        compile_valid:bool=True, # Compile evaluation always: a fit's validation, and one outside a fit that wouldn't pay back its graph
     ):
         self.compile_valid = compile_valid
         self.aside = None # A compile outside the fit's path (`BackgroundCompile`): its batches run eagerly until its code is ready
@@ -231,9 +232,12 @@ class EagerPolicy:
         self.measuring = False # This training batch runs eagerly, to measure the eager step
         self.valid_eager = False # This validation batch of a training fit runs eagerly: its graph seldom pays back its compile
         self.waiting = False # This batch runs eagerly while its compiled code is made outside the fit's path
-        self.evaluating = False # This evaluation outside a fit runs eagerly: its graph isn't compiled yet
+        self.evaluating = False # This batch of an evaluation outside a fit or of `lr_find` runs eagerly: its graph wouldn't pay back
         self.one_off = False # This batch is a one-off, not worth a graph of its own: the last, often smaller, one
-        self.eager_eval = 0 # Evaluation batches outside a fit run eagerly in this fit, their graph not compiled yet
+        self.pays = None # `pays(batches)`: whether that many batches are expected to pay back a graph's compile (the report's)
+        self.unpaid = None # Whether this evaluation outside a fit, or `lr_find`, runs eagerly: decided at its first batch
+        self.eager_eval = 0 # Batches of this evaluation outside a fit run eagerly, their graph not compiled and not worth it
+        self.eager_lr_find = 0 # Batches of this `lr_find` run eagerly, alike
 
     def __getstate__(self): return {**self.__dict__, 'calls': (), 'aside': None} # A copy decides for the calls it compiles
 
@@ -252,9 +256,10 @@ class EagerPolicy:
 
     def start_fit(self,
         aside=None, # A compile outside the fit's path, with `runs_eagerly(learn, model, training)`; `None` compiles in it
+        pays:Callable|None=None, # `pays(batches)`: whether that many batches pay back compiling their graph; `None`: never judged to
     ):
         "A fit starts: it has trained no batch yet"
-        self.trained, self.aside, self.eager_eval = False, aside, 0
+        self.trained, self.aside, self.pays, self.unpaid, self.eager_eval, self.eager_lr_find = False, aside, pays, None, 0, 0
 
     def start_batch(self,
         learn, # The `Learner` whose batch starts
@@ -263,22 +268,34 @@ class EagerPolicy:
     ):
         "Decide whether the batch starting runs eagerly, and whether it is a one-off"
         # A fit's validation is a few batches an epoch, often waiting for the DataLoader: its graph (a recompile for the
-        # evaluation phase, each freeze state) costs more compiling than it saves. `validate` and `get_preds` alone compile.
+        # evaluation phase, each freeze state) costs more compiling than it saves.
         # An eager backward would all-reduce each gradient alone: not DDP's eager step, and not a training batch to leave out
         training = learn.training
-        self.measuring = training and measure and not whole_backward
+        self.evaluating = self._unpaid(learn, training)
+        self.measuring = training and measure and not whole_backward and not self.evaluating
         self.valid_eager = not training and self.trained and not self.compile_valid
-        self.waiting = self.aside is not None and self.aside.runs_eagerly(learn, get_model(learn.model), training)
-        self.evaluating = not (self.measuring or self.valid_eager or self.waiting) and self._evaluates_eagerly(training)
+        busy = self.evaluating or self.measuring or self.valid_eager
+        self.waiting = not busy and self.aside is not None and self.aside.runs_eagerly(learn, get_model(learn.model), training)
         self.one_off = _last_batch(learn) and not (training and whole_backward)
+        if self.evaluating and training: self.eager_lr_find += 1
+        elif self.evaluating: self.eager_eval += 1
 
-    def _evaluates_eagerly(self, training:bool)->bool:
-        "With a compile outside the fit's path, whether an evaluation outside a fit (`get_preds`, `validate`) runs eagerly"
-        # Compiled in its path, an evaluation graph costs more than a few hundred batches save: eager unless it is there already
-        if training or self.trained or self.aside is None: return False
-        if any(c.shapes.get((torch.is_grad_enabled(), False)) for c in self.compiled_calls()): return False
-        self.eager_eval += 1
-        return True
+    def _unpaid(self, learn, training:bool)->bool:
+        "Whether this batch of an evaluation outside a training fit, or of an `lr_find`, runs eagerly: its graph wouldn't pay back"
+        # A graph compiled in the fit's path costs seconds to minutes; the few hundred batches of a `get_preds` or an
+        # `lr_find` seldom save as much. They run their graph where it is compiled already, and compile it only where the
+        # report's measurements say their batches pay it back (`compile_valid=True` always compiles evaluation). Decided
+        # at the fit's first batch: a training fit's first batch trains, and its validation follows `compile_valid`
+        if self.unpaid is None: self.unpaid = self._judge(learn, training)
+        return self.unpaid
+
+    def _judge(self, learn, training:bool)->bool:
+        "Whether the fit starting is an evaluation outside a training fit, or an `lr_find`, whose graph wouldn't pay back"
+        finder = _lr_finder(learn) if training else None
+        if (training and finder is None) or self.trained or (not training and self.compile_valid): return False
+        if any(c.shapes.get((torch.is_grad_enabled(), training)) for c in self.compiled_calls()): return False # Compiled already
+        batches = finder.num_it if finder is not None else getattr(learn, 'n_iter', 1)
+        return self.pays is None or not self.pays(batches)
 
     def end_batch(self,
         training:bool, # The batch trained
@@ -287,10 +304,15 @@ class EagerPolicy:
         self.trained |= training
         self.measuring = self.valid_eager = self.waiting = self.evaluating = self.one_off = False
 
+    @property
+    def timed(self)->bool:
+        "Whether the report times this batch as compiled: not one left eager while its code compiles elsewhere or isn't worth it"
+        return not (self.waiting or self.evaluating)
+
     def stop(self):
         "The fit ended or raised: calls outside a fit run as their shapes say"
         self.end_batch(False)
-        self.aside = None
+        self.aside, self.pays, self.unpaid = None, None, None
 
     def runs_eagerly(self,
         call:CompiledCall, # The compiled call asking, with its input shapes compiled for and run eagerly, by phase
@@ -328,6 +350,10 @@ class EagerPolicy:
         call.dims[phase] = dims
         call.shapes[phase] = {_masked(shapes, dims)}
         return True
+
+def _lr_finder(learn)->LRFinder|None:
+    "fastai's `LRFinder` running `learn`'s fit: `lr_find`"
+    return next((cb for cb in getattr(learn, 'cbs', ()) if isinstance(cb, LRFinder)), None)
 
 def _last_batch(learn)->bool:
     "Whether this is the last batch of the DataLoader; not for events called one by one, outside a fit's batch loop"

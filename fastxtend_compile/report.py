@@ -88,6 +88,8 @@ class CompileReport:
     rnns:str = '' # The model's recurrent layers, run eagerly with only the parts around them compiled
     rnn_parts:str = '' # The parts compiled around them
     eager_valid:int = 0 # Validation batches of training fits run eagerly, their graph not worth compiling (`compile_valid=False`)
+    eager_eval:int = 0 # Batches of evaluations outside a fit (`get_preds`, `validate`) run eagerly, too few to pay back their graph
+    eager_lr_find:int = 0 # Batches of `lr_find` run eagerly, too few to pay back their graph
     eager_frozen:int = 0 # Frozen fits of `fine_tune` run eagerly (`compile_frozen=False`)
     eager_hooks:str = '' # Who registered the hooks that read the model's values, during which it ran eagerly
     images:bool = True # The training data are images (fastai's `IntToFloatTensor` makes its batches): the advice speaks of them
@@ -129,6 +131,28 @@ class CompileReport:
         if not self.data_waits or step is None: return None
         wait = sum(self.data_waits) / len(self.data_waits)
         return wait / (wait + step)
+
+    @property
+    def compile_spike(self)->float|None:
+        "Seconds the slowest compiling training batch took beyond the compiled step: what a new graph costs here"
+        comp, spikes = self.compiled_step, [s for s,c in self.batch_times if c]
+        return None if comp is None or not spikes else max(spikes) - comp
+
+    def pays_back(self,
+        batches:int, # Batches a graph not compiled yet would run
+    )->bool:
+        "Whether `batches` batches are expected to pay back compiling their graph, from the steps and compiles measured so far"
+        # An evaluation batch runs the forward alone: about a third of a training step, and of its compile alike, so one
+        # ratio judges evaluation and training. Nothing measured yet (a first `lr_find`, `get_preds` before any fit): no
+        comp, eager, cost = self.compiled_step, self.eager_step, self.compile_spike
+        return None not in (comp, eager, cost) and batches * (eager - comp) > cost
+
+    def _unpaid(self, what:str, n:int, extra:str='')->str:
+        "The summary's line for `n` batches of `what` run eagerly, too few to pay back their graph"
+        comp, eager, cost = self.compiled_step, self.eager_step, self.compile_spike
+        why = ("no fit has measured yet what compiling saves here" if None in (comp, eager, cost) else
+               f"a compiled step saves {_ms(max(eager - comp, 0))} against {cost:.1f}s to compile")
+        return f"ran eagerly, {what}: {n} batch(es), too few to pay back compiling their graph ({why}){extra}"
 
     def payoff(self)->str:
         "Whether compiling paid: the compiled step against the eager one, and the epochs that pay back the compile"
@@ -189,6 +213,9 @@ class CompileReport:
                                           "not traced again (`precompile=True`)")
         if self.eager_valid: lines.append(f"  ran eagerly, validation within the fit: {self.eager_valid} batch(es), whose graph "
                                           "seldom pays back its compile (`compile_valid=True` compiles it)")
+        if self.eager_eval: lines.append("  " + self._unpaid("evaluation outside a fit (`get_preds`, `validate`)", self.eager_eval,
+                                                             "; `compile_valid=True` compiles it"))
+        if self.eager_lr_find: lines.append("  " + self._unpaid("`lr_find`", self.eager_lr_find))
         if self.ddp: lines.append(f"  {self.ddp_strategy()}")
         lines += [f"  {n}" for n in self.background]
         if self.batch_times: lines.append(f"  {self.payoff()}")
@@ -302,12 +329,13 @@ class CompileRecorder:
     def stop(self,
         calls:list=(), # The model's `CompiledCall`s: their calls run eagerly for a shape seen once, and while whose hooks
         ddp_backward_graphs:int|None=None, # The backward graphs compiled autograd captured in the fit, if it ran the backwards
-        eager_eval:int=0, # Evaluation batches outside a fit run eagerly, their graph not compiled yet (`background`)
+        eager_eval:int=0, # Batches of an evaluation outside a fit run eagerly, too few to pay back their graph
+        eager_lr_find:int=0, # Batches of an `lr_find` run eagerly, alike
     ):
         "Stop recording and collect what is left"
         r = self.report
-        if eager_eval: r.background.append(f"ran eagerly, evaluation outside a fit: {eager_eval} batch(es), its graph not "
-                                           "compiled yet (`background=False` compiles it)")
+        r.eager_eval += eager_eval
+        r.eager_lr_find += eager_lr_find
         r.ddp_backward_graphs = ddp_backward_graphs
         for c in calls: # What ran eagerly rather than compile a graph for a shape seen once (twin blocks see alike)
             for k,n in c.eager_calls.items(): r.eager_calls[k] = max(r.eager_calls.get(k, 0), n)

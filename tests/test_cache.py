@@ -33,9 +33,9 @@ WORKER = DATA + textwrap.dedent('''
     warnings.simplefilter('ignore')
     from torch._dynamo.utils import counters
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-    learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), path=path).compile()
+    learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), path=path).compile(compile_valid=True) # Evaluation compiled too
     loaded = None
-    if role == 'train': # The fit compiles the training graph (its validation runs eagerly), `get_preds` the evaluation one
+    if role == 'train': # The fit compiles the training graph and the evaluation one, which `get_preds` runs
         with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-2)
         preds = learn.get_preds(ds_idx=1, with_input=False)[0]
         learn.save('tiny'); learn.save_compile_cache('tiny')
@@ -181,6 +181,7 @@ PRECOMPILE_WORKER = DATA + textwrap.dedent('''
         with learn.no_bar(), learn.no_logging():
             learn.freeze(); learn.fit(1, 1e-2)
             learn.unfreeze(); learn.fit(1, 1e-2)
+            learn.compiler.compile_valid = True # Too few batches to pay back a graph: compiled as asked
             preds = learn.get_preds(ds_idx=1)[0] # The evaluation graph: code of its own beside the unfrozen training graph's
     if role == 'cold': learn.save_compile_cache('pre')
     r = learn.compiler.report

@@ -70,7 +70,10 @@ def test_regional_compiles_a_vision_learners_residual_blocks_once_per_shape_and_
     # 8 blocks of 7 parameter shapes (4 stages; stages 2-4 open with a downsampling block): a training graph for each
     # shape, twins of the same shape sharing theirs; the fit's validation runs eagerly
     assert r.graphs == 7 and not r.recompiles and not r.fallbacks, r
-    # `validate` alone compiles an evaluation graph for each shape
+    # `validate` alone runs eagerly, its few batches not worth compiling for; asked to, it compiles a graph for each shape
+    with learn.no_bar(): learn.validate()
+    assert r.graphs == 7 and r.eager_eval == len(learn.dls.valid)
+    learn.compiler.compile_valid = True
     with learn.no_bar(): learn.validate()
     assert r.graphs == 14 and len(r.recompiles) == 7 and not r.fallbacks, r
     assert {e.frame for e in r.events} == {'BasicBlock'}
@@ -84,10 +87,15 @@ def test_a_one_off_shape_runs_eagerly_and_compiles_when_seen_again(images):
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
     graphs = lambda: counters['stats']['unique_graphs']
     g, item = graphs(), learn.dls.valid_ds.items[0]
-    # A batch of one, the last of its DataLoader: eager, though no evaluation graph was compiled yet (validation was eager)
+    # A batch of one can't pay back an evaluation graph: it runs eagerly
     with learn.no_bar(): preds = [learn.predict(item) for _ in range(2)]
-    assert graphs() == g and learn.compiler.report.eager_calls[(False, False), ((1, 3, 32, 32),)] == 2
+    assert graphs() == g and learn.compiler.report.eager_eval == 2
     fct.test_close(preds[0][2], preds[1][2])
+    # With evaluation compiled: the last batch of its DataLoader, a one-off, runs eagerly though no evaluation graph exists yet
+    learn.compiler.compile_valid = True
+    with learn.no_bar(): pred = learn.predict(item)
+    assert graphs() == g and learn.compiler.report.eager_calls[(False, False), ((1, 3, 32, 32),)] == 1
+    fct.test_close(pred[2], preds[0][2])
     with learn.no_bar(): learn.validate() # Compiles the evaluation graph
     g = graphs()
     x, m = torch.randn(3, 3, 32, 32, device=learn.dls.device), learn.model.eval()
@@ -136,3 +144,34 @@ def test_payoff_and_data_advice_read_the_measurements():
     r.eager_times = [1., 0.0104] # Within 5%: not measurably faster
     assert r.payoff() == "did not pay: compiled step 10.0 ms against 10.4 ms eager: the compiled model is not measurably faster here"
     assert r.payoff() in r.summary() and r.data_advice() in r.summary()
+
+def test_a_graph_pays_back_where_the_measured_saving_covers_the_measured_compile():
+    r = CompileReport()
+    assert r.compile_spike is None and not r.pays_back(10**9) # Nothing measured: nothing is expected to pay
+    r.eager_eval = 3
+    assert ("ran eagerly, evaluation outside a fit (`get_preds`, `validate`): 3 batch(es), too few to pay back compiling their "
+            "graph (no fit has measured yet what compiling saves here); `compile_valid=True` compiles it") in r.summary()
+    # The slowest compiling batch took 5s, 4.99s more than a compiled step, which saves 10 ms on the eager one
+    r = CompileReport(batch_times=[(5., True), (1., True)] + [(0.01, False)]*9, eager_times=[1., 0.02, 0.02])
+    assert r.compile_spike == pytest.approx(4.99) and r.pays_back(550) and not r.pays_back(450)
+    r.eager_lr_find = 20
+    assert ("ran eagerly, `lr_find`: 20 batch(es), too few to pay back compiling their graph (a compiled step saves 10.0 ms "
+            "against 5.0s to compile)") in r.summary()
+
+def test_lr_find_and_evaluation_outside_a_fit_run_eagerly_until_their_graph_would_pay_back(monkeypatch):
+    learn = Learner(digits_dls(), two_conv_cnn()).compile(backend='aot_eager')
+    graphs, r = lambda: counters['stats']['unique_graphs'], learn.compiler.report
+    g = graphs()
+    with learn.no_bar(), learn.no_logging(): learn.lr_find(num_it=12, show_plot=False) # Before any fit: nothing measured
+    n = r.eager_lr_find
+    assert graphs() == g and n == len(learn.recorder.lrs) > 0 and not r.batch_times and not r.eager_times
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    assert graphs() == g + 1 and r.compiled_step is not None # The training graph
+    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, n: False) # Where its batches wouldn't pay back a graph...
+    with learn.no_bar(): learn.validate()
+    assert graphs() == g + 1 and r.eager_eval == len(learn.dls.valid) # ...`validate` runs eagerly
+    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, n: True) # Where they would...
+    with learn.no_bar(): learn.validate()
+    assert graphs() == g + 2 and r.eager_eval == len(learn.dls.valid) # ...the evaluation graph compiles
+    with learn.no_bar(), learn.no_logging(): learn.lr_find(num_it=5, show_plot=False) # Its training graph is compiled already
+    assert graphs() == g + 2 and r.eager_lr_find == n

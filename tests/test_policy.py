@@ -35,16 +35,10 @@ def test_training_batches_run_eagerly_only_to_measure_the_eager_step():
 def test_a_fits_validation_runs_eagerly_unless_compile_valid():
     for compile_valid in (False, True):
         p = EagerPolicy(compile_valid=compile_valid)
-        p.start_fit()
-        p.start_batch(batch(training=False)) # `validate` alone, before any training batch: compiled
-        assert not p.eager
-        p.end_batch(False)
+        p.start_fit(pays=lambda n: False)
         p.start_batch(batch(training=True)); p.end_batch(True)
         p.start_batch(batch(training=False))
-        assert p.eager == p.valid_eager == (not compile_valid)
-        p.start_fit() # A new fit has trained nothing yet
-        p.start_batch(batch(training=False))
-        assert not p.eager
+        assert p.eager == p.valid_eager == (not compile_valid) and not p.evaluating
 
 def test_the_last_batch_is_a_one_off_and_events_called_alone_are_not():
     p = EagerPolicy()
@@ -68,21 +62,60 @@ def test_batches_wait_eagerly_for_a_compile_outside_the_fits_path():
     p.start_batch(batch())
     assert len(aside.asked) == 2 # The fit ended: its compile outside the path is no longer asked
 
-def test_evaluation_outside_a_fit_waits_for_its_graph_only_with_a_compile_outside_the_path():
+def test_evaluation_outside_a_fit_compiles_only_where_its_batches_pay_back():
+    torch.manual_seed(0)
+    model, p = nn.Linear(4, 2), EagerPolicy(compile_valid=False)
+    p.watch(compile_model(model, policy=p, backend='aot_eager'))
+    asked = []
+    def pays(n): return asked.append(n) or n >= 100
+    # Nothing measured (`pays` None), too few batches to pay, enough: decided at the first batch, for the whole evaluation
+    for n_iter, judge, eager in ((10, None, True), (10, pays, True), (100, pays, False)):
+        p.start_fit(Aside(), pays=judge)
+        for i in range(2):
+            with torch.no_grad(): p.start_batch(batch(training=False, iter=i, n_iter=n_iter))
+            assert p.evaluating == p.eager == eager and p.timed == (not eager)
+            p.end_batch(False)
+        assert p.eager_eval == 2*eager
+        p.stop()
+    assert asked == [10, 100]
+    p.compile_valid = True # Every evaluation compiles
+    p.start_fit(pays=None)
+    with torch.no_grad(): p.start_batch(batch(training=False))
+    assert not p.eager
+    p.stop()
+    # Its evaluation graph compiled (a no-grad call in eval mode): evaluation outside a fit runs it, whatever it pays
+    p.compile_valid = False
+    model.eval()
+    with torch.no_grad(): model(torch.randn(8, 4))
+    p.start_fit(Aside(), pays=None)
+    with torch.no_grad(): p.start_batch(batch(training=False))
+    assert not p.evaluating and p.eager_eval == 0
+
+def test_lr_find_runs_eagerly_unless_its_graph_is_compiled_or_its_batches_pay_back():
+    from fastai.callback.schedule import LRFinder
     torch.manual_seed(0)
     model, p = nn.Linear(4, 2), EagerPolicy()
     p.watch(compile_model(model, policy=p, backend='aot_eager'))
-    for aside, eager in ((None, False), (Aside(), True)):
-        p.start_fit(aside)
-        with torch.no_grad(): p.start_batch(batch(training=False))
-        assert p.evaluating == eager and p.eager_eval == int(eager)
+    finder, asked = LRFinder(num_it=50), []
+    lr_batch = lambda i=0: SimpleNamespace(training=True, iter=i, n_iter=10, model=model, xb=(), cbs=[finder])
+    for enough, eager in ((50, False), (51, True)):
+        p.start_fit(pays=lambda n: asked.append(n) or n >= enough)
+        for i in range(2):
+            p.start_batch(lr_batch(i), measure=True)
+            assert p.evaluating == eager and p.eager and p.measuring == (not eager) and p.timed == (not eager)
+            p.end_batch(True)
+        assert p.eager_lr_find == 2*eager and not p.eager_eval
         p.stop()
-    # Its evaluation graph compiled (a no-grad call in eval mode): evaluation outside a fit runs it
-    model.eval()
-    with torch.no_grad(): model(torch.randn(8, 4))
-    p.start_fit(Aside())
-    with torch.no_grad(): p.start_batch(batch(training=False))
-    assert not p.evaluating and p.eager_eval == 0
+    assert asked == [50, 50]
+    p.start_fit(pays=lambda n: False) # A fit of its own trains compiled
+    p.start_batch(batch(model=model))
+    assert not p.eager
+    p.stop()
+    model.train() # Its training graph compiled: `lr_find` runs it
+    model(torch.randn(8, 4))
+    p.start_fit(pays=lambda n: False)
+    p.start_batch(lr_batch())
+    assert not p.evaluating and not p.eager
 
 def test_a_shape_seen_once_runs_eagerly_and_compiles_when_seen_again():
     torch.manual_seed(0)
