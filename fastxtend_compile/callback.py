@@ -277,8 +277,8 @@ class CompilerCallback(Callback):
         return on
 
     def _stands_aside(self)->bool:
-        "Whether a `CompilerCallback` passed to this fit (`learn.compiler`, the newest) compiles it instead of this one"
-        return getattr(self.learn, 'compiler', self) is not self
+        "Whether a `CompilerCallback` passed to this fit (the newest) compiles it instead of this one"
+        return _compiler_of(self.learn) is not self
 
     def _frozen(self): return self.learn.opt is not None and self.learn.opt.frozen_idx > 0
 
@@ -399,6 +399,16 @@ class CompilerCallback(Callback):
         return self.report.plot(ax=ax)
 
 # %% ../nbs/02_callback.ipynb #b498dbea
+def _compiler_of(
+    learn:Learner, # Learner whose fits may be compiled
+    kept:bool=False, # Else the `CompilerCallback` a fit was passed and removed, kept as `learn.compiler` for its report
+)->CompilerCallback|None:
+    "The `CompilerCallback` compiling `learn`'s fits: the newest of its callbacks (one passed to a fit is added last)"
+    cb = next((c for c in reversed(learn.cbs) if isinstance(c, CompilerCallback)), None)
+    if cb is None and kept and isinstance(old := learn.__dict__.get('compiler'), CompilerCallback): cb = old
+    return cb
+
+
 @patch
 @delegates(CompilerCallback)
 def compile(self:Learner, **kwargs):

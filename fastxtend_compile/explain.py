@@ -20,7 +20,7 @@ from .core import *
 from .core import check_backend, graph_break_reason, CompiledCall, inner_model, model_device
 from .core import _plain, _casts, _casts_deferred
 from .internals import compiled_call, set_compiled_call, explain, explained_break, tree_map_only, tree_leaves, inductor_fallback_random
-from .callback import CompilerCallback
+from .callback import CompilerCallback, _compiler_of
 
 # %% auto #0
 __all__ = ['explain_summary', 'DynamoExplainCallback', 'CompileStage']
@@ -187,7 +187,7 @@ def debug_compile(self:Learner,
     show:bool=True, # Print each stage's result
 )->list:
     "Run one batch through backend 'eager', then 'aot_eager', then `backend`, stopping at the first that fails"
-    settings = dict(getattr(self, 'compiler', CompilerCallback(backend=backend or 'inductor')).settings)
+    settings = dict((_compiler_of(self, kept=True) or CompilerCallback(backend=backend or 'inductor')).settings)
     settings['backend'] = check_backend(backend or settings['backend'])
     stages = []
     with untouched(self) as model:
