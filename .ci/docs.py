@@ -170,11 +170,17 @@ def _shown(cells):
 def step_proc(api):
     head('proc', "nbdev's doc processing, and a rendered entry for every public name")
     os.chdir(ROOT)
-    from nbdev.serve import proc_nbs
     from nbdev.doclinks import _build_modidx
+    from concurrent.futures import ThreadPoolExecutor
     _build_modidx()
-    try: cache = proc_nbs(str(NBS), n_workers=2)
-    except Exception as e: return fail('proc', f'processing the notebooks failed: {e}')
+    # Each notebook in a process of its own, as nbdev-test runs them: processing runs a notebook's exported cells, and a
+    # page's `@patch` (`Learner.compile` making the page's own `CompilerCallback` class) must not reach the next page
+    code = "import sys; from nbdev.serve import proc_nbs; proc_nbs(sys.argv[1], n_workers=1, file_glob=sys.argv[2])"
+    run1 = lambda nb: subprocess.run([sys.executable, '-c', code, str(NBS), nb.name], cwd=ROOT, capture_output=True, text=True)
+    with ThreadPoolExecutor(2) as ex: results = list(ex.map(run1, notebooks()))
+    for nb,r in zip(notebooks(), results):
+        if r.returncode: return fail('proc', f'processing nbs/{nb.name} failed: {r.stderr.strip()[-3000:]}')
+    cache = ROOT/'_proc'
     for nb in notebooks():
         out = cache/nb.name
         if not out.exists(): fail('proc', f'nbs/{nb.name} was not processed into {out.relative_to(ROOT)}')

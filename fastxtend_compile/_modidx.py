@@ -625,6 +625,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                            'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report.CompileReport.recompiles': ( 'report.html#compilereport.recompiles',
                                                                                                  'fastxtend_compile/report.py'),
+                                          'fastxtend_compile.report.CompileReport.step_saving': ( 'report.html#compilereport.step_saving',
+                                                                                                  'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report.CompileReport.summary': ( 'report.html#compilereport.summary',
                                                                                               'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report._by_id': ('report.html#_by_id', 'fastxtend_compile/report.py'),

@@ -138,20 +138,27 @@ class CompileReport:
         comp, spikes = self.compiled_step, [s for s,c in self.batch_times if c]
         return None if comp is None or not spikes else max(spikes) - comp
 
+    @property
+    def step_saving(self)->float|None:
+        "Seconds a compiled training step saves, at the least: the fastest eager batch measured against the compiled step"
+        # A busy machine only ever slows a batch down: the fastest of the few eager batches is the surest
+        comp, eager = self.compiled_step, self.eager_times[1:]
+        return None if comp is None or not eager else max(min(eager) - comp, 0.)
+
     def pays_back(self,
         batches:int, # Batches a graph not compiled yet would run
     )->bool:
         "Whether `batches` batches are expected to pay back compiling their graph, from the steps and compiles measured so far"
         # An evaluation batch runs the forward alone: about a third of a training step, and of its compile alike, so one
         # ratio judges evaluation and training. Nothing measured yet (a first `lr_find`, `get_preds` before any fit): no
-        comp, eager, cost = self.compiled_step, self.eager_step, self.compile_spike
-        return None not in (comp, eager, cost) and batches * (eager - comp) > cost
+        saving, cost = self.step_saving, self.compile_spike
+        return None not in (saving, cost) and batches * saving > cost
 
     def _unpaid(self, what:str, n:int, extra:str='')->str:
         "The summary's line for `n` batches of `what` run eagerly, too few to pay back their graph"
-        comp, eager, cost = self.compiled_step, self.eager_step, self.compile_spike
-        why = ("no fit has measured yet what compiling saves here" if None in (comp, eager, cost) else
-               f"a compiled step saves {_ms(max(eager - comp, 0))} against {cost:.1f}s to compile")
+        saving, cost = self.step_saving, self.compile_spike
+        why = ("no fit has measured yet what compiling saves here" if None in (saving, cost) else
+               f"a compiled step saves {_ms(saving)} against {cost:.1f}s to compile")
         return f"ran eagerly, {what}: {n} batch(es), too few to pay back compiling their graph ({why}){extra}"
 
     def payoff(self)->str:
