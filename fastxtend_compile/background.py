@@ -4,15 +4,16 @@
 
 # %% ../nbs/08_background.ipynb #483efc92
 from __future__ import annotations
-import atexit, io, os, shutil, signal, subprocess, sys, tempfile, time, warnings
+import atexit, glob, hashlib, io, json, os, platform, shutil, signal, subprocess, sys, tempfile, time, traceback, warnings
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 from torch import nn, Tensor
 import cloudpickle
 
-from .core import CompiledCall, compile_model
-from .internals import inductor_cache_dir, tree_flatten
+from .core import CompiledCall, compile_model, model_fingerprint
+from .internals import inductor_cache_dir, import_inductor, tree_flatten
 
 # %% auto #0
 __all__ = []
@@ -66,18 +67,62 @@ def _loss(out)->Tensor|None:
 
 def compile_in_worker(
     path:str, # File of the job `BackgroundCompile` wrote
-):
+)->dict:
     "In a worker process: compile the model of the job at `path` as the fit does, filling the on-disk caches it shares"
+    t0 = time.perf_counter()
     with open(path, 'rb') as f: job = cloudpickle.load(f)
     torch.set_float32_matmul_precision(job['matmul_precision'])
     model = cloudpickle.loads(job['model']) # With each module's training mode and each parameter's `requires_grad` as in the fit
     xb = [t.to(job['device']) for t in torch.load(io.BytesIO(job['inputs']), weights_only=True)]
     model = compile_model(model, job['regional'], **job['settings'])
+    sync = torch.cuda.synchronize if job['device_type'] == 'cuda' else (lambda: None)
     autocast = torch.autocast(job['device_type'], dtype=job['autocast']) if job['autocast'] else nullcontext()
+    t1 = time.perf_counter()
     with torch.set_grad_enabled(job['grad']):
         with autocast: out = model(*xb)
+        sync()
+        t2 = time.perf_counter()
         if (loss := _loss(out)) is not None: loss.backward() # The training graph's backward compiles at its first run
-    if job['device_type'] == 'cuda': torch.cuda.synchronize()
+    sync()
+    return dict(load_s=t1 - t0, forward_s=t2 - t1, backward_s=time.perf_counter() - t2)
+
+def _out_of_memory(e:BaseException)->bool:
+    "Whether `e`, or an error it was raised from, is the GPU running out of memory"
+    for _ in range(20): # A chain of causes, not a cycle
+        if e is None: return False
+        if isinstance(e, torch.OutOfMemoryError): return True
+        e = e.__cause__ or e.__context__
+    return False
+
+def _write_json(path:str, obj:dict):
+    "Write `obj` to `path` whole: a reader finds the file complete or not at all"
+    tmp = f'{path}.{os.getpid()}.tmp'
+    with open(tmp, 'w') as f: json.dump(obj, f)
+    os.replace(tmp, path)
+
+def serve(
+    device:str, # Device the fit trains on: a GPU's CUDA context starts before the first job
+    modules:str='', # Modules of the model's classes, comma-separated, imported before the first job
+):
+    "A worker process: start up, then compile each job whose path (and when it was sent) arrives on stdin; write how it went next to it"
+    import importlib
+    started = float(os.environ.get('FXC_WORKER_STARTED', time.time()))
+    for m in filter(None, modules.split(',')):
+        try: importlib.import_module(m)
+        except Exception: pass # The job's unpickling says what is missing
+    import_inductor()
+    if torch.device(device).type == 'cuda': torch.empty(1, device=device)
+    ready = time.time()
+    for line in sys.stdin:
+        path, sent = line.rstrip('\n').rsplit('\t', 1)
+        sent = float(sent)
+        res = dict(ok=True, start_s=ready - started, waited_s=max(ready - sent, 0.)) # Start-up the job waited for
+        try: res.update(compile_in_worker(path))
+        except Exception as e:
+            traceback.print_exc()
+            res.update(ok=False, error=traceback.format_exception_only(e)[-1].strip()[:300], oom=_out_of_memory(e))
+        _write_json(path + '.done', res)
+        if not res['ok']: break # A failed compile may leave the process unfit for another: the next job gets a new one
 
 # %% ../nbs/08_background.ipynb #4339c3d4
 def _signature(model:nn.Module, xb:tuple, training:bool)->tuple:
@@ -97,13 +142,135 @@ def _kill(proc:subprocess.Popen):
 _live = set() # Workers running, ended at exit whatever happens to their fit
 atexit.register(lambda: [_kill(p) for p in list(_live)])
 
+def _alive(pid:int)->bool:
+    if os.name != 'posix': return True # Without signal 0 to ask with, every owner counts as alive
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    except PermissionError: pass
+    return True
+
+def _remove_stale(prefix:str):
+    "Remove the folders of workers whose training process is gone: killed, it had no chance to remove them"
+    for d in glob.glob(os.path.join(tempfile.gettempdir(), prefix + '*')):
+        owner = os.path.basename(d)[len(prefix):].split('-')[0]
+        if owner.isdigit() and not _alive(int(owner)): shutil.rmtree(d, ignore_errors=True)
+
+def _modules(model:nn.Module)->list:
+    "The modules that define the classes of `model`'s layers, for a worker to import before its first job"
+    return sorted({type(m).__module__ for m in model.modules()} - {'__main__'})
+
+class _Worker:
+    "A worker process that compiles jobs one at a time: started ahead of its first, so its start-up is off the fit's path"
+    prefix = 'fxc-background-' # Its folder: `<prefix><the training process's pid>-<random>`, in the temporary directory
+    def __init__(self,
+        code:str, # The worker's Python code: it is passed the device and the modules to import
+    ):
+        self.code, self.proc, self.tmp, self.log, self.jobs = code, None, None, None, 0
+
+    def start(self,
+        device:torch.device, # Device the fit trains on
+        modules:list=(), # Modules to import before the first job
+    ):
+        "Start the worker, unless it runs"
+        if self.proc is not None: return
+        _remove_stale(self.prefix)
+        self.tmp = tempfile.mkdtemp(prefix=f'{self.prefix}{os.getpid()}-')
+        # The worker sees what this process imports from, and fills the same inductor cache
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_cache_dir(), PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+                   FXC_WORKER_STARTED=repr(time.time()))
+        self.log = os.path.join(self.tmp, 'worker.log')
+        with open(self.log, 'w') as log:
+            self.proc = subprocess.Popen([sys.executable, '-c', self.code, str(device), ','.join(modules)], env=env, cwd=os.getcwd(),
+                                         stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, text=True)
+        _live.add(self.proc)
+
+    def submit(self, job:dict)->str:
+        "Send `job` to the worker: the path that `result` asks about"
+        self.jobs += 1
+        path = os.path.join(self.tmp, f'job{self.jobs}.pkl')
+        with open(path, 'wb') as f: cloudpickle.dump(job, f)
+        try:
+            self.proc.stdin.write(f'{path}\t{time.time()!r}\n')
+            self.proc.stdin.flush()
+        except OSError: pass # The worker ended: `result` says how
+        return path
+
+    def result(self, path:str)->dict|None:
+        "How the job at `path` went, with the worker's times; `None` while it compiles"
+        if (res := _read_json(path + '.done')) is not None or self.proc.poll() is None: return res
+        return _read_json(path + '.done') or dict(ok=False, error=_last_line(self.log), oom=False) # It ended without a word
+
+    def end(self):
+        "End the worker, with the compile processes it started, and remove its files"
+        if self.proc is not None:
+            _kill(self.proc)
+            _live.discard(self.proc)
+            if self.proc.stdin is not None: self.proc.stdin.close()
+        if self.tmp is not None: shutil.rmtree(self.tmp, ignore_errors=True)
+        self.proc, self.tmp, self.log = None, None, None
+
+def _read_json(path:str)->dict|None:
+    try:
+        with open(path) as f: return json.load(f)
+    except (OSError, ValueError): return None
+
+def _last_line(path:str|None)->str:
+    "The last line of the worker's output: its error"
+    try: lines = [l.strip() for l in open(path).read().splitlines() if l.strip()]
+    except Exception: lines = []
+    return lines[-1][:300] if lines else 'no output'
+
+# %% ../nbs/08_background.ipynb #a7c3e902
+def _machine(device:torch.device)->str:
+    return torch.cuda.get_device_name(device) if device.type == 'cuda' else f'{device.type} {platform.machine()}'
+
+def _digest(text:str)->str: return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+class WarmRecords:
+    "What this library compiled into inductor's on-disk cache, and how long it took: kept in that cache, saved with it"
+    folder = 'fastxtend_compile' # In inductor's cache directory: cleared with it, carried by `save_compile_cache`
+    def __init__(self,
+        settings:dict, # `torch.compile` settings, from `compile_settings`
+        regional:bool=False, # Only the model's repeated blocks are compiled
+    ):
+        self.settings, self.regional = settings, regional
+
+    @classmethod
+    def root(cls)->Path: return Path(inductor_cache_dir())/cls.folder
+
+    def model_key(self, model:nn.Module)->str:
+        "A digest of the model, the compile settings, torch and the device: what inductor's cached code is valid for"
+        device = next(model.parameters(), torch.empty(0)).device
+        name = lambda v: getattr(v, '__qualname__', v)
+        settings = sorted((k, repr(name(v))) for k,v in self.settings.items())
+        return _digest(repr((model_fingerprint(model), settings, self.regional, torch.__version__, _machine(device))))
+
+    def key(self,
+        model:nn.Module, # The model compiled
+        sig:tuple, # Its state (`_signature`): freeze state, phase, inputs and autocast
+    )->str:
+        "The record's name: the same for this model state in every process"
+        return f'{self.model_key(model)}-{_digest(repr(sig[1:]))}' # Without the model's `id`
+
+    def get(self, key:str)->dict|None: return _read_json(str(self.root()/f'{key}.json'))
+
+    def put(self, key:str, **values):
+        "Record `values` (seconds) for `key`, keeping what was recorded before"
+        self.root().mkdir(parents=True, exist_ok=True)
+        _write_json(str(self.root()/f'{key}.json'), {**(self.get(key) or {}), **values})
+
+    def any_for(self, model:nn.Module)->bool:
+        "Whether a state of `model` with these settings is recorded: a fit of it likely starts warm"
+        return any(self.root().glob(f'{self.model_key(model)}-*.json'))
+
 # %% ../nbs/08_background.ipynb #0e4df4eb
 class BackgroundCompile:
     "Compile a model state in a worker process, into the on-disk caches, while the fit trains eagerly; then take over warm"
-    worker = "from fastxtend_compile.background import compile_in_worker; compile_in_worker({path!r})" # The worker's Python code
-    # A worker takes 40-50s to compile a small transformer on an H100 beside the fit (torch 2.11), and slows the fit's eager
-    # steps while it runs: a fit whose eager rest is shorter than `min_fit_s` trains eagerly without one
-    probe_batches, min_fit_s = 8, 30.
+    worker = "import sys; from fastxtend_compile.background import serve; serve(*sys.argv[1:])" # The worker's Python code
+    # A fit whose eager rest is shorter than `min_fit_s` trains eagerly without a worker: a cold compile beside the fit
+    # takes 40-50s on an H100 (torch 2.11), and slows the fit's eager steps while it runs. A warm one, in the fit's path,
+    # takes seconds: it pays where a step `saving` faster than eager makes them back over the fit's rest
+    probe_batches, min_fit_s, saving, warm_s = 8, 30., 0.2, 5.
     default_on = ('cuda',) # Device types where `background=None` compiles in a worker: beside the fit, not in its path
     def __init__(self,
         settings:dict, # `torch.compile` settings, from `compile_settings`
@@ -111,118 +278,162 @@ class BackgroundCompile:
         show=None, # Where the hand-over is announced (`CompilerCallback._show`)
     ):
         self.settings, self.regional, self.show = settings, regional, show
+        self.records = WarmRecords(settings, regional) # What compiled into inductor's cache before, in any process
+        self.process = _Worker(self.worker) # Started as a fit starts, unless its model starts warm
         self.ready = set() # Signatures compiled in this process: their batches run the compiled code
         self.failed = set() # Signatures whose background compile failed: their batches run eagerly
-        self.proc, self.signature, self.tmp, self.log = None, None, None, None # The worker running, and what for
-        self.started, self.eager_batches = 0., 0 # When the worker started; batches run eagerly since
-        self.epoch, self.iter = 0, 0 # Where the worker started
-        self.notes = [] # One line for the report per background compile of this fit
         self.short = set() # Signatures whose fit is too short to compile for: their batches run eagerly until it ends
+        self.job = None # (signature, record key, job path) the worker compiles
+        self.fresh = {} # Signatures the worker compiled, not run yet: {signature: (record key, seconds, the worker's result)}
+        self.handover = None # (record key, start, note) of the batch that compiles warm in the fit's path, timed at the next
+        self.started, self.eager_batches = 0., 0 # When the job was sent; training batches run eagerly since
+        self.epoch, self.iter = 0, 0 # Where the job was sent
+        self.step_s = None # The eager training step, timed by the probe
+        self.notes = [] # One line for the report per background compile of this fit
         self.probe = None # (signature, its first batch's start, batches seen) while timing a new state's eager batches
         self.changes = 0 # Times this fit's probe started over on a new signature, mostly a new shape of the batches
 
     def __getstate__(self): # A copy of the callback (`learn.export`) starts with no worker and nothing compiled
-        return {**self.__dict__, 'proc': None, 'signature': None, 'tmp': None, 'log': None, 'ready': set(), 'failed': set(), 'short': set(),
-                'probe': None, 'changes': 0, 'show': None}
+        return {**self.__dict__, 'process': _Worker(self.worker), 'job': None, 'fresh': {}, 'handover': None, 'ready': set(),
+                'failed': set(), 'short': set(), 'probe': None, 'changes': 0, 'show': None}
+
+    def start_fit(self,
+        model:nn.Module, # The model the fit compiles (not DDP's wrapper)
+        show=None, # Where the hand-over is announced
+    ):
+        "A fit starts: start the worker now, its imports done before its first job, unless the model compiled here before"
+        self.show = show
+        if self.records.any_for(model): return # Its states likely compile warm, in the fit's path
+        self.process.start(next(model.parameters()).device, _modules(model))
 
     def runs_eagerly(self,
         learn, # The `Learner` whose batch this is
         model:nn.Module, # The model being compiled (not DDP's wrapper)
-        training:bool, # A training batch
+        training:bool, # A training batch; an evaluation batch asks once the callback's `EagerPolicy` judged it worth compiling
     )->bool:
-        "Whether this batch runs eagerly: its model state's compiled code isn't ready; starts compiling it in a worker if new"
-        if not training: return False # Evaluation is left to the callback's `EagerPolicy`
-        sig = _signature(model, learn.xb, training)
-        if sig in self.ready: return False
-        if sig in self.failed or sig in self.short: return True
-        if self.proc is not None and self.signature != sig: self.stop() # The model state changed while compiling another
-        if self.proc is None: return self._start(sig, model, learn) if self._worth(sig, learn) else True
-        if (rc := self.proc.poll()) is None:
-            self.eager_batches += 1
-            return True
-        return self._done(rc, learn)
-
-    def _worth(self, sig:tuple, learn)->bool:
-        "Whether the fit's eager rest, timed over its first `probe_batches` batches of this state, is long enough to compile for"
-        if self.min_fit_s <= 0: return True
+        "Whether this batch runs eagerly: its model state's compiled code isn't ready; starts compiling it if new"
         now = time.perf_counter()
+        self._time_handover(now)
+        if self.job is not None: self._collect()
+        sig = _signature(model, learn.xb, training)
+        if sig in self.ready: return self._take_over(sig, learn, now)
+        if sig in self.failed or sig in self.short: return True
+        if self.job is not None: # The worker compiles another state: this one waits its turn
+            self.eager_batches += training
+            return True
+        key = self.records.key(model, sig)
+        rec = self.records.get(key)
+        if training and not self._worth(sig, learn, now, rec): return True
+        if rec is not None: return self._warm(sig, key, rec, learn, now)
+        return self._start(sig, key, model, learn, training)
+
+    def _worth(self, sig:tuple, learn, now:float, rec:dict|None)->bool:
+        "Whether the fit's eager rest, timed over its first `probe_batches` batches of this state, pays back its compile"
+        if self.min_fit_s <= 0: return True
         if self.probe is None or self.probe[0] != sig: self._new_probe(sig, now)
         sig, start, seen = self.probe
         self.probe = (sig, start, seen + 1)
         if seen < self.probe_batches: return False
         left = learn.n_epoch*learn.n_iter - (learn.epoch*learn.n_iter + learn.iter)
-        rest = (now - start) / seen * left
-        if rest >= self.min_fit_s: return True
+        self.step_s = (now - start) / seen
+        rest = self.step_s * left
+        warm = None if rec is None else rec.get('warm_s', self.warm_s)
+        if rest >= (self.min_fit_s if warm is None else warm / self.saving): return True
         self.short.add(sig) # Not worth it: eager for the rest of this fit
-        self.notes.append(f"trained eagerly: the fit's {left} training batches left, about {rest:.0f}s eagerly, are too few to "
-                          f"pay back a compile (under {self.min_fit_s:.0f}s; `background=False` compiles in the fit's path)")
+        if self.job is None: self.process.end() # Not needed this fit, unless another state is
+        if warm is None:
+            self.notes.append(f"trained eagerly: the fit's {left} training batches left, about {rest:.0f}s eagerly, are too few "
+                              f"to pay back a compile (under {self.min_fit_s:.0f}s; `background=False` compiles in the fit's path)")
+        else: self.notes.append(f"trained eagerly: the fit's {left} training batches left, about {rest:.0f}s eagerly, are too few "
+                                f"to pay back even a warm compile of {warm:.1f}s (under {warm/self.saving:.0f}s)")
         return False
 
     def _new_probe(self, sig:tuple, now:float):
         "Time a new signature's eager batches; say once if signatures change too often for any to be timed"
         self.probe, self.changes = (sig, now, 0), self.changes + 1
-        if self.changes != 2*self.probe_batches or self.proc is not None or self.ready: return
+        if self.changes != 2*self.probe_batches or self.job is not None or self.ready: return
         self.notes.append(f"trained eagerly: the training batches' shapes kept changing ({self.changes} times, none "
                           f"{self.probe_batches} batches in a row), so none is worth a graph of its own; batches of one size (padded "
                           "to one length, `drop_last=True`) or `dynamic=True` let one graph serve them")
 
-    def _start(self, sig:tuple, model:nn.Module, learn)->bool:
+    def _warm(self, sig:tuple, key:str, rec:dict, learn, now:float)->bool:
+        "Compile this state at once, in the fit's path: inductor's cache has its code"
+        self.ready.add(sig)
+        if self.job is None: self.process.end() # Not needed this fit, unless another state is
+        last = f"{rec['warm_s']:.1f}s when last measured" if 'warm_s' in rec else f"compiled cold in {rec.get('cold_s', 0):.1f}s"
+        note = (f"compiled at once, in the fit's path at {_where(learn)}: inductor's cache has this model state's code ({last})")
+        self.handover = (key, now, len(self.notes))
+        self.notes.append(note)
+        return False
+
+    def _start(self, sig:tuple, key:str, model:nn.Module, learn, training:bool)->bool:
         device = next(model.parameters()).device
         try: model_bytes = _pickle_model(model, device)
         except Exception as e:
             self.notes.append(f"compiled in the fit's path: the model could not be sent to a worker process ({type(e).__name__}: {e})")
             self.ready.add(sig)
             return False
-        self.tmp = tempfile.mkdtemp(prefix='fxc-background-')
         job = dict(model=model_bytes, inputs=_tensor_bytes([o for o in learn.xb if isinstance(o, Tensor)]), device=str(device),
                    device_type=device.type, grad=torch.is_grad_enabled(), autocast=sig[-1],
                    matmul_precision=torch.get_float32_matmul_precision(), regional=self.regional, settings=self.settings)
-        path = os.path.join(self.tmp, 'job.pkl')
-        with open(path, 'wb') as f: cloudpickle.dump(job, f)
-        # The worker sees what this process imports from, and fills the same inductor cache
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_cache_dir(),
-                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.log = os.path.join(self.tmp, 'worker.log')
-        cmd = [sys.executable, '-c', self.worker.format(path=path)]
-        with open(self.log, 'w') as log:
-            self.proc = subprocess.Popen(cmd, env=env, cwd=os.getcwd(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        _live.add(self.proc)
-        self.signature, self.started, self.eager_batches = sig, time.perf_counter(), 1
+        self.process.start(device, _modules(model))
+        self.job = (sig, key, self.process.submit(job))
+        self.started, self.eager_batches = time.perf_counter(), int(training)
         self.epoch, self.iter = learn.epoch, learn.iter
         return True
 
-    def _done(self, rc:int, learn)->bool:
-        "The worker ended: take over with the compiled code (a warm compile), or keep training eagerly if it failed"
-        took, sig = time.perf_counter() - self.started, self.signature
-        where = f"epoch {learn.epoch}, batch {learn.iter}"
-        if rc == 0:
+    def _collect(self):
+        "Take in the worker's result, if it is done: its state's code is ready, or failed"
+        sig, key, path = self.job
+        if (res := self.process.result(path)) is None: return
+        self.job, took = None, time.perf_counter() - self.started
+        if res['ok']:
             self.ready.add(sig)
-            self.notes.append(f"compiled in a worker process in {took:.1f}s while {self.eager_batches} training batch(es) ran "
-                              f"eagerly; the compiled code took over at {where}")
-            if self.show is not None: self.show(f"torch.compile: the compiled model takes over at {where}, after {took:.1f}s compiling in a worker process")
-        else:
-            self.failed.add(sig)
-            why = _last_line(self.log)
-            self.notes.append(f"compiling in a worker process failed after {took:.1f}s ({why}): the fit trains eagerly")
-            warnings.warn(f"torch.compile failed in a background worker process ({why}). The fit trains eagerly; "
-                          "`learn.compile(background=False)` compiles in the fit's path and shows the compiler's error.")
-        self._end()
-        return rc != 0
+            self.fresh[sig] = (key, took, res)
+            self.records.put(key, cold_s=res['forward_s'] + res['backward_s'])
+        else: self._failed(sig, took, res)
+
+    def _take_over(self, sig:tuple, learn, now:float)->bool:
+        "The compiled code runs from this batch on; the first after the worker compiled its state compiles warm, timed"
+        if sig not in self.fresh: return False
+        key, took, res = self.fresh.pop(sig)
+        where = _where(learn)
+        self.handover = (key, now, len(self.notes))
+        self.notes.append(f"compiled in a worker process in {took:.1f}s while {self.eager_batches} training batch(es) ran "
+                          f"eagerly; the compiled code took over at {where} ({_profile(res)})")
+        if self.show is not None: self.show(f"torch.compile: the compiled model takes over at {where}, after {took:.1f}s compiling in a worker process")
+        return False
+
+    def _time_handover(self, now:float):
+        "The batch after a hand-over: record how long the warm compile in the fit's path took, for the next fit's judgement"
+        if self.handover is None: return
+        (key, start, i), self.handover = self.handover, None
+        warm = max(now - start - (self.step_s or 0.), 0.)
+        self.records.put(key, warm_s=warm)
+        self.notes[i] += f"; compiling it in the fit's path took {warm:.1f}s"
+
+    def _failed(self, sig:tuple, took:float, res:dict):
+        "The worker failed: this state trains eagerly, with one warning that says why in the user's terms"
+        self.failed.add(sig)
+        self.process.end() # A new worker serves the next state
+        why = res['error']
+        if res.get('oom'):
+            self.notes.append(f"compiling in a worker process failed after {took:.1f}s: the GPU is too full to compile beside the "
+                              f"fit ({why}); the fit trains eagerly")
+            return warnings.warn("torch.compile could not compile in a background worker process: the GPU is too full to compile "
+                                 f"beside the fit ({why}). The fit trains eagerly; `learn.compile(background=False)` compiles in the "
+                                 "fit's path, with the memory the fit has.")
+        self.notes.append(f"compiling in a worker process failed after {took:.1f}s ({why}): the fit trains eagerly")
+        warnings.warn(f"torch.compile failed in a background worker process ({why}). The fit trains eagerly; "
+                      "`learn.compile(background=False)` compiles in the fit's path and shows the compiler's error.")
 
     def stop(self):
-        "End a worker still compiling (the fit ended or changed state first) and remove its files"
-        if self.proc is not None and self.proc.poll() is None:
+        "End the worker (the fit ended, or raised) and remove its files"
+        if self.job is not None:
             self.notes.append(f"the fit ended before the worker process finished compiling: {self.eager_batches} training "
                               f"batch(es) ran eagerly from epoch {self.epoch}, batch {self.iter}")
-        self._end()
-
-    def _end(self):
-        if self.proc is not None:
-            _kill(self.proc)
-            _live.discard(self.proc)
-        if self.tmp is not None: shutil.rmtree(self.tmp, ignore_errors=True)
-        self.proc, self.signature, self.tmp, self.log = None, None, None, None
+        self.job, self.fresh, self.handover = None, {}, None
+        self.process.end()
 
     def take_notes(self)->list:
         "The report's lines about this fit, emptied for the next; a state not worth compiling in this fit may be in the next"
@@ -230,8 +441,10 @@ class BackgroundCompile:
         notes, self.notes = self.notes, []
         return notes
 
-def _last_line(path:str|None)->str:
-    "The last line of the worker's output: its error"
-    try: lines = [l.strip() for l in open(path).read().splitlines() if l.strip()]
-    except Exception: lines = []
-    return lines[-1][:300] if lines else 'no output'
+def _where(learn)->str: return f"epoch {learn.epoch}, batch {learn.iter}"
+
+def _profile(res:dict)->str:
+    "Where the worker's time went"
+    start = f"its start-up took {res['start_s']:.1f}s" + (f", {res['waited_s']:.1f}s of it after the job was sent" if res['waited_s'] >= 0.05 else
+                                                         ", done before the job was sent")
+    return f"{start}; loading the job {res['load_s']:.1f}s, compiling the forward {res['forward_s']:.1f}s and the backward {res['backward_s']:.1f}s"

@@ -25,7 +25,7 @@ __all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'precompile_guard_log
            'compiled_autograd', 'aot_autograd_cache', 'set_aot_autograd_cache', 'compiled_autograd_captures',
            'without_dynamo_marks', 'fused_kernel_devices', 'fused_adam_kernel', 'dynamo_supported', 'inductor_cxx',
            'inductor_options', 'guarded_code', 'explain', 'explained_break', 'inductor_fallback_random',
-           'inductor_cache_dir', 'cpp_kernel_files', 'precompile_supported', 'caching_precompile',
+           'inductor_cache_dir', 'import_inductor', 'cpp_kernel_files', 'precompile_supported', 'caching_precompile',
            'set_caching_precompile', 'precompiled_loads', 'dropped_guard', 'mark_dynamic']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
@@ -353,6 +353,10 @@ def inductor_cache_dir()->str:
     "The directory of inductor's on-disk caches (`TORCHINDUCTOR_CACHE_DIR`, or its default)"
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     return cache_dir()
+
+def import_inductor():
+    "Import inductor's compiler, as `torch.compile`'s first compile does: a worker process imports it before its first job"
+    import torch._inductor.compile_fx # noqa: F401
 
 def cpp_kernel_files()->list:
     "Paths, relative to `inductor_cache_dir()`, of the C++ kernels inductor built or loaded in this process, and of its CPU vector-ISA probes"

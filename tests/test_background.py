@@ -1,31 +1,32 @@
 "Compiling outside the fit's path: the fit trains eagerly while a worker process compiles, then the compiled code takes over"
-import glob, os, tempfile, time
+import glob, json, os, re, shutil, subprocess, sys, tempfile, time
 import pytest, torch
 from torch import nn
 from fastai.learner import Learner
 from fastai.callback.core import Callback, CancelFitException
 from fastai.torch_core import set_seed
 from fastxtend_compile import *
-from fastxtend_compile.background import BackgroundCompile
+from fastxtend_compile.background import BackgroundCompile, WarmRecords, _Worker
 from conftest import two_conv_cnn, digits_dls, EAGER_PRECISION, assert_fit_close
 
 def _leftovers()->list: return glob.glob(os.path.join(tempfile.gettempdir(), 'fxc-background-*'))
 
 class WaitForWorker(Callback):
-    "At training batch `at` of the first epoch, wait for the compile worker to end, so the hand-over comes at the next batch"
+    "At each training batch of `at` in the first epoch, wait for the worker's job to end, so the hand-over comes at the next batch"
     order = 20 # After `CompilerCallback`
-    def __init__(self, at=2): self.at, self.worker_seen = at, False
+    def __init__(self, at=2): self.at, self.worker_seen, self.pids = (at,) if isinstance(at, int) else at, False, []
     def after_batch(self):
-        proc = self.learn.compiler.aside.proc
-        if not self.training or self.epoch or self.iter != self.at or proc is None: return
+        aside = self.learn.compiler.aside
+        if not self.training or self.epoch or self.iter not in self.at or aside.job is None: return
         self.worker_seen = True
+        self.pids.append(aside.process.proc.pid)
         deadline = time.time() + 600
-        while proc.poll() is None and time.time() < deadline: time.sleep(0.2)
+        while aside.process.result(aside.job[2]) is None and time.time() < deadline: time.sleep(0.2)
 
 def _fit(compiled, cbs=(), epochs=2, **kw):
     set_seed(0, reproducible=True)
     learn = Learner(digits_dls(), two_conv_cnn(), cbs=list(cbs))
-    if compiled: learn.compile(backend='inductor', background=True, **EAGER_PRECISION, **kw)
+    if compiled: learn.compile(**{'backend': 'inductor', 'background': True, **EAGER_PRECISION, **kw})
     learn.fit(epochs, 3e-3)
     return learn
 
@@ -44,11 +45,15 @@ def test_compiled_code_takes_over_from_the_worker_and_trains_like_eager(cold_cac
     wait = WaitForWorker(at=2)
     comp = _fit(True, cbs=[wait])
     cb = comp.compiler
-    assert wait.worker_seen and cb.aside.proc is None
+    assert wait.worker_seen and cb.aside.process.proc is None
     notes = cb.report.background
     assert len(notes) == 1 and "while 3 training batch(es) ran eagerly; the compiled code took over at epoch 0, batch 3" in notes[0], notes
+    assert re.search(r"\(its start-up took [\d.]+s, (done before the job was sent|[\d.]+s of it after the job was sent); loading the job "
+                     r"[\d.]+s, compiling the forward [\d.]+s and the backward [\d.]+s\); compiling it in the fit's path took [\d.]+s$", notes[0]), notes
     assert cb.report.graphs >= 1 and cb.report.batch_times # Compiled batches ran after the hand-over
     assert any(cold_cache.rglob('*')) # The worker filled the cache the fit compiled from
+    records = [json.loads(f.read_text()) for f in (cold_cache/WarmRecords.folder).glob('*.json')]
+    assert len(records) == 1 and set(records[0]) == {'cold_s', 'warm_s'}, records # The state compiled, and how long it took
     assert_fit_close(eager.model, comp.model)
 
 def test_a_failed_worker_keeps_the_fit_eager_with_one_warning(cold_cache, monkeypatch):
@@ -67,12 +72,12 @@ def test_a_fit_that_ends_first_leaves_no_worker_behind(cold_cache):
         order = 20
         def after_batch(self):
             if self.iter == 1:
-                seen.append(self.learn.compiler.aside.proc)
+                seen.append(self.learn.compiler.aside.process.proc)
                 raise CancelFitException()
     learn = _fit(True, cbs=[Stop()])
     proc = seen[0]
     assert proc is not None and proc.poll() is not None # Killed, not left compiling
-    assert learn.compiler.aside.proc is None and learn.compiler.report.graphs == 0
+    assert learn.compiler.aside.process.proc is None and learn.compiler.report.graphs == 0
     assert "the fit ended before the worker process finished compiling: 2 training batch(es) ran eagerly" in learn.compiler.report.background[0]
 
 def test_a_fit_too_short_to_pay_trains_eagerly_without_a_worker(tmp_path, monkeypatch):
@@ -80,7 +85,7 @@ def test_a_fit_too_short_to_pay_trains_eagerly_without_a_worker(tmp_path, monkey
     started = []
     monkeypatch.setattr(BackgroundCompile, '_start', lambda *a: started.append(a) or True)
     eager, comp = _fit(False), _fit(True)
-    assert not started and comp.compiler.report.graphs == 0
+    assert not started and comp.compiler.report.graphs == 0 and comp.compiler.aside.process.proc is None
     n = 2*len(comp.dls.train) - BackgroundCompile.probe_batches
     assert comp.compiler.report.background[0].startswith(f"trained eagerly: the fit's {n} training batches left, about "), comp.compiler.report.background
     assert_fit_close(eager.model, comp.model)
@@ -128,3 +133,84 @@ def test_a_fit_that_trains_eagerly_never_imports_inductor():
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ['0', 'False'], out.stdout
+
+def _starts(monkeypatch)->list:
+    "The worker starts from here on"
+    started, start = [], _Worker.start
+    monkeypatch.setattr(_Worker, 'start', lambda self, *a: started.append(a) or start(self, *a))
+    return started
+
+def test_a_state_compiled_before_compiles_at_once_without_a_worker(cold_cache, monkeypatch):
+    "A new Learner of a model compiled before (a kernel restarted, a notebook run again) compiles at its first batch, warm"
+    _fit(True, cbs=[WaitForWorker(at=0)]) # A worker fills the cache, and the record of what it holds
+    started, eager = _starts(monkeypatch), _fit(False)
+    comp = _fit(True)
+    assert started == [] and comp.compiler.report.graphs >= 1
+    notes = comp.compiler.report.background
+    assert len(notes) == 1 and re.fullmatch(r"compiled at once, in the fit's path at epoch 0, batch 0: inductor's cache has this model "
+                                            r"state's code \([\d.]+s when last measured\); compiling it in the fit's path took [\d.]+s", notes[0]), notes
+    assert_fit_close(eager.model, comp.model)
+
+@pytest.mark.parametrize('warm_s', [1e-4, 1e4])
+def test_a_warm_start_compiles_where_the_fits_rest_pays_it_back(cold_cache, monkeypatch, warm_s):
+    monkeypatch.setattr(BackgroundCompile, 'min_fit_s', 30.) # A cold compile: far more than this fit's eager rest
+    monkeypatch.setattr(WarmRecords, 'get', lambda self, key: {'warm_s': warm_s})
+    monkeypatch.setattr(WarmRecords, 'any_for', lambda self, model: True)
+    started, eager = _starts(monkeypatch), _fit(False)
+    comp = _fit(True, backend='aot_eager')
+    notes, n = comp.compiler.report.background, BackgroundCompile.probe_batches
+    assert started == [] and len(notes) == 1, notes
+    if warm_s < 1: # Timed over its first batches, the rest pays back the recorded compile: compiled then
+        assert notes[0].startswith(f"compiled at once, in the fit's path at epoch 0, batch {n}: inductor's cache has this model "
+                                   f"state's code ({warm_s:.1f}s when last measured)"), notes
+        assert comp.compiler.report.graphs >= 1
+    else:
+        assert re.fullmatch(rf"trained eagerly: the fit's {2*len(comp.dls.train) - n} training batches left, about \d+s eagerly, are too "
+                            r"few to pay back even a warm compile of 10000\.0s \(under 50000s\)", notes[0]), notes
+        assert comp.compiler.report.graphs == 0
+    assert_fit_close(eager.model, comp.model)
+
+def test_a_worker_out_of_gpu_memory_says_so(cold_cache, monkeypatch):
+    monkeypatch.setattr(BackgroundCompile, 'worker', "import sys, torch; import fastxtend_compile.background as b\n"
+        "def full(path): raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
+        "b.compile_in_worker = full; b.serve(*sys.argv[1:])")
+    eager = _fit(False)
+    with pytest.warns(UserWarning, match=r"torch.compile could not compile in a background worker process: the GPU is too full to compile "
+                      r"beside the fit \(\S*OutOfMemoryError: CUDA out of memory\. Tried to allocate 2\.00 GiB\)\. The fit trains eagerly; "
+                      r"`learn.compile\(background=False\)` compiles in the fit's path, with the memory the fit has\.") as ws:
+        comp = _fit(True, cbs=[WaitForWorker(at=0)])
+    assert sum('background worker' in str(w.message) for w in ws) == 1
+    assert "failed after" in comp.compiler.report.background[0] and "the GPU is too full to compile beside the fit" in comp.compiler.report.background[0]
+    assert comp.compiler.report.graphs == 0
+    assert_fit_close(eager.model, comp.model)
+
+class Halve(Callback):
+    "From training batch `at` of the first epoch on, batches of half the size: a new model state"
+    order = 0
+    def __init__(self, at): self.at = at
+    def before_batch(self):
+        if self.training and (self.epoch or self.iter >= self.at):
+            self.learn.xb, self.learn.yb = tuple(o[:32] for o in self.xb), tuple(o[:32] for o in self.yb)
+
+def test_one_worker_compiles_each_new_state_of_the_fit(cold_cache):
+    eager = _fit(False, cbs=[Halve(6)], epochs=1)
+    wait = WaitForWorker(at=(0, 6))
+    comp = _fit(True, cbs=[Halve(6), wait], epochs=1, backend='aot_eager')
+    notes = comp.compiler.report.background
+    assert len(wait.pids) == 2 and wait.pids[0] == wait.pids[1] # The second state went to the worker that compiled the first
+    assert len(notes) == 2 and all('the compiled code took over' in n for n in notes), notes
+    assert comp.compiler.aside.process.proc is None # Ended with the fit
+    assert_fit_close(eager.model, comp.model)
+
+def test_a_killed_processes_worker_folder_is_removed_by_the_next_start(cold_cache):
+    gone = subprocess.Popen([sys.executable, '-c', 'pass'])
+    gone.wait()
+    stale = tempfile.mkdtemp(prefix=f'{_Worker.prefix}{gone.pid}-')
+    alive = tempfile.mkdtemp(prefix=f'{_Worker.prefix}{os.getppid()}-') # Another running process's worker: kept
+    w = _Worker("import time; time.sleep(60)")
+    try:
+        w.start(torch.device('cpu'))
+        assert not os.path.exists(stale) and os.path.isdir(alive) and os.path.isdir(w.tmp)
+    finally:
+        w.end()
+        shutil.rmtree(alive)
