@@ -18,6 +18,7 @@ from fastai.torch_core import rank_distrib
 from .core import inner_model, model_device, model_fingerprint
 from .internals import inductor_cache_dir, cpp_kernel_files
 from .callback import _compiler_of
+from .background import WarmRecords
 
 # %% auto #0
 __all__ = []
@@ -74,7 +75,7 @@ def _mismatch(saved:dict, here:dict)->str|None:
         if a != b: return f"{what} {'differ' if what.endswith('s') else 'differs'} (saved {a}, here {b})"
 
 # %% ../nbs/07_cache.ipynb #78c581eb
-_header, _mega, _kernels = 'header.json', 'mega-cache.bin', 'kernels/'
+_header, _mega, _kernels, _warm = 'header.json', 'mega-cache.bin', 'kernels/', 'warm/'
 
 @patch
 def save_compile_cache(self:Learner,
@@ -95,16 +96,17 @@ def save_compile_cache(self:Learner,
             z.writestr(_header, json.dumps(compile_cache_header(self), indent=1))
             z.writestr(_mega, saved[0])
             for rel in cpp_kernel_files(): z.write(root/rel, _kernels + rel)
+            for f in WarmRecords.root().glob('*.json'): z.write(f, _warm + f.name) # Which model states a warm start finds
         os.replace(tmp, path) # A file that is there is whole
     finally:
         if os.path.exists(tmp): os.remove(tmp)
     return path
 
 # %% ../nbs/07_cache.ipynb #3ddafcd0
-def _write_kernels(kernels:dict):
-    "Put C++ kernels into inductor's cache directory, leaving any file already there as it is"
+def _write_cache_files(files:dict):
+    "Put files (C++ kernels, warm records) into inductor's cache directory, leaving any file already there as it is"
     root = Path(inductor_cache_dir())
-    for rel,data in kernels.items():
+    for rel,data in files.items():
         dest = root/rel
         if Path(rel).is_absolute() or '..' in Path(rel).parts or dest.exists(): continue
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -126,9 +128,10 @@ def load_compile_cache(self:Learner,
         with zipfile.ZipFile(path) as z:
             if why := _mismatch(json.loads(z.read(_header)), compile_cache_header(self)): return cold(why)
             mega = z.read(_mega)
-            kernels = {n[len(_kernels):]: z.read(n) for n in z.namelist() if n.startswith(_kernels) and not n.endswith('/')}
+            files = {n[len(_kernels):]: z.read(n) for n in z.namelist() if n.startswith(_kernels) and not n.endswith('/')}
+            files.update({f'{WarmRecords.folder}/{n[len(_warm):]}': z.read(n) for n in z.namelist() if n.startswith(_warm) and n.endswith('.json')})
     except FileNotFoundError: return cold('there is no such file')
     except Exception as e: return cold(f'it could not be read ({type(e).__name__}: {e})')
     if torch.compiler.load_cache_artifacts(mega) is None: return cold('torch could not read the compiled code in it')
-    _write_kernels(kernels)
+    _write_cache_files(files)
     return True

@@ -257,3 +257,17 @@ def test_precompile_is_left_out_for_a_class_defined_in_a_function(tmp_path):
         "`test_precompile_is_left_out_for_a_class_defined_in_a_function.<locals>.build.<locals>.Local`, a class defined inside a "
         "function (define it at the top level of a module). The model compiles as without it"]
     assert set(seen) == {False} and not learn.compiler.precompile.on and learn.compiler.report.graphs == 1
+
+def test_warm_records_travel_with_the_cache(tmp_path, monkeypatch):
+    "Which model states the cache holds, and their compile times, go with it: a new machine starts them warm too"
+    from fastxtend_compile.background import WarmRecords
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path/'here'))
+    learn = _learner(tmp_path/'learner').compile(backend='inductor')
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    WarmRecords.root().mkdir(parents=True)
+    (WarmRecords.root()/'0123-4567.json').write_text('{"cold_s": 20.5, "warm_s": 2.5}')
+    file = learn.save_compile_cache('records')
+    with zipfile.ZipFile(file) as z: assert 'warm/0123-4567.json' in z.namelist()
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path/'there')) # Another machine's empty cache
+    assert learn.load_compile_cache('records') is True
+    assert json.loads((tmp_path/'there'/WarmRecords.folder/'0123-4567.json').read_text()) == {'cold_s': 20.5, 'warm_s': 2.5}

@@ -388,3 +388,11 @@ def test_mark_dynamic_compiles_one_graph_for_every_size():
         mark_dynamic(x, 1)
         assert torch.equal(f(x), torch.full((2,), 2.*n))
     assert graphs_compiled() - before == 1
+
+def test_import_inductor():
+    "What a worker process imports before its first job is what `torch.compile` imports to compile with inductor"
+    import subprocess, sys
+    code = ('import sys, torch; from fastxtend_compile.internals import import_inductor; import_inductor(); '
+            'print("torch._inductor.compile_fx" in sys.modules)')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ['True'], out.stderr[-2000:]
