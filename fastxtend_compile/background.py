@@ -361,7 +361,7 @@ class BackgroundCompile:
         self.ready.add(sig)
         if self.job is None: self.process.end() # Not needed this fit, unless another state is
         last = f"{rec['warm_s']:.1f}s when last measured" if 'warm_s' in rec else f"compiled cold in {rec.get('cold_s', 0):.1f}s"
-        note = (f"compiled at once, in the fit's path at {_where(learn)}: inductor's cache has this model state's code ({last})")
+        note = f"compiled{_phase(sig)} at once, in the fit's path at {_where(learn)}: inductor's cache has this model state's code ({last})"
         self.handover = (key, now, len(self.notes))
         self.notes.append(note)
         return False
@@ -399,8 +399,8 @@ class BackgroundCompile:
         key, took, res = self.fresh.pop(sig)
         where = _where(learn)
         self.handover = (key, now, len(self.notes))
-        self.notes.append(f"compiled in a worker process in {took:.1f}s while {self.eager_batches} training batch(es) ran "
-                          f"eagerly; the compiled code took over at {where} ({_profile(res)})")
+        self.notes.append(f"compiled{_phase(sig)} in a worker process in {took:.1f}s while {self.eager_batches} training batch(es) "
+                          f"ran eagerly; the compiled code took over at {where} ({_profile(res)})")
         if self.show is not None: self.show(f"torch.compile: the compiled model takes over at {where}, after {took:.1f}s compiling in a worker process")
         return False
 
@@ -442,6 +442,7 @@ class BackgroundCompile:
         return notes
 
 def _where(learn)->str: return f"epoch {learn.epoch}, batch {learn.iter}"
+def _phase(sig:tuple)->str: return '' if sig[2] else ' for evaluation' # A signature's phase, in the report's words
 
 def _profile(res:dict)->str:
     "Where the worker's time went"
