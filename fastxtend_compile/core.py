@@ -230,7 +230,8 @@ class EagerPolicy:
         self.calls = () # Weak references to the compiled calls of the model this policy decides for (its blocks' with `regional`)
         self.trained = False # This fit ran a training batch
         self.measuring = False # This training batch runs eagerly, to measure the eager step
-        self.valid_eager = False # This validation batch of a training fit runs eagerly: its graph seldom pays back its compile
+        self.valid_eager = False # This validation batch of a training fit runs eagerly: its batches left in the fit wouldn't pay back its graph
+        self.validation = None # How this validation of a training fit runs: 'eager', 'compiled' (its graph exists) or 'compile'
         self.waiting = False # This batch runs eagerly while its compiled code is made outside the fit's path
         self.evaluating = False # This batch of an evaluation outside a fit or of `lr_find` runs eagerly: its graph wouldn't pay back
         self.one_off = False # This batch is a one-off, not worth a graph of its own: the last, often smaller, one
@@ -260,6 +261,7 @@ class EagerPolicy:
     ):
         "A fit starts: it has trained no batch yet"
         self.trained, self.aside, self.pays, self.unpaid, self.eager_eval, self.eager_lr_find = False, aside, pays, None, 0, 0
+        self.validation = None
 
     def start_batch(self,
         learn, # The `Learner` whose batch starts
@@ -267,15 +269,16 @@ class EagerPolicy:
         whole_backward:bool=False, # Training runs compiled: compiled autograd runs the backward, DDP's all-reduces in it
     ):
         "Decide whether the batch starting runs eagerly, and whether it is a one-off"
-        # A fit's validation is a few batches an epoch, often waiting for the DataLoader: its graph (a recompile for the
-        # evaluation phase, each freeze state) costs more compiling than it saves.
         # An eager backward would all-reduce each gradient alone: not DDP's eager step, and not a training batch to leave out
         training = learn.training
         self.evaluating = self._unpaid(learn, training)
         self.measuring = training and measure and not whole_backward and not self.evaluating
-        self.valid_eager = not training and self.trained and not self.compile_valid
-        busy = self.evaluating or self.measuring or self.valid_eager
-        self.waiting = not busy and self.aside is not None and self.aside.runs_eagerly(learn, get_model(learn.model), training)
+        validation = self._validation(learn) if not training and self.trained else None
+        self.valid_eager = validation == 'eager'
+        # The compile outside the fit's path is asked about batches whose graph the fit would compile: not a validation's
+        # whose graph exists, nor one run eagerly
+        asks = self.aside is not None and not (self.evaluating or self.measuring) and validation in (None, 'compile')
+        self.waiting = asks and self.aside.runs_eagerly(learn, get_model(learn.model), training)
         self.one_off = _last_batch(learn) and not (training and whole_backward)
         if self.evaluating and training: self.eager_lr_find += 1
         elif self.evaluating: self.eager_eval += 1
@@ -285,7 +288,7 @@ class EagerPolicy:
         # A graph compiled in the fit's path costs seconds to minutes; the few hundred batches of a `get_preds` or an
         # `lr_find` seldom save as much. They run their graph where it is compiled already, and compile it only where the
         # report's measurements say their batches pay it back (`compile_valid=True` always compiles evaluation). Decided
-        # at the fit's first batch: a training fit's first batch trains, and its validation follows `compile_valid`
+        # at the fit's first batch: a training fit's first batch trains, and its validation is judged by `_validation`
         if self.unpaid is None: self.unpaid = self._judge(learn, training)
         return self.unpaid
 
@@ -293,9 +296,29 @@ class EagerPolicy:
         "Whether the fit starting is an evaluation outside a training fit, or an `lr_find`, whose graph wouldn't pay back"
         finder = _lr_finder(learn) if training else None
         if (training and finder is None) or self.trained or (not training and self.compile_valid): return False
-        if any(c.shapes.get((torch.is_grad_enabled(), training)) for c in self.compiled_calls()): return False # Compiled already
+        if self._compiled_already(training): return False
         batches = finder.num_it if finder is not None else getattr(learn, 'n_iter', 1)
         return self.pays is None or not self.pays(batches)
+
+    def _compiled_already(self, training:bool)->bool:
+        "Whether any of the calls has a graph of the phase running: gradients on or off, in `training` mode or not"
+        return any(c.shapes.get((torch.is_grad_enabled(), training)) for c in self.compiled_calls())
+
+    def _validation(self, learn)->str:
+        "How this validation of a training fit runs, decided at its first batch: 'compiled', 'compile' or 'eager'"
+        # A fit's validation is a few batches an epoch, often waiting for the DataLoader: its graph (a recompile for the
+        # evaluation phase, each freeze state) is compiled, as evaluation outside a fit is, only where the report's
+        # measurements say the fit's validation batches left, this epoch's included, pay it back
+        if self.validation is None: self.validation = self._judge_validation(learn)
+        return self.validation
+
+    def _judge_validation(self, learn)->str:
+        "'compiled' where its graph exists, 'compile' where `compile_valid` or its batches left pay it back, else 'eager'"
+        if self._compiled_already(False): return 'compiled'
+        if self.compile_valid: return 'compile'
+        epochs = getattr(learn, 'n_epoch', 1) - getattr(learn, 'epoch', 0) # This epoch's and those after it
+        batches = getattr(learn, 'n_iter', 1) * max(epochs, 1)
+        return 'compile' if self.pays is not None and self.pays(batches) else 'eager'
 
     def end_batch(self,
         training:bool, # The batch trained
@@ -303,6 +326,7 @@ class EagerPolicy:
         "The batch ended: what comes next is decided afresh"
         self.trained |= training
         self.measuring = self.valid_eager = self.waiting = self.evaluating = self.one_off = False
+        if training: self.validation = None # The next validation is judged afresh, with fewer batches left
 
     @property
     def timed(self)->bool:
@@ -312,7 +336,7 @@ class EagerPolicy:
     def stop(self):
         "The fit ended or raised: calls outside a fit run as their shapes say"
         self.end_batch(False)
-        self.aside, self.pays, self.unpaid = None, None, None
+        self.aside, self.pays, self.unpaid, self.validation = None, None, None, None
 
     def runs_eagerly(self,
         call:CompiledCall, # The compiled call asking, with its input shapes compiled for and run eagerly, by phase

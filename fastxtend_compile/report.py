@@ -87,7 +87,7 @@ class CompileReport:
     dynamic:dict = field(default_factory=dict) # Inputs compiled dynamically as their sizes kept changing: {(phase, part): shapes, `None` for a size that changed}
     rnns:str = '' # The model's recurrent layers, run eagerly with only the parts around them compiled
     rnn_parts:str = '' # The parts compiled around them
-    eager_valid:int = 0 # Validation batches of training fits run eagerly, their graph not worth compiling (`compile_valid=False`)
+    eager_valid:int = 0 # Validation batches of training fits run eagerly, too few left in their fit to pay back their graph
     eager_eval:int = 0 # Batches of evaluations outside a fit (`get_preds`, `validate`) run eagerly, too few to pay back their graph
     eager_lr_find:int = 0 # Batches of `lr_find` run eagerly, too few to pay back their graph
     eager_frozen:int = 0 # Frozen fits of `fine_tune` run eagerly (`compile_frozen=False`)
@@ -218,8 +218,8 @@ class CompileReport:
                                            "(`fine_tune(compile_frozen=True)` compiles them too)")
         if self.precompiled: lines.append(f"  loaded precompiled: {self.precompiled} compiled function(s) from the compile cache, "
                                           "not traced again (`precompile=True`)")
-        if self.eager_valid: lines.append(f"  ran eagerly, validation within the fit: {self.eager_valid} batch(es), whose graph "
-                                          "seldom pays back its compile (`compile_valid=True` compiles it)")
+        if self.eager_valid: lines.append("  " + self._unpaid("validation within the fit", self.eager_valid,
+                                                              "; `compile_valid=True` compiles it"))
         if self.eager_eval: lines.append("  " + self._unpaid("evaluation outside a fit (`get_preds`, `validate`)", self.eager_eval,
                                                              "; `compile_valid=True` compiles it"))
         if self.eager_lr_find: lines.append("  " + self._unpaid("`lr_find`", self.eager_lr_find))
@@ -430,7 +430,7 @@ class CompileRecorder:
         training:bool, # A training batch
         xb:tuple=(), # Its inputs
         eager:bool=False, # It runs eagerly to measure the eager step
-        valid_eager:bool=False, # A validation batch of a training fit run eagerly (`compile_valid=False`)
+        valid_eager:bool=False, # A validation batch of a training fit run eagerly, too few left to pay back its graph
     ):
         "Start timing a batch of inputs `xb`"
         if eager and not self.report.eager_times: self.report.measured_from = len(self.report.batch_times)

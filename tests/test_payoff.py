@@ -39,7 +39,8 @@ def image_learner(path, **kwargs):
     return vision_learner(dls, resnet18, pretrained=False, metrics=accuracy).compile(backend='aot_eager', **kwargs)
 
 @pytest.mark.parametrize('compile_frozen,compile_valid', [(False, False), (True, False), (True, True)])
-def test_fine_tune_compiles_a_graph_per_phase_and_freeze_state(images, compile_frozen, compile_valid):
+def test_fine_tune_compiles_a_graph_per_phase_and_freeze_state(images, compile_frozen, compile_valid, monkeypatch):
+    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, n: False) # Whatever this machine's timings say
     learn = image_learner(images, compile_valid=compile_valid)
     n_valid, bs = len(learn.dls.valid_ds), learn.dls.valid.bs
     assert n_valid % bs # The last validation batch is smaller
@@ -150,16 +151,20 @@ def test_payoff_and_data_advice_read_the_measurements():
 def test_a_graph_pays_back_where_the_measured_saving_covers_the_measured_compile():
     r = CompileReport()
     assert r.compile_spike is None and not r.pays_back(10**9) # Nothing measured: nothing is expected to pay
-    r.eager_eval = 3
+    r.eager_eval, r.eager_valid = 3, 15
     assert ("ran eagerly, evaluation outside a fit (`get_preds`, `validate`): 3 batch(es), too few to pay back compiling their "
             "graph (no fit has measured yet what compiling saves here); `compile_valid=True` compiles it") in r.summary()
+    assert ("\n  ran eagerly, validation within the fit: 15 batch(es), too few to pay back compiling their graph (no fit has "
+            "measured yet what compiling saves here); `compile_valid=True` compiles it\n") in r.summary()
     # The slowest compiling batch took 5s, 4.99s more than a compiled step, which saves 10 ms on the fastest eager one
     r = CompileReport(batch_times=[(5., True), (1., True)] + [(0.01, False)]*9, eager_times=[1., 0.02, 0.5])
     assert r.compile_spike == pytest.approx(4.99) and r.step_saving == pytest.approx(0.01)
     assert r.pays_back(550) and not r.pays_back(450)
-    r.eager_lr_find = 20
+    r.eager_lr_find, r.eager_valid = 20, 15
     assert ("ran eagerly, `lr_find`: 20 batch(es), too few to pay back compiling their graph (a compiled step saves 10.0 ms "
             "against 5.0s to compile)") in r.summary()
+    assert ("\n  ran eagerly, validation within the fit: 15 batch(es), too few to pay back compiling their graph (a compiled "
+            "step saves 10.0 ms against 5.0s to compile); `compile_valid=True` compiles it\n") in r.summary()
 
 def test_lr_find_and_evaluation_outside_a_fit_run_eagerly_until_their_graph_would_pay_back(monkeypatch):
     learn = Learner(digits_dls(), two_conv_cnn()).compile(backend='aot_eager')
@@ -178,3 +183,20 @@ def test_lr_find_and_evaluation_outside_a_fit_run_eagerly_until_their_graph_woul
     assert graphs() == g + 2 and r.eager_eval == len(learn.dls.valid) # ...the evaluation graph compiles
     with learn.no_bar(), learn.no_logging(): learn.lr_find(num_it=5, show_plot=False) # Its training graph is compiled already
     assert graphs() == g + 2 and r.eager_lr_find == n
+
+@pytest.mark.parametrize('pays', [True, False])
+def test_a_fits_validation_compiles_where_the_fits_validation_batches_left_pay_back(pays, monkeypatch):
+    asked = []
+    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, n: asked.append(n) or pays)
+    learn = Learner(digits_dls(), two_conv_cnn()).compile(backend='aot_eager')
+    with learn.no_bar(), learn.no_logging(): learn.fit(2)
+    r, n = learn.compiler.report, len(learn.dls.valid)
+    during = [e.during.split(' ')[0] for e in r.events]
+    if pays: # Judged at the first validation, 2 epochs' batches left; the second runs the graph the first compiled
+        assert asked == [2*n] and during == ['training', 'validation'] and not r.eager_valid
+        assert 'validation within the fit' not in r.summary()
+    else: # Judged again at each validation, with one epoch's batches left at the second
+        assert asked == [2*n, n] and during == ['training'] and r.eager_valid == 2*n
+        assert (f"\n  ran eagerly, validation within the fit: {2*n} batch(es), too few to pay back compiling their graph (a "
+                f"compiled step saves {r.step_saving*1e3:.1f} ms against {r.compile_spike:.1f}s to compile); `compile_valid=True` "
+                "compiles it\n") in r.summary()

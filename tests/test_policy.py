@@ -7,16 +7,26 @@ from fastxtend_compile import *
 from fastxtend_compile.core import EagerPolicy
 from fastxtend_compile.internals import graphs_compiled, compiled_call
 
-def batch(training=True, iter=0, n_iter=10, model=None):
+def batch(training=True, iter=0, n_iter=10, model=None, epoch=0, n_epoch=1):
     "What the policy reads of a Learner at `before_batch`"
-    return SimpleNamespace(training=training, iter=iter, n_iter=n_iter, model=model or nn.Linear(2, 2), xb=())
+    return SimpleNamespace(training=training, iter=iter, n_iter=n_iter, model=model or nn.Linear(2, 2), xb=(), epoch=epoch, n_epoch=n_epoch)
 
 class Aside:
-    "A compile outside the fit's path whose code is ready once `ready` is set"
-    def __init__(self): self.ready, self.asked = False, []
+    "A compile outside the fit's path whose code is ready once `ready` is set; evaluation waits for it too with `evaluation`"
+    def __init__(self, evaluation=False): self.ready, self.evaluation, self.asked = False, evaluation, []
     def runs_eagerly(self, learn, model, training):
         self.asked.append(training)
-        return training and not self.ready
+        return (training or self.evaluation) and not self.ready
+
+def validation(p, n_iter=4, **kwargs):
+    "Run a training batch, then a validation of `n_iter` batches; `p`'s eager and timed decision for each validation batch"
+    p.start_batch(batch(**kwargs)); p.end_batch(True)
+    res = []
+    for i in range(n_iter):
+        with torch.no_grad(): p.start_batch(batch(training=False, iter=i, n_iter=n_iter, **kwargs))
+        res.append((p.eager, p.valid_eager, p.timed))
+        p.end_batch(False)
+    return res
 
 def test_training_batches_run_eagerly_only_to_measure_the_eager_step():
     p = EagerPolicy(compile_valid=False)
@@ -32,13 +42,53 @@ def test_training_batches_run_eagerly_only_to_measure_the_eager_step():
     p.start_batch(batch(iter=9), measure=True, whole_backward=True)
     assert not p.eager and not p.one_off
 
-def test_a_fits_validation_runs_eagerly_unless_compile_valid():
-    for compile_valid in (False, True):
-        p = EagerPolicy(compile_valid=compile_valid)
-        p.start_fit(pays=lambda n: False)
-        p.start_batch(batch(training=True)); p.end_batch(True)
-        p.start_batch(batch(training=False))
-        assert p.eager == p.valid_eager == (not compile_valid) and not p.evaluating
+def test_a_fits_validation_compiles_where_the_fits_validation_batches_left_pay_back():
+    p, asked = EagerPolicy(compile_valid=False), []
+    p.start_fit(pays=lambda n: asked.append(n) or n >= 12)
+    # 4 validation batches an epoch of 4: 16, 12, 8 and 4 left. Judged at each validation's first batch, for all of it
+    runs = [validation(p, epoch=e, n_epoch=4) for e in range(4)]
+    assert asked == [16, 12, 8, 4]
+    compiled, eager = [(False, False, True)]*4, [(True, True, True)]*4 # Eager ones are timed: the report counts them
+    assert runs == [compiled, compiled, eager, eager] and not p.evaluating and not p.eager_eval
+    p.stop()
+    p.start_fit(pays=None) # Nothing measured: eager
+    assert validation(p) == eager
+    p.stop()
+    p.compile_valid, asked[:] = True, [] # Always compiled, whatever its batches pay
+    p.start_fit(pays=lambda n: asked.append(n) or False)
+    assert validation(p, epoch=3, n_epoch=4) == compiled and asked == []
+
+def test_a_fits_validation_runs_its_graph_where_it_is_compiled_already():
+    torch.manual_seed(0)
+    model, p = nn.Linear(4, 2), EagerPolicy(compile_valid=False)
+    p.watch(compile_model(model, policy=p, backend='aot_eager'))
+    p.start_fit(pays=lambda n: False)
+    p.start_batch(batch(model=model)); p.end_batch(True)
+    g, x = graphs_compiled(), torch.randn(8, 4)
+    model.eval()
+    with torch.no_grad(): # Its batches don't pay back an evaluation graph: eager, compiling nothing
+        p.start_batch(batch(training=False, model=model))
+        torch.testing.assert_close(model(x), x @ model.weight.T + model.bias)
+        p.end_batch(False)
+    assert graphs_compiled() == g
+    p.stop()
+    with torch.no_grad(): model(x) # Its graph, compiled outside the fit
+    assert graphs_compiled() == g + 1
+    aside, asked = Aside(evaluation=True), []
+    p.start_fit(aside, pays=lambda n: asked.append(n) or False)
+    assert validation(p, model=model) == [(False, False, True)]*4 # Compiled, whatever its batches pay...
+    assert asked == [] and aside.asked == [True] # ...with no compile outside the fit's path to wait for
+
+def test_a_fits_validation_worth_compiling_waits_for_the_compile_outside_the_fits_path():
+    waits, eager = [(True, False, False)]*4, [(True, True, True)]*4
+    for compile_valid, pays, asked, runs in ((False, True, [True] + [False]*4, waits), (True, False, [True] + [False]*4, waits),
+                                             (False, False, [True], eager)):
+        p, aside = EagerPolicy(compile_valid=compile_valid), Aside(evaluation=True)
+        p.start_fit(aside, pays=lambda n: pays)
+        # Worth compiling: each batch asks the worker, and waits eagerly, untimed, until its code is ready; else it runs eagerly
+        assert validation(p) == runs and aside.asked == asked
+        aside.ready = True
+        assert validation(p) == (eager if runs == eager else [(False, False, True)]*4)
 
 def test_the_last_batch_is_a_one_off_and_events_called_alone_are_not():
     p = EagerPolicy()
