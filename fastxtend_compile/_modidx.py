@@ -83,6 +83,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                          'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background._out_of_memory': ( 'background.html#_out_of_memory',
                                                                                                'fastxtend_compile/background.py'),
+                                              'fastxtend_compile.background._phase': ( 'background.html#_phase',
+                                                                                       'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background._pickle_model': ( 'background.html#_pickle_model',
                                                                                               'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background._profile': ( 'background.html#_profile',
