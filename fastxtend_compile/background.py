@@ -259,10 +259,6 @@ class WarmRecords:
         self.root().mkdir(parents=True, exist_ok=True)
         _write_json(str(self.root()/f'{key}.json'), {**(self.get(key) or {}), **values})
 
-    def any_for(self, model:nn.Module)->bool:
-        "Whether a state of `model` with these settings is recorded: a fit of it likely starts warm"
-        return any(self.root().glob(f'{self.model_key(model)}-*.json'))
-
 # %% ../nbs/08_background.ipynb #0e4df4eb
 class BackgroundCompile:
     "Compile a model state in a worker process, into the on-disk caches, while the fit trains eagerly; then take over warm"
@@ -279,7 +275,7 @@ class BackgroundCompile:
     ):
         self.settings, self.regional, self.show = settings, regional, show
         self.records = WarmRecords(settings, regional) # What compiled into inductor's cache before, in any process
-        self.process = _Worker(self.worker) # Started as a fit starts, unless its model starts warm
+        self.process = _Worker(self.worker) # Started for the first state worth a cold compile, kept for the fit's others
         self.ready = set() # Signatures compiled in this process: their batches run the compiled code
         self.failed = set() # Signatures whose background compile failed: their batches run eagerly
         self.short = set() # Signatures whose fit is too short to compile for: their batches run eagerly until it ends
@@ -296,15 +292,6 @@ class BackgroundCompile:
     def __getstate__(self): # A copy of the callback (`learn.export`) starts with no worker and nothing compiled
         return {**self.__dict__, 'process': _Worker(self.worker), 'job': None, 'fresh': {}, 'handover': None, 'ready': set(),
                 'failed': set(), 'short': set(), 'probe': None, 'changes': 0, 'show': None}
-
-    def start_fit(self,
-        model:nn.Module, # The model the fit compiles (not DDP's wrapper)
-        show=None, # Where the hand-over is announced
-    ):
-        "A fit starts: start the worker now, its imports done before its first job, unless the model compiled here before"
-        self.show = show
-        if self.records.any_for(model): return # Its states likely compile warm, in the fit's path
-        self.process.start(next(model.parameters()).device, _modules(model))
 
     def runs_eagerly(self,
         learn, # The `Learner` whose batch this is

@@ -273,7 +273,7 @@ class CompilerCallback(Callback):
             self.compile_recorder.note_background("compiled in the fit's path: under DDP each rank compiles as it trains "
                                                   "(`background` is for one process)")
             return False
-        if on: self.aside.start_fit(inner_model(model), self._show)
+        if on: self.aside.show = self._show
         return on
 
     def _stands_aside(self)->bool:

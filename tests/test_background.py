@@ -155,7 +155,6 @@ def test_a_state_compiled_before_compiles_at_once_without_a_worker(cold_cache, m
 def test_a_warm_start_compiles_where_the_fits_rest_pays_it_back(cold_cache, monkeypatch, warm_s):
     monkeypatch.setattr(BackgroundCompile, 'min_fit_s', 30.) # A cold compile: far more than this fit's eager rest
     monkeypatch.setattr(WarmRecords, 'get', lambda self, key: {'warm_s': warm_s})
-    monkeypatch.setattr(WarmRecords, 'any_for', lambda self, model: True)
     started, eager = _starts(monkeypatch), _fit(False)
     comp = _fit(True, backend='aot_eager')
     notes, n = comp.compiler.report.background, BackgroundCompile.probe_batches
