@@ -205,7 +205,8 @@ class _Worker:
         if self.proc is not None:
             _kill(self.proc)
             _live.discard(self.proc)
-            if self.proc.stdin is not None: self.proc.stdin.close()
+            try: self.proc.stdin.close()
+            except OSError: pass # A job it never read: its pipe is broken
         if self.tmp is not None: shutil.rmtree(self.tmp, ignore_errors=True)
         self.proc, self.tmp, self.log = None, None, None
 
@@ -216,7 +217,8 @@ def _read_json(path:str)->dict|None:
 
 def _last_line(path:str|None)->str:
     "The last line of the worker's output: its error"
-    try: lines = [l.strip() for l in open(path).read().splitlines() if l.strip()]
+    try:
+        with open(path) as f: lines = [l.strip() for l in f.read().splitlines() if l.strip()]
     except Exception: lines = []
     return lines[-1][:300] if lines else 'no output'
 

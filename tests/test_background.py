@@ -35,6 +35,7 @@ def cold_cache(tmp_path, monkeypatch):
     "An empty inductor cache for this test, as on a first run, a worker for a fit of any length, and a temporary folder of its own"
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path/'inductor'))
     monkeypatch.setattr(BackgroundCompile, 'min_fit_s', 0)
+    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, batches: False) # Validation runs eagerly, whatever the timings
     (tmp_path/'tmp').mkdir()
     monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path/'tmp')) # Other processes' workers never show up in this test's check
     yield tmp_path/'inductor'
@@ -213,3 +214,13 @@ def test_a_killed_processes_worker_folder_is_removed_by_the_next_start(cold_cach
     finally:
         w.end()
         shutil.rmtree(alive)
+
+def test_a_worker_that_ended_at_once_fails_its_job_quietly(cold_cache):
+    "A worker gone before its job (it couldn't start) fails that job with its last words; ending it raises nothing"
+    w = _Worker("raise SystemExit('no compiler here')")
+    w.start(torch.device('cpu'))
+    w.proc.wait()
+    path = w.submit({'inputs': b''}) # Into a broken pipe
+    assert w.result(path) == dict(ok=False, error='no compiler here', oom=False)
+    w.end()
+    assert w.proc is None and w.tmp is None
