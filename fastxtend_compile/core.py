@@ -275,11 +275,12 @@ class EagerPolicy:
         self.measuring = training and measure and not whole_backward and not self.evaluating
         validation = self._validation(learn) if not training and self.trained else None
         self.valid_eager = validation == 'eager'
-        # The compile outside the fit's path is asked about batches whose graph the fit would compile: not a validation's
-        # whose graph exists, nor one run eagerly
-        asks = self.aside is not None and not (self.evaluating or self.measuring) and validation in (None, 'compile')
-        self.waiting = asks and self.aside.runs_eagerly(learn, get_model(learn.model), training)
         self.one_off = _last_batch(learn) and not (training and whole_backward)
+        # The compile outside the fit's path is asked about batches whose graph the fit would compile: not a validation's
+        # whose graph exists, nor one run eagerly (an evaluation's last batch, a one-off, runs eagerly in `runs_eagerly`)
+        asks = (self.aside is not None and not (self.evaluating or self.measuring or (self.one_off and not training))
+                and validation in (None, 'compile'))
+        self.waiting = asks and self.aside.runs_eagerly(learn, get_model(learn.model), training)
         if self.evaluating and training: self.eager_lr_find += 1
         elif self.evaluating: self.eager_eval += 1
 
