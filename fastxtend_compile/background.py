@@ -310,13 +310,12 @@ class BackgroundCompile:
         if self.job is not None: # The worker compiles another state: this one waits its turn
             self.eager_batches += training
             return True
+        if training and not self._worth(sig, learn, now, model): return True
         key = self.records.key(model, sig)
-        rec = self.records.get(key)
-        if training and not self._worth(sig, learn, now, rec): return True
-        if rec is not None: return self._warm(sig, key, rec, learn, now)
+        if (rec := self.records.get(key)) is not None: return self._warm(sig, key, rec, learn, now)
         return self._start(sig, key, model, learn, training)
 
-    def _worth(self, sig:tuple, learn, now:float, rec:dict|None)->bool:
+    def _worth(self, sig:tuple, learn, now:float, model:nn.Module)->bool:
         "Whether the fit's eager rest, timed over its first `probe_batches` batches of this state, pays back its compile"
         if self.min_fit_s <= 0: return True
         if self.probe is None or self.probe[0] != sig: self._new_probe(sig, now)
@@ -326,6 +325,7 @@ class BackgroundCompile:
         left = learn.n_epoch*learn.n_iter - (learn.epoch*learn.n_iter + learn.iter)
         self.step_s = (now - start) / seen
         rest = self.step_s * left
+        rec = self.records.get(self.records.key(model, sig)) # Once the probe is done: not at each of its batches
         warm = None if rec is None else rec.get('warm_s', self.warm_s)
         if rest >= (self.min_fit_s if warm is None else warm / self.saving): return True
         self.short.add(sig) # Not worth it: eager for the rest of this fit
