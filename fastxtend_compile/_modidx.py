@@ -63,6 +63,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background._alive': ( 'background.html#_alive',
                                                                                        'fastxtend_compile/background.py'),
+                                              'fastxtend_compile.background._batch': ( 'background.html#_batch',
+                                                                                       'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background._digest': ( 'background.html#_digest',
                                                                                         'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background._kill': ( 'background.html#_kill',

@@ -283,7 +283,7 @@ class BackgroundCompile:
         self.short = set() # Signatures whose fit is too short to compile for: their batches run eagerly until it ends
         self.job = None # (signature, record key, job path) the worker compiles
         self.fresh = {} # Signatures the worker compiled, not run yet: {signature: (record key, seconds, the worker's result)}
-        self.handover = None # (record key, start, note) of the batch that compiles warm in the fit's path, timed at the next
+        self.handover = None # (record key, start, note, where) of the batch that compiles warm in the fit's path, timed at the next
         self.started, self.eager_batches = 0., 0 # When the job was sent; training batches run eagerly since
         self.epoch, self.iter = 0, 0 # Where the job was sent
         self.step_s = None # The eager training step, timed by the probe
@@ -302,7 +302,7 @@ class BackgroundCompile:
     )->bool:
         "Whether this batch runs eagerly: its model state's compiled code isn't ready; starts compiling it if new"
         now = time.perf_counter()
-        self._time_handover(now)
+        self._time_handover(now, learn)
         if self.job is not None: self._collect()
         sig = _signature(model, learn.xb, training)
         if sig in self.ready: return self._take_over(sig, learn, now)
@@ -351,7 +351,7 @@ class BackgroundCompile:
         if self.job is None: self.process.end() # Not needed this fit, unless another state is
         last = f"{rec['warm_s']:.1f}s when last measured" if 'warm_s' in rec else f"compiled cold in {rec.get('cold_s', 0):.1f}s"
         note = f"compiled{_phase(sig)} at once, in the fit's path at {_where(learn)}: inductor's cache has this model state's code ({last})"
-        self.handover = (key, now, len(self.notes))
+        self.handover = (key, now, len(self.notes), _batch(learn))
         self.notes.append(note)
         return False
 
@@ -387,17 +387,20 @@ class BackgroundCompile:
         if sig not in self.fresh: return False
         key, took, res = self.fresh.pop(sig)
         where = _where(learn)
-        self.handover = (key, now, len(self.notes))
+        self.handover = (key, now, len(self.notes), _batch(learn))
         self.notes.append(f"compiled{_phase(sig)} in a worker process in {took:.1f}s while {self.eager_batches} training batch(es) "
                           f"ran eagerly; the compiled code took over at {where} ({_profile(res)})")
         if self.show is not None: self.show(f"torch.compile: the compiled model takes over at {where}, after {took:.1f}s compiling in a worker process")
         return False
 
-    def _time_handover(self, now:float):
-        "The batch after a hand-over: record how long the warm compile in the fit's path took, for the next fit's judgement"
+    def _time_handover(self, now:float, learn):
+        "A later batch of the hand-over's epoch and phase: record how long the warm compile in the fit's path took, for later fits"
         if self.handover is None: return
-        (key, start, i), self.handover = self.handover, None
-        warm = max(now - start - (self.step_s or 0.), 0.)
+        (key, start, i, (epoch, it, training)), self.handover = self.handover, None
+        # Batches between (run eagerly to measure the eager step, which don't ask) count as eager steps; a validation between
+        # (another epoch or phase) leaves it untimed
+        if (learn.epoch, learn.training) != (epoch, training) or learn.iter <= it: return
+        warm = max(now - start - (learn.iter - it)*(self.step_s or 0.), 0.)
         self.records.put(key, warm_s=warm)
         self.notes[i] += f"; compiling it in the fit's path took {warm:.1f}s"
 
@@ -431,6 +434,7 @@ class BackgroundCompile:
         return notes
 
 def _where(learn)->str: return f"epoch {learn.epoch}, batch {learn.iter}"
+def _batch(learn)->tuple: return learn.epoch, learn.iter, learn.training
 def _phase(sig:tuple)->str: return '' if sig[2] else ' for evaluation' # A signature's phase, in the report's words
 
 def _profile(res:dict)->str:

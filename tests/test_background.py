@@ -224,3 +224,17 @@ def test_a_worker_that_ended_at_once_fails_its_job_quietly(cold_cache):
     assert w.result(path) == dict(ok=False, error='no compiler here', oom=False)
     w.end()
     assert w.proc is None and w.tmp is None
+
+def test_the_hand_overs_compile_is_timed_within_its_epoch_and_phase(tmp_path, monkeypatch):
+    "The warm compile's time, recorded for later fits, leaves out the batches after it, and isn't taken across a validation"
+    from types import SimpleNamespace
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
+    at = lambda epoch, it, training=True: SimpleNamespace(epoch=epoch, iter=it, training=training)
+    aside = BackgroundCompile({'backend': 'eager'})
+    aside.step_s, aside.notes = 0.5, ['compiled']
+    aside.handover = ('state', 10., 0, (0, 5, True)) # Batch 5 compiled warm; batch 6 ran eagerly to measure the eager step
+    aside._time_handover(14., at(0, 7))
+    assert aside.records.get('state') == {'warm_s': 3.} and aside.notes == ["compiled; compiling it in the fit's path took 3.0s"]
+    aside.handover = ('other', 10., 0, (0, 5, True))
+    aside._time_handover(99., at(0, 0, training=False)) # The epoch's validation came first
+    assert aside.records.get('other') is None and aside.handover is None
