@@ -160,7 +160,7 @@ def _modules(model:nn.Module)->list:
     return sorted({type(m).__module__ for m in model.modules()} - {'__main__'})
 
 class _Worker:
-    "A worker process that compiles jobs one at a time: started ahead of its first, so its start-up is off the fit's path"
+    "A worker process that compiles jobs one at a time: one start-up serves every model state of a fit"
     prefix = 'fxc-background-' # Its folder: `<prefix><the training process's pid>-<random>`, in the temporary directory
     def __init__(self,
         code:str, # The worker's Python code: it is passed the device and the modules to import
