@@ -4,11 +4,13 @@
 
 # %% ../nbs/08_background.ipynb #483efc92
 from __future__ import annotations
-import atexit, glob, hashlib, io, json, os, platform, shutil, signal, subprocess, sys, tempfile, time, traceback, warnings
+import atexit, glob, hashlib, io, json, os, platform, shutil, signal, socket, subprocess, sys, tempfile, time, traceback, warnings
 from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn, Tensor
 import cloudpickle
 
@@ -65,6 +67,20 @@ def _loss(out)->Tensor|None:
     leaves = [o for o in tree_flatten(out)[0] if isinstance(o, Tensor) and o.requires_grad and o.is_floating_point()]
     return sum(o.float().sum() for o in leaves) if leaves else None
 
+def _compile_on(model:nn.Module, xb:list, job:dict)->tuple:
+    "Compile `model` for `xb` as the fit will, forward and backward: the seconds each took"
+    model = compile_model(model, job['regional'], **job['settings'])
+    sync = torch.cuda.synchronize if job['device_type'] == 'cuda' else (lambda: None)
+    autocast = torch.autocast(job['device_type'], dtype=job['autocast']) if job['autocast'] else nullcontext()
+    t0 = time.perf_counter()
+    with torch.set_grad_enabled(job['grad']):
+        with autocast: out = model(*xb)
+        sync()
+        t1 = time.perf_counter()
+        if (loss := _loss(out)) is not None: loss.backward() # The training graph's backward compiles at its first run
+    sync()
+    return t1 - t0, time.perf_counter() - t1
+
 def compile_in_worker(
     path:str, # File of the job `BackgroundCompile` wrote
 )->dict:
@@ -72,19 +88,15 @@ def compile_in_worker(
     t0 = time.perf_counter()
     with open(path, 'rb') as f: job = cloudpickle.load(f)
     torch.set_float32_matmul_precision(job['matmul_precision'])
-    model = cloudpickle.loads(job['model']) # With each module's training mode and each parameter's `requires_grad` as in the fit
-    xb = [t.to(job['device']) for t in torch.load(io.BytesIO(job['inputs']), weights_only=True)]
-    model = compile_model(model, job['regional'], **job['settings'])
-    sync = torch.cuda.synchronize if job['device_type'] == 'cuda' else (lambda: None)
-    autocast = torch.autocast(job['device_type'], dtype=job['autocast']) if job['autocast'] else nullcontext()
-    t1 = time.perf_counter()
-    with torch.set_grad_enabled(job['grad']):
-        with autocast: out = model(*xb)
-        sync()
-        t2 = time.perf_counter()
-        if (loss := _loss(out)) is not None: loss.backward() # The training graph's backward compiles at its first run
-    sync()
-    return dict(load_s=t1 - t0, forward_s=t2 - t1, backward_s=time.perf_counter() - t2)
+    # With each module's training mode and each parameter's `requires_grad` as in the fit; one copy for each device the
+    # host's ranks train on, as inductor's cache keeps the code of each device apart
+    models = {d: cloudpickle.loads(b) for d,b in job['models'].items()}
+    xb = torch.load(io.BytesIO(job['inputs']), weights_only=True)
+    t1, forward, backward = time.perf_counter(), 0., 0.
+    for device, model in models.items():
+        f, b = _compile_on(model, [t.to(device) for t in xb], job)
+        forward, backward = forward + f, backward + b
+    return dict(load_s=t1 - t0, forward_s=forward, backward_s=backward, devices=len(models))
 
 def _out_of_memory(e:BaseException)->bool:
     "Whether `e`, or an error it was raised from, is the GPU running out of memory"
@@ -261,6 +273,62 @@ class WarmRecords:
         self.root().mkdir(parents=True, exist_ok=True)
         _write_json(str(self.root()/f'{key}.json'), {**(self.get(key) or {}), **values})
 
+# %% ../nbs/08_background.ipynb #c4d1a7e2
+class _Ranks:
+    "The processes of a DDP fit as the background compile sees them: where each trains, which one compiles for its host, how they agree"
+    every = 8 # Training batches from one agreement to the next: each costs a small collective on the CPU, not a GPU sync
+    timeout_s = 600. # Seconds a rank waits at an agreement for the others before it raises: one of them stopped
+    def __init__(self):
+        self.group = None # A `gloo` group of its own for the fit's agreements, on the CPU whatever the fit's backend
+        self.rank, self.world = 0, 1
+        self.host, self.device = socket.gethostname(), None
+        self.leader = True # The lowest rank of its host: it runs the host's worker process
+        self.hosts = [] # Each rank's (host, device), by rank
+
+    @property
+    def ddp(self)->bool: return self.group is not None
+
+    def start(self,
+        device:torch.device, # The device this rank trains on
+    ):
+        "At the start of a DDP fit, on every rank: a group for the agreements, and where each rank trains"
+        self.group = dist.new_group(backend='gloo', timeout=timedelta(seconds=self.timeout_s))
+        self.rank, self.world, self.device = dist.get_rank(), dist.get_world_size(), str(device)
+        self.hosts = self.gather((self.host, self.device), 'the start of the fit')
+        self.leader = next(r for r,(h,_) in enumerate(self.hosts) if h == self.host) == self.rank
+
+    def host_devices(self)->list:
+        "The devices this host's ranks train on, each once: the host's worker compiles for each"
+        return list(dict.fromkeys(d for h,d in self.hosts if h == self.host))
+
+    def due(self, learn)->bool:
+        "Whether the ranks agree at this training batch: every `every` batches of the fit, the same batches on every rank"
+        return self.ddp and learn.train_iter % self.every == 0
+
+    def gather(self, obj, where:str)->list:
+        "Every rank's `obj`, by rank; raises a clear error where another rank doesn't come within `timeout_s`"
+        out = [None]*self.world
+        try: dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as e:
+            raise RuntimeError(f"torch.compile's background compile under DDP: rank {self.rank} waited for the other ranks at {where} "
+                               f"and they did not come (within {self.timeout_s:.0f}s, or one ended): another rank stopped, and "
+                               "its own output says why") from e
+        return out
+
+    def end(self):
+        "The fit ended: its group goes"
+        if self.group is not None and dist.is_initialized(): dist.destroy_process_group(self.group)
+        self.group, self.hosts = None, []
+
+    def together(self,
+        worker:bool, # The ranks take over from their hosts' workers, not compile warm at once
+    )->str:
+        "How the ranks switched, for the report: nothing in one process"
+        if not self.ddp: return ''
+        n = len({h for h,_ in self.hosts})
+        workers = ' (one worker process compiled for the host)' if n == 1 else f' (one worker process on each of the {n} hosts)'
+        return f", on all {self.world} ranks at once" + (workers if worker else '')
+
 # %% ../nbs/08_background.ipynb #0e4df4eb
 class BackgroundCompile:
     "Compile a model state in a worker process, into the on-disk caches, while the fit trains eagerly; then take over warm"
@@ -282,7 +350,9 @@ class BackgroundCompile:
         self.failed = set() # Signatures whose background compile failed: their batches run eagerly
         self.short = set() # Signatures whose fit is too short to compile for: their batches run eagerly until it ends
         self.job = None # (signature, record key, job path) the worker compiles
-        self.fresh = {} # Signatures the worker compiled, not run yet: {signature: (record key, seconds, the worker's result)}
+        # Signatures the worker compiled, not run yet: {signature: (record key, seconds, the worker's result)}; under DDP, a
+        # warm compile the ranks agreed on too: {signature: (record key, None, its note's index)}
+        self.fresh = {}
         self.handover = None # (record key, start, note, where) of the batch that compiles warm in the fit's path, timed at the next
         self.started, self.eager_batches = 0., 0 # When the job was sent; training batches run eagerly since
         self.epoch, self.iter = 0, 0 # Where the job was sent
@@ -290,10 +360,23 @@ class BackgroundCompile:
         self.notes = [] # One line for the report per background compile of this fit
         self.probe = None # (signature, its first batch's start, batches seen) while timing a new state's eager batches
         self.changes = 0 # Times this fit's probe started over on a new signature, mostly a new shape of the batches
+        self.ranks = _Ranks() # Under DDP: the ranks agree on each state's compile and switch to its code together
+        self.worthy = set() # Under DDP, signatures rank 0 judged worth compiling: the ranks start their compile together
+        self.settled = set() # Under DDP, signatures the ranks agreed on: compiled, failed or not worth it
+        self.broken = {} # Under DDP, signatures this host's worker failed to compile, until the ranks agree: {signature: (seconds, result)}
 
     def __getstate__(self): # A copy of the callback (`learn.export`) starts with no worker and nothing compiled
         return {**self.__dict__, 'process': _Worker(self.worker), 'job': None, 'fresh': {}, 'handover': None, 'ready': set(),
-                'failed': set(), 'short': set(), 'probe': None, 'changes': 0, 'show': None}
+                'failed': set(), 'short': set(), 'probe': None, 'changes': 0, 'show': None, 'ranks': _Ranks(),
+                'worthy': set(), 'settled': set(), 'broken': {}}
+
+    def start(self,
+        show=None, # Where the hand-over is announced (`CompilerCallback._show`)
+        device:torch.device|None=None, # Under DDP, the device this rank trains on
+    ):
+        "A fit starts that compiles in the background: under DDP (a `device` given), on every rank"
+        self.show = show
+        if device is not None: self.ranks.start(device)
 
     def runs_eagerly(self,
         learn, # The `Learner` whose batch this is
@@ -310,7 +393,12 @@ class BackgroundCompile:
         if self.job is not None: # The worker compiles another state: this one waits its turn
             self.eager_batches += training
             return True
+        if self.ranks.ddp and not training: return self._eval_eager()
+        if self.ranks.ddp and (self.ranks.rank or sig in self.worthy): return True # Rank 0 judges, the ranks agree
         if training and not self._worth(sig, learn, now, model): return True
+        if self.ranks.ddp: # The ranks start its compile together, at their next agreement
+            self.worthy.add(sig)
+            return True
         key = self.records.key(model, sig)
         if (rec := self.records.get(key)) is not None: return self._warm(sig, key, rec, learn, now)
         return self._start(sig, key, model, learn, training)
@@ -350,19 +438,67 @@ class BackgroundCompile:
         self.ready.add(sig)
         if self.job is None: self.process.end() # Not needed this fit, unless another state is
         last = f"{rec['warm_s']:.1f}s when last measured" if 'warm_s' in rec else f"compiled cold in {rec.get('cold_s', 0):.1f}s"
-        note = f"compiled{_phase(sig)} at once, in the fit's path at {_where(learn)}: inductor's cache has this model state's code ({last})"
-        self.handover = (key, now, len(self.notes), _batch(learn))
+        note = (f"compiled{_phase(sig)} at once, in the fit's path at {_where(learn, self.ranks.ddp)}{self.ranks.together(False)}: "
+                f"inductor's cache has this model state's code ({last})")
+        if self.ranks.ddp: self.fresh[sig] = (key, None, len(self.notes)) # Timed from its compile, at the next batch
+        else: self.handover = (key, now, len(self.notes), _batch(learn))
         self.notes.append(note)
         return False
 
+    def agree(self,
+        learn, # The `Learner` whose training batch this is, the same batch on every rank
+        model:nn.Module, # The model being compiled (not DDP's wrapper)
+    ):
+        "Under DDP, every `_Ranks.every` training batches: the ranks agree on this state's compile, and switch to its code together at the next batch"
+        if not self.ranks.due(learn) or (sig := _signature(model, learn.xb, True)) in self.settled: return
+        if self.job is not None: self._collect()
+        key = self.records.key(model, sig)
+        views = self.ranks.gather(self._view(sig, key), _where(learn))
+        # Rank 0 still probes, or the ranks train different states: nothing to agree on yet
+        if len({v['key'] for v in views}) > 1 or views[0]['verdict'] is None: return
+        if views[0]['verdict'] == 'short': return self._settle(sig, self.short)
+        hosts = [v for v in views if v['leader']]
+        if (bad := next((v for v in hosts if v['worker'] == 'failed'), None)) is not None:
+            self._settle(sig)
+            return self._failed(sig, *bad['failure'])
+        if all(v['worker'] in ('done', 'warm') for v in hosts):
+            self._settle(sig, self.ready)
+            if all(v['worker'] == 'warm' for v in hosts): self._warm(sig, key, self.records.get(key) or {}, learn, None)
+        elif self.ranks.leader and views[self.ranks.rank]['worker'] == 'none': self._start(sig, key, model, learn, True)
+
+    def _view(self, sig:tuple, key:str)->dict:
+        "This rank's part of an agreement on a state: rank 0's verdict on it, and a host's worker's progress with it"
+        verdict = 'short' if sig in self.short else 'worth' if sig in self.worthy else None
+        if sig in self.fresh: worker = 'done'
+        elif sig in self.broken: worker = 'failed'
+        elif self.job is not None: worker = 'compiling'
+        elif self.records.get(key) is not None: worker = 'warm' # Inductor's cache on this host has its code
+        else: worker = 'none'
+        took, res = self.broken.get(sig, (0., {}))
+        return dict(key=key, verdict=verdict, worker=worker, leader=self.ranks.leader, failure=(took, {**res, 'host': self.ranks.host}))
+
+    def _settle(self, sig:tuple, into:set|None=None):
+        "The ranks agreed on `sig`: no more agreements about it this fit"
+        self.settled.add(sig)
+        if into is not None: into.add(sig)
+
+    def _eval_eager(self)->bool:
+        "Under DDP an evaluation runs eagerly: the ranks agree on training states alone"
+        note = "ran eagerly, evaluation within the fit: under DDP the background compiles the training states alone"
+        if note not in self.notes: self.notes.append(note)
+        return True
+
     def _start(self, sig:tuple, key:str, model:nn.Module, learn, training:bool)->bool:
         device = next(model.parameters()).device
-        try: model_bytes = _pickle_model(model, device)
+        devices = self.ranks.host_devices() if self.ranks.ddp else [str(device)]
+        try: models = {d: _pickle_model(model, d) for d in devices}
         except Exception as e:
-            self.notes.append(f"compiled in the fit's path: the model could not be sent to a worker process ({type(e).__name__}: {e})")
+            why = f"the model could not be sent to a worker process ({type(e).__name__}: {e})"
+            if self.ranks.ddp: return self._broke(sig, 0., dict(ok=False, error=why, oom=False))
+            self.notes.append(f"compiled in the fit's path: {why}")
             self.ready.add(sig)
             return False
-        job = dict(model=model_bytes, inputs=_tensor_bytes([o for o in learn.xb if isinstance(o, Tensor)]), device=str(device),
+        job = dict(models=models, inputs=_tensor_bytes([o for o in learn.xb if isinstance(o, Tensor)]),
                    device_type=device.type, grad=torch.is_grad_enabled(), autocast=sig[-1],
                    matmul_precision=torch.get_float32_matmul_precision(), regional=self.regional, settings=self.settings)
         self.process.start(device, _modules(model))
@@ -376,20 +512,28 @@ class BackgroundCompile:
         sig, key, path = self.job
         if (res := self.process.result(path)) is None: return
         self.job, took = None, time.perf_counter() - self.started
-        if res['ok']:
-            self.ready.add(sig)
-            self.fresh[sig] = (key, took, res)
-            self.records.put(key, cold_s=res['forward_s'] + res['backward_s'])
+        if not res['ok']: return self._broke(sig, took, res)
+        if not self.ranks.ddp: self.ready.add(sig) # Under DDP, once every host's worker is done
+        self.fresh[sig] = (key, took, res)
+        self.records.put(key, cold_s=res['forward_s'] + res['backward_s'])
+
+    def _broke(self, sig:tuple, took:float, res:dict)->bool:
+        "The worker could not compile this state: it trains eagerly, under DDP once the ranks agree"
+        if self.ranks.ddp: self.broken[sig] = (took, res)
         else: self._failed(sig, took, res)
+        return True
 
     def _take_over(self, sig:tuple, learn, now:float)->bool:
         "The compiled code runs from this batch on; the first after the worker compiled its state compiles warm, timed"
         if sig not in self.fresh: return False
         key, took, res = self.fresh.pop(sig)
+        if took is None: # A warm compile the ranks agreed on: this batch compiles
+            self.handover = (key, now, res, _batch(learn))
+            return False
         where = _where(learn)
         self.handover = (key, now, len(self.notes), _batch(learn))
         self.notes.append(f"compiled{_phase(sig)} in a worker process in {took:.1f}s while {self.eager_batches} training batch(es) "
-                          f"ran eagerly; the compiled code took over at {where} ({_profile(res)})")
+                          f"ran eagerly; the compiled code took over at {where}{self.ranks.together(True)} ({_profile(res)})")
         if self.show is not None: self.show(f"torch.compile: the compiled model takes over at {where}, after {took:.1f}s compiling in a worker process")
         return False
 
@@ -401,21 +545,23 @@ class BackgroundCompile:
         # (another epoch or phase) leaves it untimed
         if (learn.epoch, learn.training) != (epoch, training) or learn.iter <= it: return
         warm = max(now - start - (learn.iter - it)*(self.step_s or 0.), 0.)
-        self.records.put(key, warm_s=warm)
+        if self.ranks.rank == 0: self.records.put(key, warm_s=warm) # Under DDP, rank 0's: the one that timed the eager step
         self.notes[i] += f"; compiling it in the fit's path took {warm:.1f}s"
 
     def _failed(self, sig:tuple, took:float, res:dict):
-        "The worker failed: this state trains eagerly, with one warning that says why in the user's terms"
+        "The worker failed: this state trains eagerly, with one warning (under DDP, on rank 0) that says why in the user's terms"
         self.failed.add(sig)
         self.process.end() # A new worker serves the next state
-        why = res['error']
+        why = res['error'] + (f"; on {res['host']}" if 'host' in res else '')
         if res.get('oom'):
             self.notes.append(f"compiling in a worker process failed after {took:.1f}s: the GPU is too full to compile beside the "
                               f"fit ({why}); the fit trains eagerly")
+            if self.ranks.rank: return
             return warnings.warn("torch.compile could not compile in a background worker process: the GPU is too full to compile "
                                  f"beside the fit ({why}). The fit trains eagerly; `learn.compile(background=False)` compiles in the "
                                  "fit's path, with the memory the fit has.")
         self.notes.append(f"compiling in a worker process failed after {took:.1f}s ({why}): the fit trains eagerly")
+        if self.ranks.rank: return
         warnings.warn(f"torch.compile failed in a background worker process ({why}). The fit trains eagerly; "
                       "`learn.compile(background=False)` compiles in the fit's path and shows the compiler's error.")
 
@@ -426,6 +572,8 @@ class BackgroundCompile:
                               f"batch(es) ran eagerly from epoch {self.epoch}, batch {self.iter}")
         self.job, self.fresh, self.handover = None, {}, None
         self.process.end()
+        self.ranks.end()
+        self.worthy, self.settled, self.broken = set(), set(), {}
 
     def take_notes(self)->list:
         "The report's lines about this fit, emptied for the next; a state not worth compiling in this fit may be in the next"
@@ -433,7 +581,7 @@ class BackgroundCompile:
         notes, self.notes = self.notes, []
         return notes
 
-def _where(learn)->str: return f"epoch {learn.epoch}, batch {learn.iter}"
+def _where(learn, next_batch:bool=False)->str: return f"epoch {learn.epoch}, batch {learn.iter + next_batch}"
 def _batch(learn)->tuple: return learn.epoch, learn.iter, learn.training
 def _phase(sig:tuple)->str: return '' if sig[2] else ' for evaluation' # A signature's phase, in the report's words
 

@@ -267,13 +267,14 @@ class CompilerCallback(Callback):
         compile_optimizer(self.learn.opt, **{**self.settings, 'dynamic': False, 'mode': None, 'fullgraph': False})
 
     def _compiles_in_background(self, device:torch.device, model:nn.Module)->bool:
-        "Whether this fit compiles in a worker process: `background`, on a CUDA GPU by default, not under DDP"
+        "Whether this fit compiles in a worker process: `background`, on a CUDA GPU by default; under DDP, one for each host"
         on = device.type in BackgroundCompile.default_on if self.background is None else self.background
-        if on and isinstance(model, DistributedDataParallel):
-            self.compile_recorder.note_background("compiled in the fit's path: under DDP each rank compiles as it trains "
-                                                  "(`background` is for one process)")
+        ddp = isinstance(model, DistributedDataParallel)
+        if on and ddp and self.ddp.in_backward:
+            self.compile_recorder.note_background("compiled in the fit's path: with `ddp_compiled_autograd=True` each backward "
+                                                  "compiles with DDP's all-reduces, which a worker process can't run")
             return False
-        if on: self.aside.show = self._show
+        if on: self.aside.start(self._show, device if ddp else None)
         return on
 
     def _stands_aside(self)->bool:

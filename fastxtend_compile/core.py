@@ -281,6 +281,7 @@ class EagerPolicy:
         asks = (self.aside is not None and not (self.evaluating or self.measuring or (self.one_off and not training))
                 and validation in (None, 'compile'))
         self.waiting = asks and self.aside.runs_eagerly(learn, get_model(learn.model), training)
+        if self.aside is not None and training: self.aside.agree(learn, get_model(learn.model)) # Under DDP, at every rank's same batches
         if self.evaluating and training: self.eager_lr_find += 1
         elif self.evaluating: self.eager_eval += 1
 

@@ -199,3 +199,80 @@ def test_ddp_compiled_autograd_with_torch_dataloaders(monkeypatch):
     assert optimize_ddp() == 'python_reducer'
     learn.compiler.restore()
     assert optimize_ddp() == before
+
+# Compiling in the background under DDP: tests/ddp_background.py, on 2 and 4 CPU processes sharing one inductor cache
+
+def launch_ranks(out:Path, world:int, script:Path, timeout:int=TIMEOUT)->list:
+    "Start `world` ranks of `script` on this host, each writing `OUT/rank{RANK}.pt`; return what each wrote, by rank"
+    port = _free_port()
+    base = {k:v for k,v in os.environ.items() if k not in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE')}
+    base.update(CUDA_VISIBLE_DEVICES='', TORCHINDUCTOR_CACHE_DIR=str(out/'inductor'), TMPDIR=str(out),
+                PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get('PYTHONPATH'), str(Path(__file__).parents[1]), str(Path(__file__).parent)])))
+    procs = []
+    for r in range(world):
+        env = dict(base, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+        log = open(out/f'rank{r}.log', 'w')
+        procs.append((subprocess.Popen([sys.executable, str(script), str(out)], env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    try:
+        for r,(p,_) in enumerate(procs):
+            try: p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired: pytest.fail(f"rank {r} still running after {timeout}s (a rank hangs?):\n{_tail(out/f'rank{r}.log')}")
+    finally:
+        for p,log in procs:
+            if p.poll() is None: p.kill(); p.wait()
+            log.close()
+    for r,(p,_) in enumerate(procs): assert p.returncode == 0, f"rank {r} failed with exit code {p.returncode}:\n{_tail(out/f'rank{r}.log')}"
+    return [torch.load(out/f'rank{r}.pt', weights_only=False) for r in range(world)]
+
+@pytest.fixture(scope='module', params=[2, 4])
+def background_runs(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f'ddp_background{request.param}')
+    ranks = launch_ranks(out, request.param, Path(__file__).parent/'ddp_background.py', timeout=2*TIMEOUT)
+    assert not list(out.glob('fxc-background-*')), "a worker's folder outlived its fit"
+    return ranks
+
+def _first_compiled(eager:list)->int: return eager.index(False)
+
+def test_one_worker_compiles_for_the_host_and_every_rank_takes_over_at_the_same_batch(background_runs):
+    ranks, world = background_runs, len(background_runs)
+    cold = [r['cold'] for r in ranks]
+    assert [c['starts'] for c in cold] == [1] + [0]*(world - 1) # Rank 0's worker alone, for the host's ranks
+    assert all(c['eager'] == cold[0]['eager'] for c in cold) # Each training batch ran eagerly on every rank, or on none
+    first = _first_compiled(cold[0]['eager'])
+    assert first > 8 and not any(cold[0]['eager'][first:]), cold[0]['eager'] # From the batch after an agreement on, compiled
+    assert all(c['graphs'] >= 1 for c in cold)
+    per_epoch = 64 // (8*world) # tests/ddp_worker.py's 64 training samples, 8 a batch on each rank
+    assert cold[0]['notes'][0].startswith("compiled in a worker process in ") and (
+        f"the compiled code took over at epoch {first // per_epoch}, batch {first % per_epoch}, on all {world} ranks at once "
+        "(one worker process compiled for the host)") in cold[0]['notes'][0], cold[0]['notes']
+
+def test_a_state_compiled_before_compiles_at_once_on_every_rank(background_runs):
+    ranks, world = background_runs, len(background_runs)
+    warm = [r['warm'] for r in ranks]
+    assert [w['starts'] for w in warm] == [0]*world # No worker
+    assert all(w['eager'] == [True] + [False]*(len(w['eager']) - 1) for w in warm), warm[0]['eager'] # Compiled from the 2nd batch
+    assert warm[0]['notes'][0].startswith(f"compiled at once, in the fit's path at epoch 0, batch 1, on all {world} ranks at once: "
+                                          "inductor's cache has this model state's code"), warm[0]['notes']
+
+def test_background_ddp_trains_as_eager_ddp(background_runs):
+    for r in background_runs:
+        for fit in ('cold', 'warm', 'failed'):
+            for k,v in r['eager']['params'].items(): assert torch.equal(r[fit]['params'][k], v), f'{fit} {k}' # aot_eager: eager's arithmetic
+    for k,v in background_runs[0]['cold']['params'].items(): # Every rank ends with the same weights
+        for r in background_runs[1:]: assert torch.equal(r['cold']['params'][k], v), k
+
+def test_a_failed_worker_leaves_every_rank_eager_with_one_warning_on_rank0(background_runs):
+    failed = [r['failed'] for r in background_runs]
+    assert all(f['eager'] == [True]*len(f['eager']) for f in failed) # Its training batches waited, then ran eagerly: every one
+    assert len(failed[0]['warnings']) == 1 and failed[0]['warnings'][0].startswith(
+        "torch.compile failed in a background worker process (no compiler here; on "), failed[0]['warnings']
+    assert all(f['warnings'] == [] for f in failed[1:])
+    assert all("compiling in a worker process failed after" in f['notes'][0] for f in failed)
+
+def test_a_rank_that_never_comes_to_an_agreement_raises_a_clear_error(background_runs):
+    ranks = background_runs
+    assert ranks[1]['timeout'] is None
+    for r in [ranks[0]] + ranks[2:]:
+        assert r['timeout'].startswith(f"torch.compile's background compile under DDP: rank {r['rank']} waited for the other ranks at "
+                                       "epoch 1, batch 8 and they did not come (within 3s, or one ended): another rank stopped"), r['timeout']

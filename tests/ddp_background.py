@@ -1,0 +1,90 @@
+"""One rank of compiled fits under `learn.distrib_ctx()` that compile in the background, for tests/test_distributed.py.
+
+Started once per rank with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` set, on the CPU with
+`gloo`, sharing one inductor cache: a first fit (cold: the host's worker compiles while every rank trains eagerly), a
+second of a new `Learner` of the same model (warm: compiled at once), one whose worker fails, and an eager DDP fit for
+reference. It writes what the test checks to `OUT/rank{RANK}.pt`.
+"""
+import argparse, math, os, time, warnings
+os.environ.setdefault('OMP_NUM_THREADS', '1') # Before torch loads; else accelerate sets the thread count and warns
+
+import torch
+from fastai.callback.core import Callback
+from fastai.torch_core import rank_distrib, num_distrib, distrib_barrier
+from fastxtend_compile import *
+from fastxtend_compile.background import BackgroundCompile, _Worker, _Ranks
+from ddp_worker import learner, model, dls, nn, Learner, SGD, ProgressCallback # Its `DistributedDL` patch for `gloo` too
+
+BackgroundCompile.min_fit_s = 0 # A worker for a fit of any length
+CompileReport.pays_back = lambda self, batches: False # Validation runs eagerly, whatever the timings
+
+class Batches(Callback):
+    "Which training batches ran eagerly while their code compiled elsewhere, and, at `wait`, wait for the worker to finish"
+    order = 20 # After `CompilerCallback`, which decides in `before_batch` and forgets in `after_batch`
+    def __init__(self, wait:bool=False): self.wait, self.eager = wait, []
+    def before_batch(self):
+        if self.training and (cb := self.learn.__dict__.get('compiler')) is not None: self.eager.append(cb.policy.waiting)
+    def after_batch(self):
+        cb = self.learn.__dict__.get('compiler')
+        if not self.training or cb is None: return
+        aside = cb.aside
+        if self.wait and aside.job is not None: # Rank 0 waits here, the other ranks at DDP's next all-reduce
+            while aside.process.result(aside.job[2]) is None: time.sleep(0.05)
+
+starts = []
+_start = _Worker.start
+_Worker.start = lambda self, *a: starts.append(a) or _start(self, *a)
+
+def fit(wait=False, compiled=True):
+    "A fit of 28 training batches or more: rank 0 probes the first 8, and the ranks agree every 8"
+    world = num_distrib()
+    # The optimizer's step stays fastai's: these fits check the model's compile and switch (tests/test_optimizer.py, the step's)
+    learn = learner(world, 'sequential', 'aot_eager', background=True, compile_opt=False) if compiled else eager_learner(world)
+    epochs = math.ceil(28 / len(learn.dls.train) * world) # `DistributedDL` deals each rank 1/world of the batches
+    for dl in learn.dls: dl.num_workers, dl.fake_l.num_workers = 1, 0 # Batches made in the rank's process, as `num_workers=0` makes them
+    cb = Batches(wait)
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        with learn.distrib_ctx(cpu=True): learn.fit(epochs, cbs=cb)
+    n = len(starts)
+    res = dict(eager=cb.eager, starts=n, warnings=[str(w.message) for w in ws if 'background' in str(w.message)],
+               params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
+    if compiled: res.update(notes=learn.compiler.report.background, graphs=learn.compiler.report.graphs)
+    starts.clear()
+    return res
+
+def eager_learner(world):
+    learn = Learner(dls(world), model('sequential'), loss_func=nn.MSELoss(), opt_func=SGD, lr=0.1)
+    learn.remove_cb(ProgressCallback)
+    return learn
+
+def stopped_rank(rank):
+    "The error rank 0 raises at an agreement that rank 1 never comes to"
+    import torch.distributed as dist
+    if not dist.is_initialized(): dist.init_process_group('gloo') # `distrib_ctx` leaves its group, if it made one
+    ranks = _Ranks()
+    ranks.timeout_s = 3
+    ranks.start(torch.device('cpu'))
+    try:
+        if rank == 0: ranks.gather('here', 'epoch 1, batch 8')
+        elif rank == 1: time.sleep(6)
+        else: ranks.gather('here', 'epoch 1, batch 8')
+    except RuntimeError as e: return str(e)
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument('out')
+    a = p.parse_args()
+    rank, world = rank_distrib(), num_distrib()
+    res = dict(rank=rank, world=world)
+    res['cold'] = fit(wait=True)
+    res['warm'] = fit()
+    res['eager'] = fit(compiled=False)
+    BackgroundCompile.worker = "raise SystemExit('no compiler here')"
+    os.environ['TORCHINDUCTOR_CACHE_DIR'] += '-empty' # No record: a worker
+    res['failed'] = fit(wait=True)
+    res['timeout'] = stopped_rank(rank)
+    torch.save(res, os.path.join(a.out, f'rank{rank}.pt'))
+    print(f"rank {rank} of {world}:", *res['cold']['notes'], *res['warm']['notes'], *res['failed']['notes'], sep='\n')
+
+if __name__ == '__main__': main()
