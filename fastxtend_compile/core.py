@@ -256,7 +256,7 @@ class EagerPolicy:
     def compiled_calls(self)->list: return [c for r in self.calls if (c := r()) is not None]
 
     def start_fit(self,
-        aside=None, # A compile outside the fit's path, with `runs_eagerly(learn, model, training)`; `None` compiles in it
+        aside=None, # A compile outside the fit's path, with `runs_eagerly(learn, model, training)` and `agree(learn, model)`; `None` compiles in it
         pays:Callable|None=None, # `pays(batches)`: whether that many batches pay back compiling their graph; `None`: never judged to
     ):
         "A fit starts: it has trained no batch yet"

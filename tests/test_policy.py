@@ -17,6 +17,7 @@ class Aside:
     def runs_eagerly(self, learn, model, training):
         self.asked.append(training)
         return (training or self.evaluation) and not self.ready
+    def agree(self, learn, model): pass # One process: no ranks to agree with
 
 def validation(p, n_iter=4, **kwargs):
     "Run a training batch, then a validation of `n_iter` batches; `p`'s eager and timed decision for each validation batch"
