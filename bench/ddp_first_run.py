@@ -74,7 +74,7 @@ def main():
     ap.add_argument('--epochs', type=int, default=4)
     ap.add_argument('--out', default='bench/results/ddp/latest_first_run')
     ap.add_argument('--rank-of'); a = ap.parse_args()
-    out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
+    out = Path(a.out).resolve(); out.mkdir(parents=True, exist_ok=True) # Absolute: inductor needs its cache directory so
     if a.rank_of: return rank_main(out, a.rank_of, a.n, a.hidden, a.epochs)
     import torch, fastai
     rows, results = [], {}
