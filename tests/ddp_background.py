@@ -41,7 +41,9 @@ def fit(wait=False, compiled=True):
     # The optimizer's step stays fastai's: these fits check the model's compile and switch (tests/test_optimizer.py, the step's)
     learn = learner(world, 'sequential', 'aot_eager', background=True, compile_opt=False) if compiled else eager_learner(world)
     epochs = math.ceil(28 / len(learn.dls.train) * world) # `DistributedDL` deals each rank 1/world of the batches
-    for dl in learn.dls: dl.num_workers, dl.fake_l.num_workers = 1, 0 # Batches made in the rank's process, as `num_workers=0` makes them
+    # Batches made in each rank's process, as `num_workers=0` makes them: 4 ranks forking loader processes on 2 cores hang now
+    # and then, in fastai's eager DDP fits too
+    for dl in learn.dls: dl.num_workers, dl.fake_l.num_workers = 1, 0
     cb = Batches(wait)
     with warnings.catch_warnings(record=True) as ws:
         warnings.simplefilter('always')
