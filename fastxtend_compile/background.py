@@ -94,7 +94,8 @@ def compile_in_worker(
     xb = torch.load(io.BytesIO(job['inputs']), weights_only=True)
     t1, forward, backward = time.perf_counter(), 0., 0.
     for device, model in models.items():
-        f, b = _compile_on(model, [t.to(device) for t in xb], job)
+        with torch.cuda.device(device) if job['device_type'] == 'cuda' else nullcontext(): # Its current device, for what it syncs
+            f, b = _compile_on(model, [t.to(device) for t in xb], job)
         forward, backward = forward + f, backward + b
     return dict(load_s=t1 - t0, forward_s=forward, backward_s=backward, devices=len(models))
 
