@@ -357,9 +357,10 @@ class BackgroundCompile:
         self.handover = None # (record key, start, note, where) of the batch that compiles warm in the fit's path, timed at the next
         self.started, self.eager_batches = 0., 0 # When the job was sent; training batches run eagerly since
         self.epoch, self.iter = 0, 0 # Where the job was sent
-        self.step_s = None # The eager training step, timed by the probe
+        self.step_s = None # The eager training step, timed by the probe: the mean of its batches
+        self.fastest_s = None # Its fastest batch: what the hand-over's timing takes off for each batch it counts
         self.notes = [] # One line for the report per background compile of this fit
-        self.probe = None # (signature, its first batch's start, batches seen) while timing a new state's eager batches
+        self.probe = None # (signature, its first batch's start, batches seen, the last one's start, the fastest) while timing a new state's eager batches
         self.changes = 0 # Times this fit's probe started over on a new signature, mostly a new shape of the batches
         self.ranks = _Ranks() # Under DDP: the ranks agree on each state's compile and switch to its code together
         self.worthy = set() # Under DDP, signatures rank 0 judged worth compiling: the ranks start their compile together
@@ -408,11 +409,12 @@ class BackgroundCompile:
         "Whether the fit's eager rest, timed over its first `probe_batches` batches of this state, pays back its compile"
         if self.min_fit_s <= 0: return True
         if self.probe is None or self.probe[0] != sig: self._new_probe(sig, now)
-        sig, start, seen = self.probe
-        self.probe = (sig, start, seen + 1)
+        sig, start, seen, last, fastest = self.probe
+        fastest = min(fastest, now - last) if seen else fastest
+        self.probe = (sig, start, seen + 1, now, fastest)
         if seen < self.probe_batches: return False
         left = learn.n_epoch*learn.n_iter - (learn.epoch*learn.n_iter + learn.iter)
-        self.step_s = (now - start) / seen
+        self.step_s, self.fastest_s = (now - start) / seen, fastest
         rest = self.step_s * left
         rec = self.records.get(self.records.key(model, sig)) # Once the probe is done: not at each of its batches
         warm = None if rec is None else rec.get('warm_s', self.warm_s)
@@ -428,7 +430,7 @@ class BackgroundCompile:
 
     def _new_probe(self, sig:tuple, now:float):
         "Time a new signature's eager batches; say once if signatures change too often for any to be timed"
-        self.probe, self.changes = (sig, now, 0), self.changes + 1
+        self.probe, self.changes = (sig, now, 0, now, float('inf')), self.changes + 1
         if self.changes != 2*self.probe_batches or self.job is not None or self.ready: return
         self.notes.append(f"trained eagerly: the training batches' shapes kept changing ({self.changes} times, none "
                           f"{self.probe_batches} batches in a row), so none is worth a graph of its own; batches of one size (padded "
@@ -542,10 +544,10 @@ class BackgroundCompile:
         "A later batch of the hand-over's epoch and phase: record how long the warm compile in the fit's path took, for later fits"
         if self.handover is None: return
         (key, start, i, (epoch, it, training)), self.handover = self.handover, None
-        # Batches between (run eagerly to measure the eager step, which don't ask) count as eager steps; a validation between
-        # (another epoch or phase) leaves it untimed
+        # Each batch from the compiled one to this counts as the fastest eager step (the probe's mean holds a fit's slow first
+        # batches, which would make the compile look free); a validation between (another epoch or phase) leaves it untimed
         if (learn.epoch, learn.training) != (epoch, training) or learn.iter <= it: return
-        warm = max(now - start - (learn.iter - it)*(self.step_s or 0.), 0.)
+        warm = max(now - start - (learn.iter - it)*(self.fastest_s or 0.), 0.)
         if self.ranks.rank == 0: self.records.put(key, warm_s=warm) # Under DDP, rank 0's: the one that timed the eager step
         self.notes[i] += f"; compiling it in the fit's path took {warm:.1f}s"
 

@@ -231,10 +231,24 @@ def test_the_hand_overs_compile_is_timed_within_its_epoch_and_phase(tmp_path, mo
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
     at = lambda epoch, it, training=True: SimpleNamespace(epoch=epoch, iter=it, training=training)
     aside = BackgroundCompile({'backend': 'eager'})
-    aside.step_s, aside.notes = 0.5, ['compiled']
+    aside.fastest_s, aside.notes = 0.5, ['compiled']
     aside.handover = ('state', 10., 0, (0, 5, True)) # Batch 5 compiled warm; batch 6 ran eagerly to measure the eager step
     aside._time_handover(14., at(0, 7))
     assert aside.records.get('state') == {'warm_s': 3.} and aside.notes == ["compiled; compiling it in the fit's path took 3.0s"]
     aside.handover = ('other', 10., 0, (0, 5, True))
     aside._time_handover(99., at(0, 0, training=False)) # The epoch's validation came first
     assert aside.records.get('other') is None and aside.handover is None
+
+def test_the_probe_times_the_fastest_eager_step_for_the_hand_overs_timing(tmp_path, monkeypatch):
+    "A fit's slow first batch (its loader starting) weighs on the probe's mean, not on what the hand-over's timing takes off"
+    from types import SimpleNamespace
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
+    learn = SimpleNamespace(n_epoch=1, n_iter=10_000, epoch=0, iter=0, training=True)
+    aside, model, sig = BackgroundCompile({'backend': 'eager'}), nn.Linear(2, 2), ('state',)
+    times = [0., 5.] + [5. + 0.25*i for i in range(1, 8)] # The first batch takes 5s, the others 0.25s
+    worth = [aside._worth(sig, learn, t, model) for t in times]
+    assert worth == [False]*8 + [True] # After 8 batches timed, thousands left: a cold compile pays
+    assert aside.step_s == pytest.approx((5. + 7*0.25)/8) and aside.fastest_s == pytest.approx(0.25)
+    aside.notes, aside.handover = ['compiled'], ('state', 10., 0, (0, 9, True))
+    aside._time_handover(12.25, SimpleNamespace(epoch=0, iter=10, training=True)) # Batch 9 compiled in 2s, then ran in 0.25s
+    assert aside.records.get('state') == {'warm_s': pytest.approx(2.)}
