@@ -2,8 +2,8 @@
 
 Started once per rank with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` set, on the CPU with
 `gloo`, sharing one inductor cache: a first fit (cold: the host's worker compiles while every rank trains eagerly), a
-second of a new `Learner` of the same model (warm: compiled at once), one whose worker fails, and an eager DDP fit for
-reference. It writes what the test checks to `OUT/rank{RANK}.pt`.
+second of a new `Learner` of the same model (warm: compiled at once), one of the model with its first layer frozen (a
+new state: the worker again), one whose worker fails, and eager DDP fits for reference. It writes what the test checks to `OUT/rank{RANK}.pt`.
 """
 import argparse, math, os, time, warnings
 os.environ.setdefault('OMP_NUM_THREADS', '1') # Before torch loads; else accelerate sets the thread count and warns
@@ -35,11 +35,12 @@ starts = []
 _start = _Worker.start
 _Worker.start = lambda self, *a: starts.append(a) or _start(self, *a)
 
-def fit(wait=False, compiled=True):
-    "A fit of 28 training batches or more: rank 0 probes the first 8, and the ranks agree every 8"
+def fit(wait=False, compiled=True, frozen=False):
+    "A fit of 28 training batches or more: rank 0 probes the first 8, and the ranks agree every 8; `frozen`: its first layer"
     world = num_distrib()
     # The optimizer's step stays fastai's: these fits check the model's compile and switch (tests/test_optimizer.py, the step's)
     learn = learner(world, 'sequential', 'aot_eager', background=True, compile_opt=False) if compiled else eager_learner(world)
+    if frozen: learn.model[0].requires_grad_(False) # Another model state, as `fine_tune`'s frozen epochs are
     epochs = math.ceil(28 / len(learn.dls.train) * world) # `DistributedDL` deals each rank 1/world of the batches
     # Batches made in each rank's process, as `num_workers=0` makes them: 4 ranks forking loader processes on 2 cores hang now
     # and then, in fastai's eager DDP fits too
@@ -82,6 +83,7 @@ def main():
     res['cold'] = fit(wait=True)
     res['warm'] = fit()
     res['eager'] = fit(compiled=False)
+    res['frozen'], res['frozen_eager'] = fit(wait=True, frozen=True), fit(compiled=False, frozen=True)
     BackgroundCompile.worker = "raise SystemExit('no compiler here')"
     os.environ['TORCHINDUCTOR_CACHE_DIR'] += '-empty' # No record: a worker
     res['failed'] = fit(wait=True)

@@ -276,3 +276,12 @@ def test_a_rank_that_never_comes_to_an_agreement_raises_a_clear_error(background
     for r in [ranks[0]] + ranks[2:]:
         assert r['timeout'].startswith(f"torch.compile's background compile under DDP: rank {r['rank']} waited for the other ranks at "
                                        "epoch 1, batch 8 and they did not come (within 3s, or one ended): another rank stopped"), r['timeout']
+
+def test_a_new_freeze_state_compiles_in_the_worker_and_trains_as_eager_ddp(background_runs):
+    frozen = [r['frozen'] for r in background_runs]
+    assert [f['starts'] for f in frozen] == [1] + [0]*(len(frozen) - 1) # A state not compiled before: the host's worker again
+    assert all(f['eager'] == frozen[0]['eager'] for f in frozen) and not frozen[0]['eager'][-1] # Switched together
+    assert frozen[0]['notes'][0].startswith("compiled in a worker process in "), frozen[0]['notes']
+    for r in background_runs:
+        for k,v in r['frozen_eager']['params'].items(): assert torch.equal(r['frozen']['params'][k], v), k
+    assert not torch.equal(background_runs[0]['frozen']['params']['0.weight'], background_runs[0]['eager']['params']['0.weight'])
