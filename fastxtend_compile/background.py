@@ -584,7 +584,11 @@ class BackgroundCompile:
         notes, self.notes = self.notes, []
         return notes
 
-def _where(learn, next_batch:bool=False)->str: return f"epoch {learn.epoch}, batch {learn.iter + next_batch}"
+def _where(learn, next_batch:bool=False)->str:
+    "Where in the fit this batch is, or the next training batch (after an epoch's last: the next epoch's first)"
+    epoch, it = learn.epoch, learn.iter + next_batch
+    if next_batch and it >= getattr(learn, 'n_iter', it + 1): epoch, it = epoch + 1, 0
+    return f"epoch {epoch}, batch {it}"
 def _batch(learn)->tuple: return learn.epoch, learn.iter, learn.training
 def _phase(sig:tuple)->str: return '' if sig[2] else ' for evaluation' # A signature's phase, in the report's words
 

@@ -252,3 +252,9 @@ def test_the_probe_times_the_fastest_eager_step_for_the_hand_overs_timing(tmp_pa
     aside.notes, aside.handover = ['compiled'], ('state', 10., 0, (0, 9, True))
     aside._time_handover(12.25, SimpleNamespace(epoch=0, iter=10, training=True)) # Batch 9 compiled in 2s, then ran in 0.25s
     assert aside.records.get('state') == {'warm_s': pytest.approx(2.)}
+
+def test_the_next_training_batch_after_an_epochs_last_is_the_next_epochs_first():
+    from types import SimpleNamespace
+    from fastxtend_compile.background import _where
+    at = lambda it: SimpleNamespace(epoch=1, iter=it, n_iter=4)
+    assert [_where(at(2), True), _where(at(3), True), _where(at(3))] == ['epoch 1, batch 3', 'epoch 2, batch 0', 'epoch 1, batch 3']
