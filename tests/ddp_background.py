@@ -61,6 +61,26 @@ def eager_learner(world):
     learn.remove_cb(ProgressCallback)
     return learn
 
+class Raise(Callback):
+    "Rank 1 raises at its 12th training batch, while the host's worker compiles"
+    order = 21
+    def after_batch(self):
+        if self.training and self.train_iter == 12 and rank_distrib() == 1: raise RuntimeError('rank 1 stopped')
+
+def raised():
+    "A fit that rank 1 ends with an exception while rank 0's worker compiles: what each rank raised, and whether a worker lives"
+    learn = learner(num_distrib(), 'sequential', 'aot_eager', background=True, compile_opt=False)
+    for dl in learn.dls: dl.num_workers, dl.fake_l.num_workers = 1, 0
+    BackgroundCompile.worker = "import time; time.sleep(600)" # A worker that compiles for longer than the fit lasts
+    procs, error = [], None
+    _start = _Worker.start
+    _Worker.start = lambda self, *a: (_start(self, *a), procs.append(self.proc))[0]
+    try:
+        with learn.distrib_ctx(cpu=True): learn.fit(20, cbs=Raise())
+    except Exception as e: error = f'{type(e).__name__}: {e}'
+    finally: _Worker.start = _start
+    return dict(error=error, workers=len(procs), workers_alive=[p.poll() is None for p in procs])
+
 def stopped_rank(rank):
     "The error rank 0 raises at an agreement that rank 1 never comes to"
     import torch.distributed as dist
@@ -88,6 +108,7 @@ def main():
     os.environ['TORCHINDUCTOR_CACHE_DIR'] += '-empty' # No record: a worker
     res['failed'] = fit(wait=True)
     res['timeout'] = stopped_rank(rank)
+    res['raised'] = raised() # Last: the ranks leave it apart
     torch.save(res, os.path.join(a.out, f'rank{rank}.pt'))
     print(f"rank {rank} of {world}:", *res['cold']['notes'], *res['warm']['notes'], *res['failed']['notes'], sep='\n')
 

@@ -285,3 +285,9 @@ def test_a_new_freeze_state_compiles_in_the_worker_and_trains_as_eager_ddp(backg
     for r in background_runs:
         for k,v in r['frozen_eager']['params'].items(): assert torch.equal(r['frozen']['params'][k], v), k
     assert not torch.equal(background_runs[0]['frozen']['params']['0.weight'], background_runs[0]['eager']['params']['0.weight'])
+
+def test_a_rank_that_raises_stops_every_rank_and_ends_the_worker(background_runs):
+    raised = [r['raised'] for r in background_runs]
+    assert raised[1]['error'].endswith('rank 1 stopped')
+    assert all(r['error'] is not None for r in raised) # Every rank's fit stopped with an error: none hangs (the launch's timeout)
+    assert raised[0]['workers'] == 1 and raised[0]['workers_alive'] == [False] # Rank 0's worker, compiling still, ended with it
