@@ -3,7 +3,8 @@
 Started once per rank with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` set, on the CPU with
 `gloo`, sharing one inductor cache: a first fit (cold: the host's worker compiles while every rank trains eagerly), a
 second of a new `Learner` of the same model (warm: compiled at once), one of the model with its first layer frozen (a
-new state: the worker again), one whose worker fails, and eager DDP fits for reference. It writes what the test checks to `OUT/rank{RANK}.pt`.
+new state: the worker again), one whose worker fails, and eager DDP fits for reference; then an agreement that rank 1
+never comes to, and a fit that rank 1 ends with an exception while rank 0's worker compiles. It writes what the test checks to `OUT/rank{RANK}.pt`.
 """
 import argparse, math, os, time, warnings
 os.environ.setdefault('OMP_NUM_THREADS', '1') # Before torch loads; else accelerate sets the thread count and warns
