@@ -171,13 +171,14 @@ def step_proc(api):
     head('proc', "nbdev's doc processing, and a rendered entry for every public name")
     os.chdir(ROOT)
     from nbdev.doclinks import _build_modidx
-    from concurrent.futures import ThreadPoolExecutor
     _build_modidx()
     # Each notebook in a process of its own, as nbdev-test runs them: processing runs a notebook's exported cells, and a
     # page's `@patch` (`Learner.compile` making the page's own `CompilerCallback` class) must not reach the next page
     code = "import sys; from nbdev.serve import proc_nbs; proc_nbs(sys.argv[1], n_workers=1, file_glob=sys.argv[2])"
     run1 = lambda nb: subprocess.run([sys.executable, '-c', code, str(NBS), nb.name], cwd=ROOT, capture_output=True, text=True)
-    with ThreadPoolExecutor(2) as ex: results = list(ex.map(run1, notebooks()))
+    # One at a time: each `proc_nbs` restages the shared `_proc/_quarto.yml` and removes what it takes for stale, so two at
+    # once now and then fail on a file the other removed
+    results = [run1(nb) for nb in notebooks()]
     for nb,r in zip(notebooks(), results):
         if r.returncode: return fail('proc', f'processing nbs/{nb.name} failed: {r.stderr.strip()[-3000:]}')
     cache = ROOT/'_proc'
