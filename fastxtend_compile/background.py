@@ -477,8 +477,7 @@ class BackgroundCompile:
         elif self.job is not None: worker = 'compiling'
         elif self.records.get(key) is not None: worker = 'warm' # Inductor's cache on this host has its code
         else: worker = 'none'
-        took, res = self.broken.get(sig, (0., {}))
-        return dict(key=key, verdict=verdict, worker=worker, leader=self.ranks.leader, failure=(took, {**res, 'host': self.ranks.host}))
+        return dict(key=key, verdict=verdict, worker=worker, leader=self.ranks.leader, failure=self.broken.get(sig))
 
     def _settle(self, sig:tuple, into:set|None=None):
         "The ranks agreed on `sig`: no more agreements about it this fit"
@@ -522,7 +521,7 @@ class BackgroundCompile:
 
     def _broke(self, sig:tuple, took:float, res:dict)->bool:
         "The worker could not compile this state: it trains eagerly, under DDP once the ranks agree"
-        if self.ranks.ddp: self.broken[sig] = (took, res)
+        if self.ranks.ddp: self.broken[sig] = (took, {**res, 'host': self.ranks.host}) # Named in rank 0's warning
         else: self._failed(sig, took, res)
         return True
 

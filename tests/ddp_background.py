@@ -32,9 +32,15 @@ class Batches(Callback):
         if self.wait and aside.job is not None: # Rank 0 waits here, the other ranks at DDP's next all-reduce
             while aside.process.result(aside.job[2]) is None: time.sleep(0.05)
 
-starts = []
+starts = [] # The worker processes started since the last fit ended
 _start = _Worker.start
-_Worker.start = lambda self, *a: starts.append(a) or _start(self, *a)
+_Worker.start = lambda self, *a: (_start(self, *a), starts.append(self.proc))[0]
+
+def in_process(learn):
+    "`learn` with its batches made in each rank's process, as `num_workers=0` makes them"
+    # 4 ranks forking loader processes on 2 cores hang now and then, in fastai's eager DDP fits too
+    for dl in learn.dls: dl.num_workers, dl.fake_l.num_workers = 1, 0
+    return learn
 
 def fit(wait=False, compiled=True, frozen=False):
     "A fit of 28 training batches or more: rank 0 probes the first 8, and the ranks agree every 8; `frozen`: its first layer"
@@ -43,9 +49,7 @@ def fit(wait=False, compiled=True, frozen=False):
     learn = learner(world, 'sequential', 'aot_eager', background=True, compile_opt=False) if compiled else eager_learner(world)
     if frozen: learn.model[0].requires_grad_(False) # Another model state, as `fine_tune`'s frozen epochs are
     epochs = math.ceil(28 / len(learn.dls.train) * world) # `DistributedDL` deals each rank 1/world of the batches
-    # Batches made in each rank's process, as `num_workers=0` makes them: 4 ranks forking loader processes on 2 cores hang now
-    # and then, in fastai's eager DDP fits too
-    for dl in learn.dls: dl.num_workers, dl.fake_l.num_workers = 1, 0
+    in_process(learn)
     cb = Batches(wait)
     with warnings.catch_warnings(record=True) as ws:
         warnings.simplefilter('always')
@@ -70,17 +74,13 @@ class Raise(Callback):
 
 def raised():
     "A fit that rank 1 ends with an exception while rank 0's worker compiles: what each rank raised, and whether a worker lives"
-    learn = learner(num_distrib(), 'sequential', 'aot_eager', background=True, compile_opt=False)
-    for dl in learn.dls: dl.num_workers, dl.fake_l.num_workers = 1, 0
+    learn = in_process(learner(num_distrib(), 'sequential', 'aot_eager', background=True, compile_opt=False))
     BackgroundCompile.worker = "import time; time.sleep(600)" # A worker that compiles for longer than the fit lasts
-    procs, error = [], None
-    _start = _Worker.start
-    _Worker.start = lambda self, *a: (_start(self, *a), procs.append(self.proc))[0]
+    error = None
     try:
         with learn.distrib_ctx(cpu=True): learn.fit(20, cbs=Raise())
     except Exception as e: error = f'{type(e).__name__}: {e}'
-    finally: _Worker.start = _start
-    return dict(error=error, workers=len(procs), workers_alive=[p.poll() is None for p in procs])
+    return dict(error=error, workers=len(starts), workers_alive=[p.poll() is None for p in starts])
 
 def stopped_rank(rank):
     "The error rank 0 raises at an agreement that rank 1 never comes to"
