@@ -2,7 +2,9 @@
 table of tested versions from them and checks that settings.ini and setup.py declare what they test.
 
   python .ci/envs.py run [NAME ...]   set up and test each environment (default: all), two at a time, longest first;
-                                      each one's log goes to .venv-NAME.log, and a summary with the durations follows
+                                      each one's log goes to .venv-NAME.log, and a summary with the durations follows;
+                                      each environment is removed once tested (`--keep` keeps them), so the disk holds
+                                      no more than `--jobs` of them (~6 GB each) at once
   python .ci/envs.py setup NAME       make .venv-NAME: its Python (found on PATH or through pyenv), its torch, torchvision
                                       and fastai, then the README's set-up command in it; check the versions it got
   python .ci/envs.py test NAME        in .venv-NAME: the README's test command (or the fast tests), then the notebooks
@@ -214,14 +216,17 @@ def test(e:Env):
 
 # ---------------------------------------------------------------------------------------------------------------------
 
-def run_all(names, jobs):
+def run_all(names, jobs, keep=False):
     "Set up and test each environment, `jobs` at a time, each in a process of its own logging to .venv-NAME.log"
     es = [get_env(n) for n in names] if names else envs()
+    free = shutil.disk_usage(ROOT).free / 2**30
+    print(f'== {free:.0f} GB free on the disk of {ROOT}', flush=True)
     es.sort(key=lambda e: (not e.site, e.tests != 'all')) # Longest first: the site, then the whole suites
     def one(e):
         t = time.time()
         with open(e.log, 'w') as f:
             r = subprocess.run([sys.executable, __file__, 'leg', e.name], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        if not keep: shutil.rmtree(e.venv, ignore_errors=True) # Its disk for the next environment
         return e, r.returncode, time.time() - t
     print(f'== {len(es)} environments, {jobs} at a time: ' + '; '.join(map(repr, es)), flush=True)
     failed = []
@@ -250,10 +255,11 @@ def main():
     ap.add_argument('cmd', choices=['run', 'setup', 'test', 'leg', 'table', 'names'])
     ap.add_argument('names', nargs='*')
     ap.add_argument('--jobs', type=int, default=2, help='environments set up and tested at once (run)')
+    ap.add_argument('--keep', action='store_true', help='keep each environment once tested (run)')
     a = ap.parse_args()
     if a.cmd == 'table': print(table())
     elif a.cmd == 'names': print('\n'.join(e.name for e in envs()))
-    elif a.cmd == 'run': run_all(a.names, a.jobs)
+    elif a.cmd == 'run': run_all(a.names, a.jobs, a.keep)
     elif a.cmd == 'leg': leg(*a.names)
     elif a.cmd == 'setup':
         for n in a.names: setup(get_env(n))
