@@ -107,6 +107,13 @@ def _out_of_memory(e:BaseException)->bool:
         e = e.__cause__ or e.__context__
     return False
 
+def _error_text(e:BaseException)->str:
+    "The error at the root of `e`, on one line: a backend's own error rather than TorchDynamo's wrapping of it"
+    for _ in range(20): # A chain of causes, not a cycle
+        if e.__cause__ is None: break
+        e = e.__cause__
+    return ' '.join(''.join(traceback.format_exception_only(e)).split())[:300]
+
 def _write_json(path:str, obj:dict):
     "Write `obj` to `path` whole: a reader finds the file complete or not at all"
     tmp = f'{path}.{os.getpid()}.tmp'
@@ -133,7 +140,7 @@ def serve(
         try: res.update(compile_in_worker(path))
         except Exception as e:
             traceback.print_exc()
-            res.update(ok=False, error=traceback.format_exception_only(e)[-1].strip()[:300], oom=_out_of_memory(e))
+            res.update(ok=False, error=_error_text(e), oom=_out_of_memory(e))
         _write_json(path + '.done', res)
         if not res['ok']: break # A failed compile may leave the process unfit for another: the next job gets a new one
 
@@ -179,6 +186,7 @@ class _Worker:
         code:str, # The worker's Python code: it is passed the device and the modules to import
     ):
         self.code, self.proc, self.tmp, self.log, self.jobs = code, None, None, None, 0
+        self.waiting = set() # Paths of the jobs sent whose result wasn't taken yet
 
     def start(self,
         device:torch.device, # Device the fit trains on
@@ -201,6 +209,7 @@ class _Worker:
         "Send `job` to the worker: the path that `result` asks about"
         self.jobs += 1
         path = os.path.join(self.tmp, f'job{self.jobs}.pkl')
+        self.waiting.add(path)
         with open(path, 'wb') as f: cloudpickle.dump(job, f)
         try:
             self.proc.stdin.write(f'{path}\t{time.time()!r}\n')
@@ -210,8 +219,15 @@ class _Worker:
 
     def result(self, path:str)->dict|None:
         "How the job at `path` went, with the worker's times; `None` while it compiles"
-        if (res := _read_json(path + '.done')) is not None or self.proc.poll() is None: return res
-        return _read_json(path + '.done') or dict(ok=False, error=_last_line(self.log), oom=False) # It ended without a word
+        if self.proc is None: return dict(ok=False, error='the worker process was ended', oom=False)
+        res = _read_json(path + '.done')
+        if res is None and self.proc.poll() is None: return None
+        self.waiting.discard(path)
+        return res or _read_json(path + '.done') or dict(ok=False, error=_last_line(self.log), oom=False) # It ended without a word
+
+    def end_idle(self):
+        "End the worker unless a job waits for it: one part of the fit no longer needs it, another may"
+        if not self.waiting: self.end()
 
     def end(self):
         "End the worker, with the compile processes it started, and remove its files"
@@ -221,7 +237,7 @@ class _Worker:
             try: self.proc.stdin.close()
             except OSError: pass # A job it never read: its pipe is broken
         if self.tmp is not None: shutil.rmtree(self.tmp, ignore_errors=True)
-        self.proc, self.tmp, self.log = None, None, None
+        self.proc, self.tmp, self.log, self.waiting = None, None, None, set()
 
 def _read_json(path:str)->dict|None:
     try:
@@ -420,7 +436,7 @@ class BackgroundCompile:
         warm = None if rec is None else rec.get('warm_s', self.warm_s)
         if rest >= (self.min_fit_s if warm is None else warm / self.saving): return True
         self.short.add(sig) # Not worth it: eager for the rest of this fit
-        if self.job is None: self.process.end() # Not needed this fit, unless another state is
+        if self.job is None: self.process.end_idle() # Not needed this fit, unless another state is
         if warm is None:
             self.notes.append(f"trained eagerly: the fit's {left} training batches left, about {rest:.0f}s eagerly, are too few "
                               f"to pay back a compile (under {self.min_fit_s:.0f}s; `background=False` compiles in the fit's path)")
@@ -439,7 +455,7 @@ class BackgroundCompile:
     def _warm(self, sig:tuple, key:str, rec:dict, learn, now:float)->bool:
         "Compile this state at once, in the fit's path: inductor's cache has its code"
         self.ready.add(sig)
-        if self.job is None: self.process.end() # Not needed this fit, unless another state is
+        if self.job is None: self.process.end_idle() # Not needed this fit, unless another state is
         last = f"{rec['warm_s']:.1f}s when last measured" if 'warm_s' in rec else f"compiled cold in {rec.get('cold_s', 0):.1f}s"
         note = (f"compiled{_phase(sig)} at once, in the fit's path at {_where(learn, self.ranks.ddp)}{self.ranks.together(False)}: "
                 f"inductor's cache has this model state's code ({last})")
@@ -490,21 +506,31 @@ class BackgroundCompile:
         if note not in self.notes: self.notes.append(note)
         return True
 
-    def _start(self, sig:tuple, key:str, model:nn.Module, learn, training:bool)->bool:
+    def submit(self,
+        model:nn.Module, # The model being compiled, in the state of this batch
+        learn, # The `Learner` whose batch this is: its inputs are the job's
+        settings:dict|None=None, # `torch.compile` settings: the model's (`None`), or a faster tier's
+    )->str:
+        "Send this batch's model state to the worker, started if it isn't, to compile with `settings`: the path its result comes to"
         device = next(model.parameters()).device
         devices = self.ranks.host_devices() if self.ranks.ddp else [str(device)]
-        try: models = {d: _pickle_model(model, d) for d in devices}
+        models = {d: _pickle_model(model, d) for d in devices}
+        job = dict(models=models, inputs=_tensor_bytes([o for o in learn.xb if isinstance(o, Tensor)]),
+                   device_type=device.type, grad=torch.is_grad_enabled(), autocast=_signature(model, learn.xb, True)[-1],
+                   matmul_precision=torch.get_float32_matmul_precision(), regional=self.regional,
+                   settings=self.settings if settings is None else settings)
+        self.process.start(device, _modules(model))
+        return self.process.submit(job)
+
+    def _start(self, sig:tuple, key:str, model:nn.Module, learn, training:bool)->bool:
+        try: path = self.submit(model, learn)
         except Exception as e:
             why = f"the model could not be sent to a worker process ({type(e).__name__}: {e})"
             if self.ranks.ddp: return self._broke(sig, 0., dict(ok=False, error=why, oom=False))
             self.notes.append(f"compiled in the fit's path: {why}")
             self.ready.add(sig)
             return False
-        job = dict(models=models, inputs=_tensor_bytes([o for o in learn.xb if isinstance(o, Tensor)]),
-                   device_type=device.type, grad=torch.is_grad_enabled(), autocast=sig[-1],
-                   matmul_precision=torch.get_float32_matmul_precision(), regional=self.regional, settings=self.settings)
-        self.process.start(device, _modules(model))
-        self.job = (sig, key, self.process.submit(job))
+        self.job = (sig, key, path)
         self.started, self.eager_batches = time.perf_counter(), int(training)
         self.epoch, self.iter = learn.epoch, learn.iter
         return True

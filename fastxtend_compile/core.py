@@ -235,6 +235,7 @@ class EagerPolicy:
         self.waiting = False # This batch runs eagerly while its compiled code is made outside the fit's path
         self.evaluating = False # This batch of an evaluation outside a fit or of `lr_find` runs eagerly: its graph wouldn't pay back
         self.one_off = False # This batch is a one-off, not worth a graph of its own: the last, often smaller, one
+        self.tier = None # (name, settings over the model's) of the faster tier that runs this training batch (`Tiers`); `None`: the model's own
         self.pays = None # `pays(batches)`: whether that many batches are expected to pay back a graph's compile (the report's)
         self.unpaid = None # Whether this evaluation outside a fit, or `lr_find`, runs eagerly: decided at its first batch
         self.eager_eval = 0 # Batches of this evaluation outside a fit run eagerly, their graph not compiled and not worth it
@@ -328,6 +329,7 @@ class EagerPolicy:
         "The batch ended: what comes next is decided afresh"
         self.trained |= training
         self.measuring = self.valid_eager = self.waiting = self.evaluating = self.one_off = False
+        self.tier = None
         if training: self.validation = None # The next validation is judged afresh, with fewer batches left
 
     @property
@@ -455,25 +457,45 @@ class CompiledCall:
         return self.entries[key]
 
     def _entry_for(self, args:tuple, kwargs:dict)->Callable:
-        "The compiled function for this call: the dynamic one, its inputs' changing sizes marked, where the phase has one"
+        "The compiled function for this call: the dynamic one, its inputs' changing sizes marked, where the phase has one; a tier's"
         if self.entry is None: self.entry = self._static_entry()
         dims = self.dims.get((torch.is_grad_enabled(), self.module.training))
+        if not dims and self._tier() is not None: return self._tier_entry(*self._tier())
         if not dims: return self.entry
         tensors = [o for o in tree_flatten((args, kwargs))[0] if isinstance(o, Tensor)]
         for i,d in dims: mark_dynamic(tensors[i], d)
         if self.dynamic_entry is None: self.dynamic_entry = self._dynamic_entry()
         return self.dynamic_entry
 
+    def _tier(self)->tuple|None:
+        "The tier (name, settings) that runs this call: one its policy chose for a training batch, for the training phase alone"
+        tier = self.policy.tier
+        return tier if tier is not None and self.module.training and torch.is_grad_enabled() else None
+
+    def _tier_entry(self, name:str, settings:dict)->Callable:
+        "The compiled function of tier `name` for this freeze state: `settings` over the model's, made at its first call"
+        key = (self.trains, 'tier', name)
+        if key not in self.entries:
+            both = {**self.settings, **settings}
+            self.entries[key] = compiled_entry(type(self.module).__name__, self._precompile_key(key, both), **both)
+        return self.entries[key]
+
+    def drop_tier(self,
+        name:str, # The tier whose compiled functions go, with the memory their graphs hold
+    ):
+        "Drop the compiled functions of tier `name`, every freeze state's"
+        for k in [k for k in self.entries if len(k) == 3 and k[1:] == ('tier', name)]: del self.entries[k]
+
     def dynamic_shapes(self, phase:tuple)->tuple|None:
         "The input shapes the phase's dynamic graph serves, `None` for each size that changes; `None` if it has none"
         return next(iter(self.shapes.get(phase, ())), None) if phase in self.dims else None
 
-    def _precompile_key(self, trains:tuple)->str|None:
+    def _precompile_key(self, trains:tuple, settings:dict|None=None)->str|None:
         "What the code TorchDynamo precompiles for this entry is for: the model, the settings, the freeze state and the hooks"
         # TorchDynamo finds precompiled code by the function's name, and it leaves out guards it can't save: this key keeps
         # another model's code, or another freeze state's (some torch versions don't guard `requires_grad`), from loading
         if not caching_precompile(): return None
-        settings = sorted((k, str(v)) for k,v in self.settings.items())
+        settings = sorted((k, str(v)) for k,v in (self.settings if settings is None else settings).items())
         what = (model_fingerprint(self.module), settings, trains, list(map(_hook_owner, self.hooks)))
         return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
 
@@ -491,8 +513,10 @@ class CompiledCall:
         if self._runs_eagerly(leaves): return call_module(self.module, *args, **kwargs)
         args, kwargs, like = _stripped(args, kwargs, leaves, spec)
         entry = self._entry_for(args, kwargs)
+        tier = self._tier()
+        cudagraphs = self.cudagraphs if tier is None else uses_cudagraphs({**self.settings, **tier[1]})
         graphs = graphs_compiled() if self.unchecked else 0
-        if self.cudagraphs: torch.compiler.cudagraph_mark_step_begin()
+        if cudagraphs: torch.compiler.cudagraph_mark_step_begin()
         try:
             # A model's own bug is logged by torch as it traces: held back until eager's run says whose bug it is
             with HeldRecords(fake_tensor_logger, traced_op_error()) as held, _casts_deferred(self.casts):
@@ -506,7 +530,7 @@ class CompiledCall:
         else: failed = None
         if failed is not None: self._raise_as_eager(failed, *tree_unflatten(leaves, spec), held)
         if self.unchecked: self._check_captured(graphs)
-        if self.cudagraphs: out = tree_map_only(Tensor, torch.clone, out)
+        if cudagraphs: out = tree_map_only(Tensor, torch.clone, out)
         # Typed as eager fastai types them: as its inputs, or as its last `ToTensorBase` casts them
         cls = self.casts[-1].tensor_cls if self.casts else None if like is None else type(like)
         return out if cls is None else tree_map_only(Tensor, lambda t: _retyped(t, cls, like), out)

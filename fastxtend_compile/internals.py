@@ -26,7 +26,7 @@ __all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'precompile_guard_log
            'without_dynamo_marks', 'fused_kernel_devices', 'fused_adam_kernel', 'dynamo_supported', 'inductor_cxx',
            'inductor_options', 'guarded_code', 'explain', 'explained_break', 'inductor_fallback_random',
            'inductor_cache_dir', 'import_inductor', 'cpp_kernel_files', 'precompile_supported', 'caching_precompile',
-           'set_caching_precompile', 'precompiled_loads', 'dropped_guard', 'mark_dynamic']
+           'set_caching_precompile', 'precompiled_loads', 'dropped_guard', 'mark_dynamic', 'gpu_busy_seconds']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
 def own_function(
@@ -407,3 +407,14 @@ def dropped_guard(record:logging.LogRecord)->bool:
 def mark_dynamic(t:torch.Tensor, dim:int):
     "Have TorchDynamo compile dimension `dim` of `t` dynamically, unless the model's code needs its size fixed"
     torch._dynamo.maybe_mark_dynamic(t, dim)
+
+# %% ../nbs/06_internals.ipynb #b3f0a9d2
+def gpu_busy_seconds(
+    prof:torch.profiler.profile, # A profile that recorded CUDA activity, ended
+)->float:
+    "Seconds in which the GPU ran work (kernels, copies, fills) in `prof`: the union of its device events' time ranges"
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0., float('-inf')
+    for s,e in spans: # Kernels of several streams overlap: count each moment once
+        if e > end: busy, end = busy + e - max(s, end), e
+    return busy / 1e6 # The profiler's times are microseconds

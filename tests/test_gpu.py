@@ -105,3 +105,17 @@ def test_unet_compiles_on_the_gpu(tmp_path, mode):
         out, eager = learn.model(xb), learn.model._call_impl(xb) # Compiled, then eager: the same weights
     assert type(out) is type(eager) is TensorBase
     torch.testing.assert_close(out.float(), eager.float(), rtol=5e-2, atol=5e-2) # bf16, other kernels
+
+def test_gpu_busy_seconds_is_the_time_the_gpu_ran_work():
+    from torch.profiler import profile, ProfilerActivity
+    from fastxtend_compile.internals import gpu_busy_seconds
+    import time
+    x = torch.randn(2048, 2048, device='cuda')
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(20): x = (x @ x).tanh()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    busy = gpu_busy_seconds(prof)
+    assert 0 < busy <= wall * 1.05 # Kernels of one stream, back to back: most of the wall time, never more

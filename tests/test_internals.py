@@ -396,3 +396,13 @@ def test_import_inductor():
             'print("torch._inductor.compile_fx" in sys.modules)')
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split() == ['True'], out.stderr[-2000:]
+
+def test_gpu_busy_seconds_counts_device_work_alone():
+    "A profile of CPU work alone has no GPU time; the profiler's events name their device as `gpu_busy_seconds` reads them"
+    from torch.profiler import profile, ProfilerActivity
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3): torch.randn(64, 64) @ torch.randn(64, 64)
+    events = prof.events()
+    assert len(events) and all(isinstance(e.device_type, torch.autograd.DeviceType) for e in events)
+    assert all(e.time_range.end >= e.time_range.start for e in events)
+    assert gpu_busy_seconds(prof) == 0.

@@ -1,0 +1,100 @@
+"Faster tiers: once the compiled code runs, a tier compiled in the worker takes over where an A/B on the fit's batches finds it faster"
+import re
+import pytest, torch
+from fastai.learner import Learner
+from fastai.callback.core import Callback
+from fastai.torch_core import set_seed
+from fastxtend_compile import *
+from fastxtend_compile import tiers
+from fastxtend_compile.tiers import Tiers, pick_tier, why_no_tiers, cudagraphs_fit, faster
+from fastxtend_compile.background import BackgroundCompile
+from fastxtend_compile.internals import compiled_call
+from conftest import two_conv_cnn, digits_dls, EAGER_PRECISION, assert_fit_close
+from test_background import WaitForWorker, _leftovers, cold_cache # noqa: F401 (a fixture)
+from tier_backends import sleepy, refused
+
+class TierBatches(Callback):
+    "Record which batches ran a tier, and wait for each job of the worker to end, so the tier's hand-over comes at a known batch"
+    order = 20 # After `CompilerCallback`
+    def __init__(self): self.ran = []
+    def before_batch(self):
+        if self.learn.compiler.policy.tier is not None: self.ran.append((self.training, self.iter, self.n_iter))
+    def after_batch(self):
+        aside = self.learn.compiler.aside
+        for path in list(aside.process.waiting): # The default's job, then the tier's
+            while aside.process.result(path) is None: pass
+
+@pytest.fixture
+def cpu_tiers(cold_cache, monkeypatch):
+    "Tiers on the CPU, in short stages, the tier named by the test picked whatever the measured step"
+    monkeypatch.setattr(Tiers, 'default_on', ('cpu',))
+    for k,v in dict(settle_batches=1, time_batches=3, warmup_batches=1, ab_batches=4).items(): monkeypatch.setattr(Tiers, k, v)
+    def use(name, settings):
+        monkeypatch.setitem(tiers.TIERS, name, settings)
+        monkeypatch.setattr(Tiers, 'pick', staticmethod(lambda busy, settings: name))
+    return use
+
+def _fit(compiled=True, epochs=3, **kw):
+    set_seed(0, reproducible=True)
+    seen = TierBatches()
+    learn = Learner(digits_dls(), two_conv_cnn(), cbs=[seen] if compiled else [])
+    if compiled: learn.compile(**{'background': True, **EAGER_PRECISION, **kw})
+    learn.fit(epochs, 3e-3)
+    return learn, seen.ran
+
+def test_a_faster_tier_takes_over_after_its_ab_and_trains_like_eager(cpu_tiers):
+    cpu_tiers('plain', dict(backend='aot_eager'))
+    eager, _ = _fit(False)
+    learn, ran = _fit(backend=sleepy) # The default compiles with a backend 10 ms slower at each call
+    notes = learn.compiler.report.background
+    took = next(n for n in notes if n.startswith('tier plain took over'))
+    assert re.search(r"^tier plain took over at epoch \d, batch \d+: compiled in a worker process in [\d.]+s \(.+\); compiling it in the "
+                     r"fit's path took [\d.]+s; ([\d.]+) ms a step against ([\d.]+) ms for the default, alternating on the fit's batches$", took), notes
+    tier_ms, base_ms = map(float, re.search(r"([\d.]+) ms a step against ([\d.]+) ms", took).groups())
+    assert tier_ms < base_ms - 5 # The sleep the default's backend adds to each of its two graphs' calls
+    kept = [t for t in ran if t[1] >= 0]
+    assert all(training and it < n - 1 for training,it,n in kept) # Training batches alone, never the last, smaller one
+    assert f"tier plain ran " in notes[-1] and notes[-1].endswith(' on'), notes
+    assert_fit_close(eager.model, learn.model)
+
+def test_a_slower_tier_is_dropped_after_its_ab(cpu_tiers):
+    cpu_tiers('sleepy', dict(backend=sleepy))
+    eager, _ = _fit(False)
+    learn, ran = _fit(backend='aot_eager')
+    notes = learn.compiler.report.background
+    dropped = next(n for n in notes if n.startswith('tier sleepy'))
+    assert re.search(r"^tier sleepy not kept: [\d.]+ ms a step against [\d.]+ ms for the default, alternating on the fit's batches; "
+                     r"its graphs were dropped$", dropped), notes
+    assert len(ran) == 1 + Tiers.warmup_batches + Tiers.ab_batches # The switch, the warm-up and the A/B's half: then never again
+    call = compiled_call(learn.model)
+    assert not [k for k in call.entries if 'tier' in k] # Its compiled functions are gone
+    assert_fit_close(eager.model, learn.model)
+
+def test_a_tier_the_worker_cannot_compile_leaves_the_default_training(cpu_tiers):
+    cpu_tiers('refused', dict(backend=refused))
+    eager, _ = _fit(False, epochs=2)
+    learn, ran = _fit(epochs=2, backend='aot_eager')
+    notes = learn.compiler.report.background
+    assert any(re.search(r"^tier refused not tried: compiling it in a worker process failed after [\d.]+s \(.*this tier has no kernels "
+                         r"for the model.*\); the default tier trains on$", n) for n in notes), notes
+    assert ran == [] and learn.compiler.aside.process.proc is None
+    assert_fit_close(eager.model, learn.model)
+
+def test_an_explicit_mode_or_ddp_or_dynamic_shapes_try_no_tier():
+    settings = lambda **kw: {'backend': 'inductor', 'mode': None, 'options': None, 'dynamic': False, **kw}
+    assert why_no_tiers(settings()) is None
+    assert why_no_tiers(settings(mode='reduce-overhead')) == '' # The user's choice, kept exactly, without a word
+    assert why_no_tiers(settings(options={'max_autotune': True})) == ''
+    assert why_no_tiers(settings(), ddp=True).startswith("no faster tier under DDP")
+    assert why_no_tiers(settings(dynamic=True)).startswith("no faster tier with `dynamic=True`")
+    t = Tiers(settings(mode='default'))
+    t.start(BackgroundCompile(settings(mode='default')), torch.device('cuda'))
+    assert t.aside is None and t.notes == []
+
+def test_the_tier_policy_follows_the_measured_step():
+    s = {'backend': 'inductor'}
+    assert pick_tier(0.3, s) == 'reduce-overhead' # The GPU idle most of the step: the host's launches bound it
+    assert pick_tier(0.95, s) == 'max-autotune-no-cudagraphs'
+    assert pick_tier(None, s) is None and pick_tier(0.3, {'backend': 'aot_eager'}) is None
+    assert cudagraphs_fit(3 << 30, 2 << 30) and not cudagraphs_fit(2 << 30, 2 << 30)
+    assert faster([9., 9.5, 9.], [10., 10., 10.]) and not faster([9.8, 9.9, 9.8], [10., 10., 10.])

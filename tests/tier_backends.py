@@ -1,0 +1,13 @@
+"torch.compile backends for the tier tests: a worker process imports them by this module's name"
+import time
+
+def sleepy(gm, example_inputs):
+    "Run the traced graph as it is, a few milliseconds late at each call: slower than any other backend"
+    def run(*args):
+        time.sleep(0.01)
+        return gm(*args)
+    return run
+
+def refused(gm, example_inputs):
+    "A backend that can't compile: the tier it serves fails in the worker"
+    raise RuntimeError('this tier has no kernels for the model')
