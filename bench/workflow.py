@@ -29,6 +29,10 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
     background-cold learn.compile(background=True): the fit trains eagerly while a worker process compiles, then the
                   compiled code takes over; fresh cache dir
     background-warm the same in a new process reusing background-cold's cache dir
+                  (both name mode='default', which keeps a fit on the default mode: no faster tier)
+    tiers-cold, tiers-warm   learn.compile(background=True) with `mode` unset: once the default mode's code runs, a
+                  faster tier (CUDA graphs for a launch-bound step, autotuned kernels for a GPU-bound one) compiles in
+                  the worker and takes over where an A/B on the fit's batches finds it faster; CUDA only
     Every other compiled arm passes background=False: it compiles in the fit's path.
     --get-preds   also times learn.get_preds() on the validation set right after the fit, in every arm
     precompile-cold, precompile-warm, precompile-saved   the same with learn.compile(precompile=True): TorchDynamo's traced
@@ -64,7 +68,10 @@ KINDS = {
     'regional':   (dict(regional=True), '`learn.compile(regional=True)`: only the repeated blocks compiled', ('cold', 'warm', 'saved')),
     'valid':      (dict(compile_valid=True), "`learn.compile(compile_valid=True)`: the fit's validation compiled too", ('cold', 'warm', 'saved')),
     'precompile': (dict(precompile=True), "`learn.compile(precompile=True)`: TorchDynamo's traced code saved with the compile cache", ('cold', 'warm', 'saved')),
-    'background': (dict(background=True), '`learn.compile(background=True)`: trains eagerly while a worker process compiles', ('cold', 'warm')),
+    'background': (dict(background=True, mode='default'), '`learn.compile(background=True)`: trains eagerly while a worker process '
+                   'compiles; the default mode named, so no faster tier', ('cold', 'warm')),
+    'tiers':      (dict(background=True), '`learn.compile(background=True)`, `mode` unset: the default tier takes over, then a faster '
+                   'tier where the measured step has one (CUDA only)', ('cold', 'warm')),
 }
 ARMS = ('eager', *(f'compile-{s}' for s in KINDS['compile'][2]), 'compile-ro',
         *(f'{k}-{s}' for k,(_,_,starts) in KINDS.items() if k != 'compile' for s in starts))
@@ -456,6 +463,8 @@ def run_job(args, job, spec_base, caches:dict, tmp:Path, log)->dict:
     w, arm, rep = job
     if arm == 'compile-ro' and args.device != 'cuda':
         return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason="reduce-overhead (CUDA graphs) needs a GPU")
+    if arm.startswith('tiers-') and args.device != 'cuda':
+        return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason="faster tiers are tried on a GPU alone")
     if arm in COLD_OF and (w, COLD_OF[arm], rep) not in caches:
         return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason=f'its {COLD_OF[arm]} run did not run')
     if arm.endswith('-warm'): cache = caches[(w, COLD_OF[arm], rep)]
@@ -594,7 +603,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--workflows', default=None, help=f"comma-separated, of {','.join(WORKFLOWS)} (default: all)")
     p.add_argument('--arms', default=None, help=f"comma-separated, of {','.join(ARMS)} (default: all; with --smoke, compile-warm "
-                   "on tabular only; compile-ro is skipped on the CPU)")
+                   "on tabular only; compile-ro and the tiers arms are skipped on the CPU)")
     p.add_argument('--out', default=None, help='folder for workflow.json, workflow.md, arms.log (default: bench/results/workflow/latest; smoke: fxc-workflow-smoke in the temp folder)')
     p.add_argument('--repeat', type=int, default=1, help='runs of each arm (compile-warm reuses the same run\'s compile-cold cache)')
     p.add_argument('--smoke', action='store_true', help='tiny sizes on the CPU: checks that every workflow and arm runs')

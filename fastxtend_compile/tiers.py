@@ -106,6 +106,8 @@ class _Run:
         self.tier, self.why = kept, '' # The tier's name, and why it was picked
         self.key, self.path, self.started, self.res = None, None, 0., None # Its record, its job in the worker, when sent, (seconds, result)
         self.warm = 0. # Seconds its compile took in the fit's path
+        self.epoch = None # The epoch its profile started in: one that runs into a validation starts over
+        self.grads = False # Its parameters' gradients are memory of their own, for CUDA graphs, in this fit
         self.kept = kept is not None # The A/B kept the tier: it runs this state's training batches
         self.batches, self.since = 0, '' # Training batches the tier ran in this fit, and where it started
 
@@ -172,7 +174,8 @@ class Tiers:
     def _run_tier(self, learn, policy, run:_Run, counted:bool=False):
         "This batch runs the tier's compiled code; `counted` among the batches it runs once kept"
         policy.tier = (run.tier, TIERS[run.tier])
-        if uses_cudagraphs(TIERS[run.tier]) and self.device.type == 'cuda': own_grads(learn.opt)
+        if not run.grads and uses_cudagraphs(TIERS[run.tier]) and self.device.type == 'cuda': own_grads(learn.opt)
+        run.grads = True # fastai's `zero_grad` zeroes gradients in place: they stay the parameters' own
         if counted: run.batches, run.since = run.batches + 1, run.since or _where(learn)
 
     def _next(self, run:_Run, stage:str): run.stage, run.n = stage, 0
@@ -187,9 +190,15 @@ class Tiers:
         self._on_profile(run, learn, policy, model, sig)
 
     def _on_profile(self, run, learn, policy, model, sig):
-        if run.n == 0 and not self.meter.start(self.device): return self._decide(run, learn, policy, model, sig, None, None)
+        if run.n == 0:
+            if not self.meter.start(self.device): return self._decide(run, learn, policy, model, sig, None, None)
+            run.epoch = learn.epoch
         run.n += 1
         if run.n <= self.profile_batches: return
+        if learn.epoch != run.epoch: # A validation ran between: its work isn't the step's
+            self.meter.end()
+            run.n = 0
+            return self._on_profile(run, learn, policy, model, sig)
         gpu_s, step_bytes = self.meter.stop(self.device, self.profile_batches)
         self._decide(run, learn, policy, model, sig, min(gpu_s / _median(run.base), 1.), step_bytes)
 
