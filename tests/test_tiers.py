@@ -1,5 +1,5 @@
 "Faster tiers: once the compiled code runs, a tier compiled in the worker takes over where an A/B on the fit's batches finds it faster"
-import re
+import re, time
 import pytest, torch
 from fastai.learner import Learner
 from fastai.callback.core import Callback
@@ -11,18 +11,19 @@ from fastxtend_compile.background import BackgroundCompile
 from fastxtend_compile.internals import compiled_call
 from conftest import two_conv_cnn, digits_dls, EAGER_PRECISION, assert_fit_close
 from test_background import WaitForWorker, _leftovers, cold_cache # noqa: F401 (a fixture)
-from tier_backends import sleepy, refused
+from tier_backends import sleepy, refused, slow_to_compile
 
 class TierBatches(Callback):
     "Record which batches ran a tier, and wait for each job of the worker to end, so the tier's hand-over comes at a known batch"
     order = 20 # After `CompilerCallback`
-    def __init__(self): self.ran = []
+    def __init__(self, wait=True): self.ran, self.wait = [], wait # `wait=False`: for the default's job alone
     def before_batch(self):
-        if self.learn.compiler.policy.tier is not None: self.ran.append((self.training, self.iter, self.n_iter))
+        if self.learn.compiler.policy.tier is not None: self.ran.append((self.epoch, self.training, self.iter, self.n_iter))
     def after_batch(self):
         aside = self.learn.compiler.aside
-        for path in list(aside.process.waiting): # The default's job, then the tier's
-            while aside.process.result(path) is None: pass
+        jobs = aside.process.waiting if self.wait else [aside.job[2]] if aside.job else [] # The default's job, then the tier's
+        for path in list(jobs):
+            while aside.process.result(path) is None: time.sleep(0.05)
 
 @pytest.fixture
 def cpu_tiers(cold_cache, monkeypatch):
@@ -34,9 +35,9 @@ def cpu_tiers(cold_cache, monkeypatch):
         monkeypatch.setattr(Tiers, 'pick', staticmethod(lambda busy, settings: name))
     return use
 
-def _fit(compiled=True, epochs=3, **kw):
+def _fit(compiled=True, epochs=3, wait=True, **kw):
     set_seed(0, reproducible=True)
-    seen = TierBatches()
+    seen = TierBatches(wait)
     learn = Learner(digits_dls(), two_conv_cnn(), cbs=[seen] if compiled else [])
     if compiled: learn.compile(**{'background': True, **EAGER_PRECISION, **kw})
     learn.fit(epochs, 3e-3)
@@ -45,17 +46,31 @@ def _fit(compiled=True, epochs=3, **kw):
 def test_a_faster_tier_takes_over_after_its_ab_and_trains_like_eager(cpu_tiers):
     cpu_tiers('plain', dict(backend='aot_eager'))
     eager, _ = _fit(False)
-    learn, ran = _fit(backend=sleepy) # The default compiles with a backend 10 ms slower at each call
+    learn, ran = _fit(backend=sleepy) # The default compiles with a backend 30 ms slower at each call
     notes = learn.compiler.report.background
     took = next(n for n in notes if n.startswith('tier plain took over'))
     assert re.search(r"^tier plain took over at epoch \d, batch \d+: compiled in a worker process in [\d.]+s \(.+\); compiling it in the "
                      r"fit's path took [\d.]+s; ([\d.]+) ms a step against ([\d.]+) ms for the default, alternating on the fit's batches$", took), notes
     tier_ms, base_ms = map(float, re.search(r"([\d.]+) ms a step against ([\d.]+) ms", took).groups())
-    assert tier_ms < base_ms - 5 # The sleep the default's backend adds to each of its two graphs' calls
-    kept = [t for t in ran if t[1] >= 0]
-    assert all(training and it < n - 1 for training,it,n in kept) # Training batches alone, never the last, smaller one
-    assert f"tier plain ran " in notes[-1] and notes[-1].endswith(' on'), notes
+    assert tier_ms < base_ms - 15 # Half the sleep the default's backend adds to each step's forward graph
+    assert ran and all(training and it < n - 1 for _,training,it,n in ran) # Training batches alone, never the last, smaller one
+    assert re.search(r"^tier plain ran \d+ training batch\(es\), from epoch \d, batch \d+ on$", notes[-1]), notes
     assert_fit_close(eager.model, learn.model)
+
+    # The next fit of the same state runs the kept tier from its first batch, without measuring it again
+    seen = learn.cbs.filter(lambda c: isinstance(c, TierBatches))[0]
+    seen.ran = []
+    learn.fit(1, 3e-3)
+    n_iter = len(learn.dls.train)
+    assert [it for _,_,it,_ in seen.ran] == list(range(n_iter - 1)), seen.ran # Each batch but the last, smaller one
+    assert learn.compiler.report.background[-1] == f"tier plain ran {n_iter - 1} training batch(es), from epoch 0, batch 0 on"
+
+def test_a_fit_that_ends_while_its_tier_compiles_leaves_nothing_behind(cpu_tiers):
+    cpu_tiers('slow', dict(backend=slow_to_compile))
+    learn, ran = _fit(epochs=2, wait=False, backend='aot_eager')
+    notes = learn.compiler.report.background
+    assert "the fit ended before tier slow compiled in the worker process" in notes, notes
+    assert ran == [] and learn.compiler.aside.process.proc is None # The worker was ended (the fixture checks its folder went)
 
 def test_a_slower_tier_is_dropped_after_its_ab(cpu_tiers):
     cpu_tiers('sleepy', dict(backend=sleepy))
@@ -65,7 +80,7 @@ def test_a_slower_tier_is_dropped_after_its_ab(cpu_tiers):
     dropped = next(n for n in notes if n.startswith('tier sleepy'))
     assert re.search(r"^tier sleepy not kept: [\d.]+ ms a step against [\d.]+ ms for the default, alternating on the fit's batches; "
                      r"its graphs were dropped$", dropped), notes
-    assert len(ran) == 1 + Tiers.warmup_batches + Tiers.ab_batches # The switch, the warm-up and the A/B's half: then never again
+    assert len(ran) == 1 + Tiers.warmup_batches + Tiers.ab_batches, (ran, notes) # The switch, the warm-up and the A/B's half: then never again
     call = compiled_call(learn.model)
     assert not [k for k in call.entries if 'tier' in k] # Its compiled functions are gone
     assert_fit_close(eager.model, learn.model)

@@ -2,12 +2,17 @@
 import time
 
 def sleepy(gm, example_inputs):
-    "Run the traced graph as it is, a few milliseconds late at each call: slower than any other backend"
+    "Run the traced graph as it is, 30 ms late at each call: slower than any other backend"
     def run(*args):
-        time.sleep(0.01)
+        time.sleep(0.03)
         return gm(*args)
     return run
 
 def refused(gm, example_inputs):
     "A backend that can't compile: the tier it serves fails in the worker"
     raise RuntimeError('this tier has no kernels for the model')
+
+def slow_to_compile(gm, example_inputs):
+    "A backend that takes a minute to compile: a fit ends before the worker is done"
+    time.sleep(60)
+    return gm
