@@ -117,6 +117,9 @@ class Tiers:
     # Compiled batches the default runs before its step is timed (its caches warm), timed alone, profiled; tier batches
     # run before the A/B (CUDA graphs record at their first runs); batches of each tier in the A/B, alternating
     settle_batches, time_batches, profile_batches, warmup_batches, ab_batches = 4, 8, 3, 3, 8
+    # Seconds of the default tier's steps the fit must have left for a tier to be tried: a faster tier saves a share of
+    # them, and its warm compile and A/B cost seconds of the fit's path (an `lr_find`, a short fit, keep the default)
+    min_rest_s = 30.
     pick = staticmethod(pick_tier) # The policy that picks a state's tier from its measured step
     def __init__(self,
         settings:dict, # The model's `torch.compile` settings, from `compile_settings`
@@ -186,6 +189,11 @@ class Tiers:
 
     def _on_time(self, run, learn, policy, model, sig):
         if len(run.base) < self.time_batches: return self._timed(run.base)
+        left = learn.n_epoch*learn.n_iter - (learn.epoch*learn.n_iter + learn.iter)
+        if (rest := left * _median(run.base)) < self.min_rest_s:
+            self._next(run, 'done')
+            return self.notes.append(f"no faster tier: the fit's {left} training batches left, about {rest:.0f}s with the default "
+                                     f"tier, are too few to pay back trying one (under {self.min_rest_s:.0f}s)")
         self._next(run, 'profile')
         self._on_profile(run, learn, policy, model, sig)
 

@@ -29,7 +29,7 @@ class TierBatches(Callback):
 def cpu_tiers(cold_cache, monkeypatch):
     "Tiers on the CPU, in short stages, the tier named by the test picked whatever the measured step"
     monkeypatch.setattr(Tiers, 'default_on', ('cpu',))
-    for k,v in dict(settle_batches=1, time_batches=3, warmup_batches=1, ab_batches=4).items(): monkeypatch.setattr(Tiers, k, v)
+    for k,v in dict(settle_batches=1, time_batches=3, warmup_batches=1, ab_batches=4, min_rest_s=0).items(): monkeypatch.setattr(Tiers, k, v)
     def use(name, settings):
         monkeypatch.setitem(tiers.TIERS, name, settings)
         monkeypatch.setattr(Tiers, 'pick', staticmethod(lambda busy, settings: name))
@@ -94,6 +94,15 @@ def test_a_tier_the_worker_cannot_compile_leaves_the_default_training(cpu_tiers)
                          r"for the model.*\); the default tier trains on$", n) for n in notes), notes
     assert ran == [] and learn.compiler.aside.process.proc is None
     assert_fit_close(eager.model, learn.model)
+
+def test_a_short_fit_tries_no_tier(cpu_tiers, monkeypatch):
+    cpu_tiers('plain', dict(backend='aot_eager'))
+    monkeypatch.setattr(Tiers, 'min_rest_s', 30.) # A digits fit on the CPU takes a few seconds
+    learn, ran = _fit(epochs=2, backend='aot_eager')
+    notes = learn.compiler.report.background
+    assert any(re.search(r"^no faster tier: the fit's \d+ training batches left, about \ds with the default tier, are too few to pay "
+                         r"back trying one \(under 30s\)$", n) for n in notes), notes
+    assert ran == [] and learn.compiler.aside.process.jobs == 1 # The default's job alone: no tier was sent to the worker
 
 def test_an_explicit_mode_or_ddp_or_dynamic_shapes_try_no_tier():
     settings = lambda **kw: {'backend': 'inductor', 'mode': None, 'options': None, 'dynamic': False, **kw}
