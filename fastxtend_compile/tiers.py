@@ -76,14 +76,14 @@ class _BusyMeter:
         "Profile from here, on a GPU: `False` where there is nothing to profile"
         if device.type != 'cuda': return False
         torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
         self.start_bytes = torch.cuda.memory_allocated(device)
         self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         self.prof.__enter__()
         return True
 
     def stop(self, device:torch.device, steps:int)->tuple:
-        "The seconds of GPU work a step ran, and the bytes it allocated at its peak beyond its start"
+        "The seconds of GPU work a step ran, and at most the bytes it allocated at its peak beyond its start"
+        # The fit's peak so far, not reset (a user's own `max_memory_allocated` stays theirs): a step's peak, or more
         prof, self.prof = self.prof, None
         torch.cuda.synchronize(device)
         prof.__exit__(None, None, None)
