@@ -73,21 +73,24 @@ class _BusyMeter:
     def __init__(self): self.prof, self.start_bytes = None, 0
 
     def start(self, device:torch.device)->bool:
-        "Profile from here, on a GPU: `False` where there is nothing to profile"
+        "Profile from here, on a GPU: `False` where there is nothing to profile, or the profiler can't (a user's own runs)"
         if device.type != 'cuda': return False
         torch.cuda.synchronize(device)
         self.start_bytes = torch.cuda.memory_allocated(device)
-        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-        self.prof.__enter__()
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        try: prof.__enter__()
+        except RuntimeError: return False
+        self.prof = prof
         return True
 
     def stop(self, device:torch.device, steps:int)->tuple:
-        "The seconds of GPU work a step ran, and at most the bytes it allocated at its peak beyond its start"
+        "The seconds of GPU work a step ran (`None` where the profiler saw none: no CUPTI), and at most the bytes it allocated at its peak beyond its start"
         # The fit's peak so far, not reset (a user's own `max_memory_allocated` stays theirs): a step's peak, or more
         prof, self.prof = self.prof, None
         torch.cuda.synchronize(device)
         prof.__exit__(None, None, None)
-        return gpu_busy_seconds(prof) / steps, torch.cuda.max_memory_allocated(device) - self.start_bytes
+        busy = gpu_busy_seconds(prof)
+        return busy / steps if busy else None, torch.cuda.max_memory_allocated(device) - self.start_bytes
 
     def end(self):
         "Stop profiling, the fit ended"
@@ -208,7 +211,7 @@ class Tiers:
             run.n = 0
             return self._on_profile(run, learn, policy, model, sig)
         gpu_s, step_bytes = self.meter.stop(self.device, self.profile_batches)
-        self._decide(run, learn, policy, model, sig, min(gpu_s / _median(run.base), 1.), step_bytes)
+        self._decide(run, learn, policy, model, sig, None if gpu_s is None else min(gpu_s / _median(run.base), 1.), step_bytes)
 
     def _decide(self, run, learn, policy, model, sig, busy:float|None, step_bytes:int|None):
         "Pick the tier the measured step needs, and have the worker compile it, or compile it at once where its code is cached"

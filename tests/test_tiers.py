@@ -122,3 +122,26 @@ def test_the_tier_policy_follows_the_measured_step():
     assert pick_tier(None, s) is None and pick_tier(0.3, {'backend': 'aot_eager'}) is None
     assert cudagraphs_fit(3 << 30, 2 << 30) and not cudagraphs_fit(2 << 30, 2 << 30)
     assert faster([9., 9.5, 9.], [10., 10., 10.]) and not faster([9.8, 9.9, 9.8], [10., 10., 10.])
+
+def test_a_tier_runs_training_calls_alone_and_drops_whole():
+    "The policy's tier runs calls with gradients in training mode; evaluation keeps the model's own compiled function"
+    from torch import nn
+    from fastxtend_compile.core import EagerPolicy, compile_model
+    set_seed(0)
+    graphs = [] # The graphs the tier's backend compiled, by whether the model trained
+    def tier_backend(gm, example_inputs):
+        graphs.append(model.training)
+        return gm
+    model, policy = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), EagerPolicy()
+    compile_model(model, policy=policy, backend='aot_eager')
+    call, x = compiled_call(model), torch.randn(3, 4)
+    policy.tier = ('plain', dict(backend=tier_backend))
+    out = model(x)
+    model.eval()
+    with torch.no_grad(): ev = model(x)
+    assert graphs == [True] # The training call alone ran the tier
+    assert [k for k in call.entries if 'tier' in k] == [(call.trains, 'tier', 'plain')]
+    torch.testing.assert_close(ev, model._call_impl(x))
+    torch.testing.assert_close(out, model.train()._call_impl(x))
+    call.drop_tier('plain')
+    assert [k for k in call.entries if 'tier' in k] == []
