@@ -15,7 +15,7 @@ from torch import nn, Tensor
 import cloudpickle
 
 from .core import CompiledCall, compile_model, model_fingerprint
-from .internals import inductor_cache_dir, import_inductor, tree_flatten
+from .internals import inductor_cache_dir, import_inductor, tree_flatten, backend_error
 
 # %% auto #0
 __all__ = []
@@ -110,8 +110,8 @@ def _out_of_memory(e:BaseException)->bool:
 def _error_text(e:BaseException)->str:
     "The error at the root of `e`, on one line: a backend's own error rather than TorchDynamo's wrapping of it"
     for _ in range(20): # A chain of causes, not a cycle
-        if e.__cause__ is None: break
-        e = e.__cause__
+        if (inner := e.__cause__ or backend_error(e)) is None: break
+        e = inner
     return ' '.join(''.join(traceback.format_exception_only(e)).split())[:300]
 
 def _write_json(path:str, obj:dict):

@@ -236,6 +236,7 @@ class EagerPolicy:
         self.evaluating = False # This batch of an evaluation outside a fit or of `lr_find` runs eagerly: its graph wouldn't pay back
         self.one_off = False # This batch is a one-off, not worth a graph of its own: the last, often smaller, one
         self.tier = None # (name, settings over the model's) of the faster tier that runs this training batch (`Tiers`); `None`: the model's own
+        self.tier_error = None # (name, error) of a tier that raised where the model's own compiled code runs, until `Tiers` drops it
         self.pays = None # `pays(batches)`: whether that many batches are expected to pay back a graph's compile (the report's)
         self.unpaid = None # Whether this evaluation outside a fit, or `lr_find`, runs eagerly: decided at its first batch
         self.eager_eval = 0 # Batches of this evaluation outside a fit run eagerly, their graph not compiled and not worth it
@@ -331,6 +332,13 @@ class EagerPolicy:
         self.measuring = self.valid_eager = self.waiting = self.evaluating = self.one_off = False
         self.tier = None
         if training: self.validation = None # The next validation is judged afresh, with fewer batches left
+
+    def tier_failed(self,
+        name:str, # The tier whose compiled function raised
+        error:Exception, # What it raised
+    ):
+        "A tier raised where the model's own compiled code runs: the rest of the batch runs without it, and `Tiers` drops it"
+        self.tier, self.tier_error = None, (name, error)
 
     @property
     def timed(self)->bool:
@@ -527,7 +535,14 @@ class CompiledCall:
             if self.on_refused is not None: self.on_refused()
             raise _graph_break_error(e, self.on_refused is not None, f'{type(self.module).__name__}_call') from e
         except traced_op_error() as e: failed = e # Raised below, out of this handler, so eager's error isn't chained to it
+        except Exception as e:
+            if tier is None: raise
+            failed = e # A tier's compiler failed: the model's own compiled code runs the call, out of this handler
         else: failed = None
+        if failed is not None and tier is not None and not isinstance(failed, traced_op_error()):
+            self.policy.tier_failed(tier[0], failed)
+            args, kwargs = tree_unflatten(leaves, spec)
+            return self(*args, **kwargs)
         if failed is not None: self._raise_as_eager(failed, *tree_unflatten(leaves, spec), held)
         if self.unchecked: self._check_captured(graphs)
         if cudagraphs: out = tree_map_only(Tensor, torch.clone, out)

@@ -26,7 +26,8 @@ __all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'precompile_guard_log
            'without_dynamo_marks', 'fused_kernel_devices', 'fused_adam_kernel', 'dynamo_supported', 'inductor_cxx',
            'inductor_options', 'guarded_code', 'explain', 'explained_break', 'inductor_fallback_random',
            'inductor_cache_dir', 'import_inductor', 'cpp_kernel_files', 'precompile_supported', 'caching_precompile',
-           'set_caching_precompile', 'precompiled_loads', 'dropped_guard', 'mark_dynamic', 'gpu_busy_seconds']
+           'set_caching_precompile', 'precompiled_loads', 'dropped_guard', 'mark_dynamic', 'gpu_busy_seconds',
+           'backend_error']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
 def own_function(
@@ -418,3 +419,10 @@ def gpu_busy_seconds(
     for s,e in spans: # Kernels of several streams overlap: count each moment once
         if e > end: busy, end = busy + e - max(s, end), e
     return busy / 1e6 # The profiler's times are microseconds
+
+def backend_error(
+    e:BaseException, # An error `torch.compile` raised
+)->BaseException|None:
+    "The backend's own error inside TorchDynamo's `BackendCompilerFailed`, which keeps it from the error's cause; `None` for another"
+    from torch._dynamo.exc import BackendCompilerFailed
+    return e.inner_exception if isinstance(e, BackendCompilerFailed) else None

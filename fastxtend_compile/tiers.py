@@ -11,7 +11,7 @@ from torch import nn
 
 from .core import uses_cudagraphs, compiled_call, CompiledCall
 from .internals import gpu_busy_seconds
-from .background import BackgroundCompile, WarmRecords, _signature, _where, _profile
+from .background import BackgroundCompile, WarmRecords, _signature, _where, _profile, _error_text
 
 # %% auto #0
 __all__ = ['TIERS', 'pick_tier', 'why_no_tiers', 'cudagraphs_fit', 'faster', 'own_grads', 'Tiers']
@@ -159,6 +159,7 @@ class Tiers:
         model:nn.Module, # The model being compiled (not DDP's wrapper)
     ):
         "Choose the tier this training batch runs, and time it where its state's stage needs"
+        if policy.tier_error is not None: self._raised(policy, model)
         if self.aside is None or not learn.training or policy.eager or policy.one_off: return
         sig = _signature(model, learn.xb, True)
         if sig not in self.aside.ready or sig in self.aside.fresh: return # The default's compiled code doesn't run it yet
@@ -286,6 +287,17 @@ class Tiers:
         for c in _calls(model): c.drop_tier(run.tier)
         if self.device.type == 'cuda': torch.cuda.empty_cache() # The memory its CUDA graphs held
         self.notes.append(f"tier {run.tier} not kept: {ms}; its graphs were dropped")
+
+    def _raised(self, policy, model:nn.Module):
+        "A tier raised in the fit's path, where the worker had compiled it: the default tier trains on, the tier's graphs dropped"
+        (name, error), policy.tier_error = policy.tier_error, None
+        for sig,run in self.runs.items():
+            if run.tier != name: continue
+            self._next(run, 'done')
+            run.kept = False
+            self.kept.pop(sig, None)
+        for c in _calls(model): c.drop_tier(name)
+        self.notes.append(f"tier {name} failed in the fit's path ({_error_text(error)}); the default tier trains on")
 
     def _on_done(self, run, learn, policy, model, sig):
         if run.kept: self._run_tier(learn, policy, run, counted=True)

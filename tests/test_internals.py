@@ -406,3 +406,11 @@ def test_gpu_busy_seconds_counts_device_work_alone():
     assert len(events) and all(isinstance(e.device_type, torch.autograd.DeviceType) for e in events)
     assert all(e.time_range.end >= e.time_range.start for e in events)
     assert gpu_busy_seconds(prof) == 0.
+
+def test_backend_error_is_the_backends_own():
+    "TorchDynamo wraps a backend's error in `BackendCompilerFailed`, without it as the cause: `backend_error` finds it"
+    def broken(gm, example_inputs): raise ValueError('no kernels here')
+    with pytest.raises(Exception) as info: torch.compile(nn.Linear(2, 2), backend=broken)(torch.randn(3, 2))
+    inner = backend_error(info.value)
+    assert isinstance(inner, ValueError) and str(inner) == 'no kernels here'
+    assert backend_error(ValueError('plain')) is None

@@ -1,10 +1,10 @@
 "torch.compile backends for the tier tests: a worker process imports them by this module's name"
-import time
+import os, time
 
 def sleepy(gm, example_inputs):
-    "Run the traced graph as it is, 30 ms late at each call: slower than any other backend"
+    "Run the traced graph as it is, 100 ms late at each call: slower than any other backend"
     def run(*args):
-        time.sleep(0.03)
+        time.sleep(0.1)
         return gm(*args)
     return run
 
@@ -15,4 +15,9 @@ def refused(gm, example_inputs):
 def slow_to_compile(gm, example_inputs):
     "A backend that takes a minute to compile: a fit ends before the worker is done"
     time.sleep(60)
+    return gm
+
+def worker_only(gm, example_inputs):
+    "A backend that compiles in the worker process alone: in the training process the tier it serves fails"
+    if 'FXC_WORKER_STARTED' not in os.environ: raise RuntimeError('no kernels in the training process')
     return gm
