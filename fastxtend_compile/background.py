@@ -99,20 +99,22 @@ def compile_in_worker(
         forward, backward = forward + f, backward + b
     return dict(load_s=t1 - t0, forward_s=forward, backward_s=backward, devices=len(models))
 
+def _chain(e:BaseException|None, inner)->list:
+    "`e` and the errors it wraps, each `inner(error)` of the one before, to the root"
+    chain = []
+    while e is not None and len(chain) < 20: # A chain, not a cycle
+        chain.append(e)
+        e = inner(e)
+    return chain
+
 def _out_of_memory(e:BaseException)->bool:
     "Whether `e`, or an error it was raised from, is the GPU running out of memory"
-    for _ in range(20): # A chain of causes, not a cycle
-        if e is None: return False
-        if isinstance(e, torch.OutOfMemoryError): return True
-        e = e.__cause__ or e.__context__
-    return False
+    return any(isinstance(o, torch.OutOfMemoryError) for o in _chain(e, lambda o: o.__cause__ or o.__context__))
 
 def _error_text(e:BaseException)->str:
     "The error at the root of `e`, on one line: a backend's own error rather than TorchDynamo's wrapping of it"
-    for _ in range(20): # A chain of causes, not a cycle
-        if (inner := e.__cause__ or backend_error(e)) is None: break
-        e = inner
-    return ' '.join(''.join(traceback.format_exception_only(e)).split())[:300]
+    root = _chain(e, lambda o: o.__cause__ or backend_error(o))[-1]
+    return ' '.join(''.join(traceback.format_exception_only(root)).split())[:300]
 
 def _write_json(path:str, obj:dict):
     "Write `obj` to `path` whole: a reader finds the file complete or not at all"
@@ -145,12 +147,15 @@ def serve(
         if not res['ok']: break # A failed compile may leave the process unfit for another: the next job gets a new one
 
 # %% ../nbs/08_background.ipynb #4339c3d4
+def _autocast(model:nn.Module)->torch.dtype|None:
+    "The dtype autocast runs `model`'s device in now, `None` where it is off"
+    dev = next(model.parameters(), torch.empty(0)).device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+
 def _signature(model:nn.Module, xb:tuple, training:bool)->tuple:
     "What a compiled graph is for: the model, its freeze state, the phase, the inputs' shapes and dtypes, and autocast"
-    dev = next(model.parameters(), torch.empty(0)).device.type
-    autocast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
     inputs = tuple((tuple(o.shape), o.dtype) for o in xb if isinstance(o, Tensor))
-    return id(model), tuple(p.requires_grad for p in model.parameters()), training, torch.is_grad_enabled(), inputs, autocast
+    return id(model), tuple(p.requires_grad for p in model.parameters()), training, torch.is_grad_enabled(), inputs, _autocast(model)
 
 def _kill(proc:subprocess.Popen):
     "End the worker and the compile processes it started (its own process group)"
@@ -429,7 +434,7 @@ class BackgroundCompile:
         fastest = min(fastest, now - last) if seen else fastest
         self.probe = (sig, start, seen + 1, now, fastest)
         if seen < self.probe_batches: return False
-        left = learn.n_epoch*learn.n_iter - (learn.epoch*learn.n_iter + learn.iter)
+        left = _batches_left(learn)
         self.step_s, self.fastest_s = (now - start) / seen, fastest
         rest = self.step_s * left
         rec = self.records.get(self.records.key(model, sig)) # Once the probe is done: not at each of its batches
@@ -516,7 +521,7 @@ class BackgroundCompile:
         devices = self.ranks.host_devices() if self.ranks.ddp else [str(device)]
         models = {d: _pickle_model(model, d) for d in devices}
         job = dict(models=models, inputs=_tensor_bytes([o for o in learn.xb if isinstance(o, Tensor)]),
-                   device_type=device.type, grad=torch.is_grad_enabled(), autocast=_signature(model, learn.xb, True)[-1],
+                   device_type=device.type, grad=torch.is_grad_enabled(), autocast=_autocast(model),
                    matmul_precision=torch.get_float32_matmul_precision(), regional=self.regional,
                    settings=self.settings if settings is None else settings)
         self.process.start(device, _modules(model))
@@ -615,6 +620,7 @@ def _where(learn, next_batch:bool=False)->str:
     if next_batch and it >= getattr(learn, 'n_iter', it + 1): epoch, it = epoch + 1, 0
     return f"epoch {epoch}, batch {it}"
 def _batch(learn)->tuple: return learn.epoch, learn.iter, learn.training
+def _batches_left(learn)->int: return learn.n_epoch*learn.n_iter - (learn.epoch*learn.n_iter + learn.iter) # Training batches, this one's included
 def _phase(sig:tuple)->str: return '' if sig[2] else ' for evaluation' # A signature's phase, in the report's words
 
 def _profile(res:dict)->str:

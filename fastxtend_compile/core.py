@@ -336,9 +336,12 @@ class EagerPolicy:
     def tier_failed(self,
         name:str, # The tier whose compiled function raised
         error:Exception, # What it raised
-    ):
-        "A tier raised where the model's own compiled code runs: the rest of the batch runs without it, and `Tiers` drops it"
+    )->bool:
+        "Whether the call that raised `error` runs again without tier `name`: the batch goes on without it, and `Tiers` drops it"
+        # A model's own bug, found as TorchDynamo traces it, is raised as eager raises it, whatever compiles the model
+        if isinstance(error, traced_op_error()): return False
         self.tier, self.tier_error = None, (name, error)
+        return True
 
     @property
     def timed(self)->bool:
@@ -464,11 +467,11 @@ class CompiledCall:
             self.entries[key] = compiled_entry(type(self.module).__name__, self._precompile_key(key), **{**self.settings, 'dynamic': None})
         return self.entries[key]
 
-    def _entry_for(self, args:tuple, kwargs:dict)->Callable:
-        "The compiled function for this call: the dynamic one, its inputs' changing sizes marked, where the phase has one; a tier's"
+    def _entry_for(self, args:tuple, kwargs:dict, tier:tuple|None=None)->Callable:
+        "The compiled function for this call: the dynamic one, its inputs' changing sizes marked, where the phase has one; else `tier`'s"
         if self.entry is None: self.entry = self._static_entry()
         dims = self.dims.get((torch.is_grad_enabled(), self.module.training))
-        if not dims and self._tier() is not None: return self._tier_entry(*self._tier())
+        if not dims and tier is not None: return self._tier_entry(*tier)
         if not dims: return self.entry
         tensors = [o for o in tree_flatten((args, kwargs))[0] if isinstance(o, Tensor)]
         for i,d in dims: mark_dynamic(tensors[i], d)
@@ -520,8 +523,8 @@ class CompiledCall:
         leaves, spec = tree_flatten((args, kwargs))
         if self._runs_eagerly(leaves): return call_module(self.module, *args, **kwargs)
         args, kwargs, like = _stripped(args, kwargs, leaves, spec)
-        entry = self._entry_for(args, kwargs)
         tier = self._tier()
+        entry = self._entry_for(args, kwargs, tier)
         cudagraphs = self.cudagraphs if tier is None else uses_cudagraphs({**self.settings, **tier[1]})
         graphs = graphs_compiled() if self.unchecked else 0
         if cudagraphs: torch.compiler.cudagraph_mark_step_begin()
@@ -537,10 +540,9 @@ class CompiledCall:
         except traced_op_error() as e: failed = e # Raised below, out of this handler, so eager's error isn't chained to it
         except Exception as e:
             if tier is None: raise
-            failed = e # A tier's compiler failed: the model's own compiled code runs the call, out of this handler
+            failed = e # The tier's compiler failed: the model's own code runs the call, out of this handler
         else: failed = None
-        if failed is not None and tier is not None and not isinstance(failed, traced_op_error()):
-            self.policy.tier_failed(tier[0], failed)
+        if failed is not None and tier is not None and self.policy.tier_failed(tier[0], failed):
             args, kwargs = tree_unflatten(leaves, spec)
             return self(*args, **kwargs)
         if failed is not None: self._raise_as_eager(failed, *tree_unflatten(leaves, spec), held)

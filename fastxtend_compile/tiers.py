@@ -5,13 +5,14 @@
 # %% ../nbs/09_tiers.ipynb #1c6e0f3a
 from __future__ import annotations
 import time
+from statistics import median
 
 import torch
 from torch import nn
 
 from .core import uses_cudagraphs, compiled_call, CompiledCall
 from .internals import gpu_busy_seconds
-from .background import BackgroundCompile, WarmRecords, _signature, _where, _profile, _error_text
+from .background import BackgroundCompile, WarmRecords, _signature, _where, _batches_left, _profile, _error_text
 
 # %% auto #0
 __all__ = ['TIERS', 'pick_tier', 'why_no_tiers', 'cudagraphs_fit', 'faster', 'own_grads', 'Tiers']
@@ -24,11 +25,10 @@ TIERS = { # A tier's `torch.compile` settings, over the model's
 
 def pick_tier(
     busy:float|None, # The share of a compiled training step in which the GPU runs work; `None` where not measured
-    settings:dict, # The model's `torch.compile` settings, from `compile_settings`
     launch_bound:float=0.7, # A step whose GPU is busy less than this share of it waits on the host's launches
 )->str|None:
     "The tier likely faster than the default one for this step: CUDA graphs where launches bound it, autotuned kernels where the GPU does"
-    if busy is None or settings.get('backend') != 'inductor': return None
+    if busy is None: return None
     return 'reduce-overhead' if busy < launch_bound else 'max-autotune-no-cudagraphs'
 
 def why_no_tiers(
@@ -36,7 +36,8 @@ def why_no_tiers(
     ddp:bool=False, # The fit runs under DistributedDataParallel
 )->str|None:
     "Why a fit that compiles in the background tries no faster tier, in the report's words; `None` where it may"
-    if settings.get('mode') is not None or settings.get('options'): return '' # The user's own choice, kept exactly: nothing to say
+    # The user's own mode or options, kept exactly, and backends other than inductor, whose modes the tiers are: nothing to say
+    if settings.get('mode') is not None or settings.get('options') or settings.get('backend') != 'inductor': return ''
     if ddp: return "no faster tier under DDP: CUDA graphs and autotuned kernels are not measured there yet, so every rank keeps the default"
     if settings.get('dynamic'): return "no faster tier with `dynamic=True`: CUDA graphs need the static shapes it gives up"
 
@@ -48,15 +49,13 @@ def cudagraphs_fit(
     "Whether CUDA graphs' memory pool, as large as a step's memory at its peak, fits beside the fit with room to spare"
     return free >= spare * step
 
-def _median(xs:list)->float: return sorted(xs)[len(xs)//2]
-
 def faster(
     tier:list, # Seconds of the tier's training steps, each timed alone
     base:list, # Seconds of the default tier's, timed between them
     margin:float=0.03, # The share of the step the tier must save to be kept: a smaller gain is within a step's noise
 )->bool:
     "Whether the tier's median step beats the default's by `margin`"
-    return _median(tier) <= (1 - margin) * _median(base)
+    return median(tier) <= (1 - margin) * median(base)
 
 def own_grads(
     opt, # A fastai `Optimizer`
@@ -107,7 +106,8 @@ class _Run:
         self.n = 0 # Batches of this stage so far
         self.base, self.ab_base, self.tier_times = [], [], [] # Seconds of the default's steps, timed alone before and in the A/B, and the tier's
         self.tier, self.why = kept, '' # The tier's name, and why it was picked
-        self.key, self.path, self.started, self.res = None, None, 0., None # Its record, its job in the worker, when sent, (seconds, result)
+        self.records, self.key = None, None # The tier's `WarmRecords`, and this state's record in them
+        self.path, self.started, self.res = None, 0., None # Its job in the worker, when sent, and (seconds, result)
         self.warm = 0. # Seconds its compile took in the fit's path
         self.epoch = None # The epoch its profile started in: one that runs into a validation starts over
         self.grads = False # Its parameters' gradients are memory of their own, for CUDA graphs, in this fit
@@ -178,10 +178,13 @@ class Tiers:
         if self.device.type == 'cuda': torch.cuda.synchronize(self.device)
         self.timing, self.t0 = times, time.perf_counter()
 
+    def _settings(self, name:str)->dict: return {**self.settings, **TIERS[name]} # Tier `name`'s `torch.compile` settings
+    def _graphs(self, name:str)->bool: return self.device.type == 'cuda' and uses_cudagraphs(self._settings(name))
+
     def _run_tier(self, learn, policy, run:_Run, counted:bool=False):
         "This batch runs the tier's compiled code; `counted` among the batches it runs once kept"
         policy.tier = (run.tier, TIERS[run.tier])
-        if not run.grads and uses_cudagraphs(TIERS[run.tier]) and self.device.type == 'cuda': own_grads(learn.opt)
+        if not run.grads and self._graphs(run.tier): own_grads(learn.opt)
         run.grads = True # fastai's `zero_grad` zeroes gradients in place: they stay the parameters' own
         if counted: run.batches, run.since = run.batches + 1, run.since or _where(learn)
 
@@ -193,8 +196,8 @@ class Tiers:
 
     def _on_time(self, run, learn, policy, model, sig):
         if len(run.base) < self.time_batches: return self._timed(run.base)
-        left = learn.n_epoch*learn.n_iter - (learn.epoch*learn.n_iter + learn.iter)
-        if (rest := left * _median(run.base)) < self.min_rest_s:
+        left = _batches_left(learn)
+        if (rest := left * median(run.base)) < self.min_rest_s:
             self._next(run, 'done')
             return self.notes.append(f"no faster tier: the fit's {left} training batches left, about {rest:.0f}s with the default "
                                      f"tier, are too few to pay back trying one (under {self.min_rest_s:.0f}s)")
@@ -212,25 +215,23 @@ class Tiers:
             run.n = 0
             return self._on_profile(run, learn, policy, model, sig)
         gpu_s, step_bytes = self.meter.stop(self.device, self.profile_batches)
-        self._decide(run, learn, policy, model, sig, None if gpu_s is None else min(gpu_s / _median(run.base), 1.), step_bytes)
+        self._decide(run, learn, policy, model, sig, None if gpu_s is None else min(gpu_s / median(run.base), 1.), step_bytes)
 
     def _decide(self, run, learn, policy, model, sig, busy:float|None, step_bytes:int|None):
         "Pick the tier the measured step needs, and have the worker compile it, or compile it at once where its code is cached"
         self._next(run, 'done')
-        if (name := self.pick(busy, self.settings)) is None:
-            return self.notes.append("no faster tier: " + ("the GPU's share of the step was not measured here" if busy is None else
-                                     "the model doesn't compile with inductor, whose modes the tiers are"))
-        share = '' if busy is None else f"the GPU ran work {busy:.0%} of the default's {_median(run.base)*1e3:.1f} ms step, "
-        graphs = uses_cudagraphs(TIERS[name]) and self.device.type == 'cuda'
+        if (name := self.pick(busy)) is None: return self.notes.append("no faster tier: the GPU's share of the step was not measured here")
+        share = '' if busy is None else f"the GPU ran work {busy:.0%} of the default's {median(run.base)*1e3:.1f} ms step, "
+        graphs = self._graphs(name)
         if graphs and step_bytes is not None and not cudagraphs_fit(free := torch.cuda.mem_get_info(self.device)[0], step_bytes):
             return self.notes.append(f"no faster tier: {share}so CUDA graphs ({name}) would be faster, but their memory, "
                                      f"{step_bytes/2**30:.1f} GB a step, doesn't fit in the {free/2**30:.1f} GB the GPU has free")
         run.tier = name
         if share: run.why = share + ("so the host's launches bound it: CUDA graphs" if graphs else "so the GPU bounds it: autotuned kernels")
-        records = WarmRecords({**self.settings, **TIERS[name]}, self.regional)
-        run.key = records.key(model, sig)
-        if records.get(run.key) is not None: return self._switch(run, learn, policy) # Inductor's cache has its code
-        try: run.path = self.aside.submit(model, learn, {**self.settings, **TIERS[name]})
+        run.records = WarmRecords(self._settings(name), self.regional)
+        run.key = run.records.key(model, sig)
+        if run.records.get(run.key) is not None: return self._switch(run, learn, policy) # Inductor's cache has its code
+        try: run.path = self.aside.submit(model, learn, self._settings(name))
         except Exception as e:
             return self.notes.append(f"tier {name} not tried: the model could not be sent to a worker process ({type(e).__name__}: {e})")
         run.started = time.perf_counter()
@@ -247,7 +248,7 @@ class Tiers:
             return self.notes.append(f"tier {run.tier} not tried: compiling it in a worker process failed after {took:.1f}s "
                                      f"({full}{res['error']}); the default tier trains on")
         run.res = (took, res)
-        WarmRecords({**self.settings, **TIERS[run.tier]}, self.regional).put(run.key, cold_s=res['forward_s'] + res['backward_s'])
+        run.records.put(run.key, cold_s=res['forward_s'] + res['backward_s'])
         self._switch(run, learn, policy)
 
     def _switch(self, run, learn, policy):
@@ -259,7 +260,7 @@ class Tiers:
     def _on_warmup(self, run, learn, policy, model, sig):
         if run.n == 0: # The switch batch's time, less a step: the warm compile
             run.warm = max(run.tier_times.pop() - min(run.base, default=0.), 0.)
-            WarmRecords({**self.settings, **TIERS[run.tier]}, self.regional).put(run.key, warm_s=run.warm)
+            run.records.put(run.key, warm_s=run.warm)
         run.n += 1
         if run.n <= self.warmup_batches: return self._run_tier(learn, policy, run)
         self._next(run, 'ab')
@@ -276,7 +277,7 @@ class Tiers:
     def _verdict(self, run, learn, policy, model, sig):
         "Keep the faster tier for the rest of the fit; drop the slower one's graphs"
         self._next(run, 'done')
-        ms = (f"{_median(run.tier_times)*1e3:.1f} ms a step against {_median(run.ab_base)*1e3:.1f} ms for the default, "
+        ms = (f"{median(run.tier_times)*1e3:.1f} ms a step against {median(run.ab_base)*1e3:.1f} ms for the default, "
               "alternating on the fit's batches")
         how = f"compiled in a worker process in {run.res[0]:.1f}s ({_profile(run.res[1])})" if run.res else "its code was in inductor's cache"
         if faster(run.tier_times, run.ab_base):
