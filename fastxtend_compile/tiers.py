@@ -243,7 +243,7 @@ class Tiers:
         took = time.perf_counter() - run.started
         if not res['ok']:
             self._next(run, 'done')
-            self.aside.process.end_idle() # A worker that failed serves no other job
+            self.aside.process.end() # A worker whose compile failed takes no more jobs: the next one starts afresh
             full = 'the GPU is too full to compile it beside the fit; ' if res.get('oom') else ''
             return self.notes.append(f"tier {run.tier} not tried: compiling it in a worker process failed after {took:.1f}s "
                                      f"({full}{res['error']}); the default tier trains on")

@@ -122,22 +122,14 @@ def test_gpu_busy_seconds_is_the_time_the_gpu_ran_work():
 
 def test_a_launch_bound_step_tries_cuda_graphs_and_trains_like_eager(tmp_path, monkeypatch):
     "A small CNN's step waits on its kernel launches: once the default mode's code runs, the worker compiles CUDA graphs for the A/B"
-    import time
-    from fastai.callback.core import Callback
     from fastxtend_compile.background import BackgroundCompile
     from fastxtend_compile.tiers import Tiers
+    from test_tiers import TierBatches # Waits for each job of the worker, so the hand-overs come within the fit
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
     monkeypatch.setattr(BackgroundCompile, 'min_fit_s', 0) # A worker, and a tier, for a fit of seconds
     monkeypatch.setattr(Tiers, 'min_rest_s', 0)
-    class Wait(Callback):
-        "Wait for each job of the worker to end, so the hand-overs come within the fit"
-        order = 20
-        def after_batch(self):
-            aside = self.learn.compiler.aside
-            for path in list(aside.process.waiting):
-                while aside.process.result(path) is None: time.sleep(0.1)
     eager = fit(epochs=4)
-    comp = fit(dict(background=True), cbs=[Wait()], epochs=4)
+    comp = fit(dict(background=True), cbs=[TierBatches()], epochs=4)
     notes = comp.compiler.report.background
     print(*notes, sep='\n')
     assert any(n.startswith(('tier reduce-overhead took over', 'tier reduce-overhead not kept')) for n in notes), notes

@@ -173,10 +173,10 @@ def test_lr_find_and_evaluation_outside_a_fit_run_eagerly_until_their_graph_woul
     with learn.no_bar(), learn.no_logging(): learn.lr_find(num_it=12, show_plot=False) # Before any fit: nothing measured
     n = r.eager_lr_find
     assert graphs() == g and n == len(learn.recorder.lrs) > 0 and not r.batch_times and not r.eager_times
-    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, n: False) # The fit's validation runs eagerly, whatever the timings
+    # Where batches wouldn't pay back a graph, whatever a loaded machine's timings: the fit's validation runs eagerly...
+    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, n: False)
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
     assert graphs() == g + 1 and r.compiled_step is not None # The training graph
-    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, n: False) # Where its batches wouldn't pay back a graph...
     with learn.no_bar(): learn.validate()
     assert graphs() == g + 1 and r.eager_eval == len(learn.dls.valid) # ...`validate` runs eagerly
     monkeypatch.setattr(CompileReport, 'pays_back', lambda self, n: True) # Where they would...
