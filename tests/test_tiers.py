@@ -43,7 +43,11 @@ def _fit(compiled=True, epochs=3, wait=True, **kw):
     set_seed(0, reproducible=True)
     seen = TierBatches(wait)
     learn = Learner(digits_dls(), two_conv_cnn(), cbs=[seen] if compiled else [])
-    if compiled: learn.compile(**{'background': True, **EAGER_PRECISION, **kw})
+    # The optimizer's step stays fastai's: these fits check the model's tiers against eager. PyTorch's fused Adam rounds
+    # otherwise on some CPUs: after these 3 epochs, 27 of 2,304 weights of the second conv 3.0e-4 from fastai's Adam (a
+    # 2-core x86 machine, torch 2.14.1), the same with the `eager` backend and no tier; 0 with fastai's step.
+    # `tests/test_optimizer.py` checks the fused step
+    if compiled: learn.compile(**{'background': True, 'compile_opt': False, **EAGER_PRECISION, **kw})
     learn.fit(epochs, 3e-3)
     return learn, seen.ran
 
