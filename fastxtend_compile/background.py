@@ -474,10 +474,14 @@ class BackgroundCompile:
         model:nn.Module, # The model being compiled (not DDP's wrapper)
     ):
         "Under DDP, every `_Ranks.every` training batches: the ranks agree on this state's compile, and switch to its code together at the next batch"
-        if not self.ranks.due(learn) or (sig := _signature(model, learn.xb, True)) in self.settled: return
+        if not self.ranks.due(learn): return
+        # Every rank comes to every agreement, whatever its own batch's state: batches padded to their longest item differ
+        # between ranks, and a rank that skipped the collective for a state it had settled would leave the others waiting
+        sig = _signature(model, learn.xb, True)
         if self.job is not None: self._collect()
         key = self.records.key(model, sig)
-        views = self.ranks.gather(self._view(sig, key), _where(learn))
+        views = self.ranks.gather(None if sig in self.settled else self._view(sig, key), _where(learn))
+        if any(v is None for v in views): return # A rank's state is settled: the ranks train different states
         # Rank 0 still probes, or the ranks train different states: nothing to agree on yet
         if len({v['key'] for v in views}) > 1 or views[0]['verdict'] is None: return
         if views[0]['verdict'] == 'short': return self._settle(sig, self.short)
