@@ -29,6 +29,7 @@ from .internals import (
     precompile_supported, caching_precompile, set_caching_precompile, precompile_guard_logger, dropped_guard)
 from .optimizer import compile_optimizer, uncompile_optimizer
 from .background import BackgroundCompile
+from .state import state_key
 from .tiers import Tiers, own_grads
 
 # %% auto #0
@@ -257,7 +258,7 @@ class CompilerCallback(Callback):
         rec.model_name, rec.show = type(inner_model(model)).__name__, self._show
         ddp = self.ddp.set(model)
         rec.start(partial(torch.cuda.synchronize, device) if device.type == 'cuda' else None, ddp=ddp,
-                  compiled_backward=self.ddp.in_backward, train=self.learn.dls.train)
+                  compiled_backward=self.ddp.in_backward, train=self.learn.dls.train, epochs=getattr(self.learn, 'n_epoch', 1))
         self.precision.set(device)
         self.precompile.set(inner_model(model), ddp=isinstance(model, DistributedDataParallel))
         self.policy.start_fit(self.aside if self._compiles_in_background(device, model) else None, self.report.pays_back)
@@ -277,7 +278,7 @@ class CompilerCallback(Callback):
             self.compile_recorder.note_background("compiled in the fit's path: with `ddp_compiled_autograd=True` each backward "
                                                   "compiles with DDP's all-reduces, which a worker process can't run")
             return False
-        if on: self.aside.start(self._show, device if ddp else None)
+        if on: self.aside.start(self._show, device, ddp)
         return on
 
     def _stands_aside(self)->bool:
@@ -317,9 +318,10 @@ class CompilerCallback(Callback):
         if not self.active: return
         # Compile here, not only before the fit, so a model swapped mid-fit is compiled too
         if self.compiled_model is None or self.compiled_model() is not get_model(self.learn.model): self._compile()
-        rec, p = self.compile_recorder, self.policy
-        p.start_batch(self.learn, measure=rec.wants_eager_step(getattr(self.learn, 'n_iter', 0)), whole_backward=self.ddp.in_backward)
-        self.tiers.before_batch(self.learn, p, get_model(self.learn.model))
+        rec, p, model = self.compile_recorder, self.policy, get_model(self.learn.model)
+        key = None if p.aside is None else state_key(model, self.learn.xb, self.training) # Once a batch, for every part that asks
+        p.start_batch(self.learn, key, measure=rec.wants_eager_step(getattr(self.learn, 'n_iter', 0)), whole_backward=self.ddp.in_backward)
+        self.tiers.before_batch(self.learn, p, key, model)
         if p.timed: rec.batch_start(self.training, self.learn.xb, p.measuring, p.valid_eager)
 
     def _own_grads(self):

@@ -258,7 +258,7 @@ class EagerPolicy:
     def compiled_calls(self)->list: return [c for r in self.calls if (c := r()) is not None]
 
     def start_fit(self,
-        aside=None, # A compile outside the fit's path, with `runs_eagerly(learn, model, training)` and `agree(learn, model)`; `None` compiles in it
+        aside=None, # A compile outside the fit's path, with `runs_eagerly(learn, key, model)` and `agree(learn, key, model)`; `None` compiles in it
         pays:Callable|None=None, # `pays(batches)`: whether that many batches pay back compiling their graph; `None`: never judged to
     ):
         "A fit starts: it has trained no batch yet"
@@ -267,6 +267,7 @@ class EagerPolicy:
 
     def start_batch(self,
         learn, # The `Learner` whose batch starts
+        key=None, # The batch's model state (`state_key`), where a compile outside the fit's path asks about it
         measure:bool=False, # The report asks for a training batch run eagerly, to measure the eager step
         whole_backward:bool=False, # Training runs compiled: compiled autograd runs the backward, DDP's all-reduces in it
     ):
@@ -282,8 +283,8 @@ class EagerPolicy:
         # whose graph exists, nor one run eagerly (an evaluation's last batch, a one-off, runs eagerly in `runs_eagerly`)
         asks = (self.aside is not None and not (self.evaluating or self.measuring or (self.one_off and not training))
                 and validation in (None, 'compile'))
-        self.waiting = asks and self.aside.runs_eagerly(learn, get_model(learn.model), training)
-        if self.aside is not None and training: self.aside.agree(learn, get_model(learn.model)) # Under DDP, at every rank's same batches
+        self.waiting = asks and self.aside.runs_eagerly(learn, key, get_model(learn.model))
+        if self.aside is not None and training: self.aside.agree(learn, key, get_model(learn.model)) # Under DDP, at every rank's same batches
         if self.evaluating and training: self.eager_lr_find += 1
         elif self.evaluating: self.eager_eval += 1
 
@@ -351,7 +352,7 @@ class EagerPolicy:
     def stop(self):
         "The fit ended or raised: calls outside a fit run as their shapes say"
         self.end_batch(False)
-        self.aside, self.pays, self.unpaid, self.validation = None, None, None, None
+        self.aside, self.pays, self.unpaid, self.validation, self.tier_error = None, None, None, None, None
 
     def runs_eagerly(self,
         call:CompiledCall, # The compiled call asking, with its input shapes compiled for and run eagerly, by phase

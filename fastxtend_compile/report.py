@@ -16,6 +16,7 @@ from fastcore.basics import store_attr, groupby
 
 from .core import graph_break_reason, frame_name, _hook_owner
 from .internals import *
+from .payoff import pays_back
 
 # %% auto #0
 __all__ = ['CompileEvent', 'CompileReport']
@@ -82,6 +83,7 @@ class CompileReport:
     measured_from:int = 0 # Index of the first compiled batch in `batch_times` the eager step is compared with
     data_waits:list = field(default_factory=list) # Seconds sampled training batches waited for the DataLoader
     epoch_steps:int = 0 # Training batches in an epoch
+    fit_steps:int = 0 # Training batches of the fits this report covers: what the compile had to pay back in
     num_workers:int|None = None # The training DataLoader's worker processes
     eager_calls:dict = field(default_factory=dict) # Calls run eagerly, not compiled for a shape seen once: {(phase, shapes): count}
     dynamic:dict = field(default_factory=dict) # Inputs compiled dynamically as their sizes kept changing: {(phase, part): shapes, `None` for a size that changed}
@@ -152,7 +154,7 @@ class CompileReport:
         # An evaluation batch runs the forward alone: about a third of a training step, and of its compile alike, so one
         # ratio judges evaluation and training. Nothing measured yet (a first `lr_find`, `get_preds` before any fit): no
         saving, cost = self.step_saving, self.compile_spike
-        return None not in (saving, cost) and batches * saving > cost
+        return None not in (saving, cost) and pays_back(batches, saving, cost)
 
     def _unpaid(self, what:str, n:int, extra:str='')->str:
         "The summary's line for `n` batches of `what` run eagerly, too few to pay back their graph"
@@ -173,7 +175,10 @@ class CompileReport:
             return (f"payoff: not measured enough: {line}, but the fastest eager batch took {_ms(fast)}: too few eager batches "
                     "to tell (a longer fit measures more)")
         epochs = self.compile_seconds / ((eager - comp) * max(self.epoch_steps, 1))
-        return f"paid: {line} ({eager/comp:.2f}×); the {self.compile_seconds:.1f}s of compiling pay back after {epochs:.1f} epoch(s)"
+        back = f"the {self.compile_seconds:.1f}s of compiling pay back after {epochs:.1f} epoch(s)"
+        if self.fit_steps and not pays_back(self.fit_steps, eager - comp, self.compile_seconds):
+            return f"faster, not paid back yet: {line} ({eager/comp:.2f}×); {back}, more than the {self.fit_steps/max(self.epoch_steps, 1):g} trained"
+        return f"paid: {line} ({eager/comp:.2f}×); {back}"
 
     def ddp_strategy(self)->str:
         "How the compiled model ran under DistributedDataParallel"
@@ -313,6 +318,7 @@ class CompileRecorder:
         ddp:bool=False, # The model runs under DDP, as this library sets it up
         compiled_backward:bool=False, # Compiled autograd compiles the backwards (`ddp_compiled_autograd`)
         train=None, # The fit's training `DataLoader`
+        epochs:int=1, # The fit's epochs
     ):
         "Start recording compiles"
         self.compiled_backward = compiled_backward
@@ -320,6 +326,7 @@ class CompileRecorder:
         if train is not None: # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
             r = self.report
             r.epoch_steps, r.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)
+            r.fit_steps += epochs * len(train)
             r.images = _image_batches(train)
         self.compiling, self.batch_t, self.training, self.sync, self.batch_end = False, time.perf_counter(), None, sync, None
         self.seen = _by_id(compilation_metrics()) # Those of earlier compiles, which are not this fit's

@@ -13,10 +13,12 @@ import torch
 from fastai.callback.core import Callback
 from fastai.torch_core import rank_distrib, num_distrib, distrib_barrier
 from fastxtend_compile import *
-from fastxtend_compile.background import BackgroundCompile, _Worker, _Ranks
+from fastxtend_compile.background import BackgroundCompile
+from fastxtend_compile.worker import Worker
+from fastxtend_compile.agreement import DDP
 from ddp_worker import learner, model, dls, nn, Learner, SGD, ProgressCallback # Its `DistributedDL` patch for `gloo` too
 
-BackgroundCompile.min_fit_s = 0 # A worker for a fit of any length
+BackgroundCompile.cold_cost_s = 0 # A worker for a fit of any length
 CompileReport.pays_back = lambda self, batches: False # Validation runs eagerly, whatever the timings
 
 class Batches(Callback):
@@ -29,12 +31,12 @@ class Batches(Callback):
         cb = self.learn.__dict__.get('compiler')
         if not self.training or cb is None: return
         aside = cb.aside
-        if self.wait and aside.job is not None: # Rank 0 waits here, the other ranks at DDP's next all-reduce
-            while aside.process.result(aside.job[2]) is None: time.sleep(0.05)
+        if self.wait and aside.compiling is not None: # Rank 0 waits here, the other ranks at DDP's next all-reduce
+            while aside.poll(aside.compiling.job) is None: time.sleep(0.05)
 
 starts = [] # The worker processes started since the last fit ended
-_start = _Worker.start
-_Worker.start = lambda self, *a: (_start(self, *a), starts.append(self.proc))[0]
+_start = Worker.start
+Worker.start = lambda self, *a: (_start(self, *a), starts.append(self.proc))[0]
 
 def in_process(learn):
     "`learn` with its batches made in each rank's process, as `num_workers=0` makes them"
@@ -75,7 +77,7 @@ class Raise(Callback):
 def raised():
     "A fit that rank 1 ends with an exception while rank 0's worker compiles: what each rank raised, and whether a worker lives"
     learn = in_process(learner(num_distrib(), 'sequential', 'aot_eager', background=True, compile_opt=False))
-    BackgroundCompile.worker = "import time; time.sleep(600)" # A worker that compiles for longer than the fit lasts
+    Worker.code = "import time; time.sleep(600)" # A worker that compiles for longer than the fit lasts
     error = None
     try:
         with learn.distrib_ctx(cpu=True): learn.fit(20, cbs=Raise())
@@ -86,7 +88,7 @@ def stopped_rank(rank):
     "The error rank 0 raises at an agreement that rank 1 never comes to"
     import torch.distributed as dist
     if not dist.is_initialized(): dist.init_process_group('gloo') # `distrib_ctx` leaves its group, if it made one
-    ranks = _Ranks()
+    ranks = DDP()
     ranks.timeout_s = 3
     ranks.start(torch.device('cpu'))
     try:
@@ -105,7 +107,7 @@ def main():
     res['warm'] = fit()
     res['eager'] = fit(compiled=False)
     res['frozen'], res['frozen_eager'] = fit(wait=True, frozen=True), fit(compiled=False, frozen=True)
-    BackgroundCompile.worker = "raise SystemExit('no compiler here')"
+    Worker.code = "raise SystemExit('no compiler here')"
     os.environ['TORCHINDUCTOR_CACHE_DIR'] += '-empty' # No record: a worker
     res['failed'] = fit(wait=True)
     res['timeout'] = stopped_rank(rank)

@@ -6,7 +6,9 @@ from fastai.learner import Learner
 from fastai.callback.core import Callback, CancelFitException
 from fastai.torch_core import set_seed
 from fastxtend_compile import *
-from fastxtend_compile.background import BackgroundCompile, WarmRecords, _Worker
+from fastxtend_compile.background import BackgroundCompile, WarmRecords
+from fastxtend_compile.worker import Worker
+from fastxtend_compile.state import state_key, Stage
 from conftest import two_conv_cnn, digits_dls, EAGER_PRECISION, assert_fit_close
 
 def _leftovers()->list: return glob.glob(os.path.join(tempfile.gettempdir(), 'fxc-background-*'))
@@ -17,11 +19,11 @@ class WaitForWorker(Callback):
     def __init__(self, at=2): self.at, self.worker_seen, self.pids = (at,) if isinstance(at, int) else at, False, []
     def after_batch(self):
         aside = self.learn.compiler.aside
-        if not self.training or self.epoch or self.iter not in self.at or aside.job is None: return
+        if not self.training or self.epoch or self.iter not in self.at or aside.compiling is None: return
         self.worker_seen = True
-        self.pids.append(aside.process.proc.pid)
+        self.pids.append(aside.worker.proc.pid)
         deadline = time.time() + 600
-        while aside.process.result(aside.job[2]) is None and time.time() < deadline: time.sleep(0.2)
+        while aside.poll(aside.compiling.job) is None and time.time() < deadline: time.sleep(0.2)
 
 def _fit(compiled, cbs=(), epochs=2, **kw):
     set_seed(0, reproducible=True)
@@ -34,7 +36,7 @@ def _fit(compiled, cbs=(), epochs=2, **kw):
 def cold_cache(tmp_path, monkeypatch):
     "An empty inductor cache for this test, as on a first run, a worker for a fit of any length, and a temporary folder of its own"
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path/'inductor'))
-    monkeypatch.setattr(BackgroundCompile, 'min_fit_s', 0)
+    monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 0)
     monkeypatch.setattr(CompileReport, 'pays_back', lambda self, batches: False) # Validation runs eagerly, whatever the timings
     (tmp_path/'tmp').mkdir()
     monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path/'tmp')) # Other processes' workers never show up in this test's check
@@ -46,7 +48,7 @@ def test_compiled_code_takes_over_from_the_worker_and_trains_like_eager(cold_cac
     wait = WaitForWorker(at=2)
     comp = _fit(True, cbs=[wait])
     cb = comp.compiler
-    assert wait.worker_seen and cb.aside.process.proc is None
+    assert wait.worker_seen and cb.aside.worker.proc is None
     notes = cb.report.background
     assert len(notes) == 1 and "while 3 training batch(es) ran eagerly; the compiled code took over at epoch 0, batch 3" in notes[0], notes
     assert re.search(r"\(its start-up took [\d.]+s, (done before the job was sent|[\d.]+s of it after the job was sent); loading the job "
@@ -58,7 +60,7 @@ def test_compiled_code_takes_over_from_the_worker_and_trains_like_eager(cold_cac
     assert_fit_close(eager.model, comp.model)
 
 def test_a_failed_worker_keeps_the_fit_eager_with_one_warning(cold_cache, monkeypatch):
-    monkeypatch.setattr(BackgroundCompile, 'worker', "raise SystemExit('no compiler here')")
+    monkeypatch.setattr(Worker, 'code', "raise SystemExit('no compiler here')")
     eager = _fit(False)
     with pytest.warns(UserWarning, match=r"torch.compile failed in a background worker process \(no compiler here\)\. The fit trains eagerly") as ws:
         comp = _fit(True, cbs=[WaitForWorker(at=0)])
@@ -73,20 +75,20 @@ def test_a_fit_that_ends_first_leaves_no_worker_behind(cold_cache):
         order = 20
         def after_batch(self):
             if self.iter == 1:
-                seen.append(self.learn.compiler.aside.process.proc)
+                seen.append(self.learn.compiler.aside.worker.proc)
                 raise CancelFitException()
     learn = _fit(True, cbs=[Stop()])
     proc = seen[0]
     assert proc is not None and proc.poll() is not None # Killed, not left compiling
-    assert learn.compiler.aside.process.proc is None and learn.compiler.report.graphs == 0
+    assert learn.compiler.aside.worker.proc is None and learn.compiler.report.graphs == 0
     assert "the fit ended before the worker process finished compiling: 2 training batch(es) ran eagerly" in learn.compiler.report.background[0]
 
 def test_a_fit_too_short_to_pay_trains_eagerly_without_a_worker(tmp_path, monkeypatch):
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path/'inductor'))
     started = []
-    monkeypatch.setattr(BackgroundCompile, '_start', lambda *a: started.append(a) or True)
+    monkeypatch.setattr(BackgroundCompile, 'send', lambda *a: started.append(a) or True)
     eager, comp = _fit(False), _fit(True)
-    assert not started and comp.compiler.report.graphs == 0 and comp.compiler.aside.process.proc is None
+    assert not started and comp.compiler.report.graphs == 0 and comp.compiler.aside.worker.proc is None
     n = 2*len(comp.dls.train) - BackgroundCompile.probe_batches
     assert comp.compiler.report.background[0].startswith(f"trained eagerly: the fit's {n} training batches left, about "), comp.compiler.report.background
     assert_fit_close(eager.model, comp.model)
@@ -107,7 +109,7 @@ class MeanOverLength(nn.Module):
 def test_batches_of_ever_new_shapes_train_eagerly_and_say_so(tmp_path, monkeypatch):
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path/'inductor'))
     started = []
-    monkeypatch.setattr(BackgroundCompile, '_start', lambda *a: started.append(a) or True)
+    monkeypatch.setattr(BackgroundCompile, 'send', lambda *a: started.append(a) or True)
     learn = Learner(digits_dls(), MeanOverLength(), cbs=Lengths()).compile(backend='inductor', background=True)
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
     assert not started and learn.compiler.report.graphs == 0
@@ -137,8 +139,8 @@ def test_a_fit_that_trains_eagerly_never_imports_inductor():
 
 def _starts(monkeypatch)->list:
     "The worker starts from here on"
-    started, start = [], _Worker.start
-    monkeypatch.setattr(_Worker, 'start', lambda self, *a: started.append(a) or start(self, *a))
+    started, start = [], Worker.start
+    monkeypatch.setattr(Worker, 'start', lambda self, *a: started.append(a) or start(self, *a))
     return started
 
 def test_a_state_compiled_before_compiles_at_once_without_a_worker(cold_cache, monkeypatch):
@@ -154,7 +156,7 @@ def test_a_state_compiled_before_compiles_at_once_without_a_worker(cold_cache, m
 
 @pytest.mark.parametrize('warm_s', [1e-4, 1e4])
 def test_a_warm_start_compiles_where_the_fits_rest_pays_it_back(cold_cache, monkeypatch, warm_s):
-    monkeypatch.setattr(BackgroundCompile, 'min_fit_s', 30.) # A cold compile: far more than this fit's eager rest
+    monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 6.) # A cold compile: far more than this fit's eager rest pays back
     monkeypatch.setattr(WarmRecords, 'get', lambda self, key: {'warm_s': warm_s})
     started, eager = _starts(monkeypatch), _fit(False)
     comp = _fit(True, backend='aot_eager')
@@ -171,7 +173,7 @@ def test_a_warm_start_compiles_where_the_fits_rest_pays_it_back(cold_cache, monk
     assert_fit_close(eager.model, comp.model)
 
 def test_a_worker_out_of_gpu_memory_says_so(cold_cache, monkeypatch):
-    monkeypatch.setattr(BackgroundCompile, 'worker', "import sys, torch; import fastxtend_compile.background as b\n"
+    monkeypatch.setattr(Worker, 'code', "import sys, torch; import fastxtend_compile.worker as b\n"
         "def full(path): raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
         "b.compile_in_worker = full; b.serve(*sys.argv[1:])")
     eager = _fit(False)
@@ -199,15 +201,15 @@ def test_one_worker_compiles_each_new_state_of_the_fit(cold_cache):
     notes = comp.compiler.report.background
     assert len(wait.pids) == 2 and wait.pids[0] == wait.pids[1] # The second state went to the worker that compiled the first
     assert len(notes) == 2 and all('the compiled code took over' in n for n in notes), notes
-    assert comp.compiler.aside.process.proc is None # Ended with the fit
+    assert comp.compiler.aside.worker.proc is None # Ended with the fit
     assert_fit_close(eager.model, comp.model)
 
 def test_a_killed_processes_worker_folder_is_removed_by_the_next_start(cold_cache):
     gone = subprocess.Popen([sys.executable, '-c', 'pass'])
     gone.wait()
-    stale = tempfile.mkdtemp(prefix=f'{_Worker.prefix}{gone.pid}-')
-    alive = tempfile.mkdtemp(prefix=f'{_Worker.prefix}{os.getppid()}-') # Another running process's worker: kept
-    w = _Worker("import time; time.sleep(60)")
+    stale = tempfile.mkdtemp(prefix=f'{Worker.prefix}{gone.pid}-')
+    alive = tempfile.mkdtemp(prefix=f'{Worker.prefix}{os.getppid()}-') # Another running process's worker: kept
+    w = Worker("import time; time.sleep(60)")
     try:
         w.start(torch.device('cpu'))
         assert not os.path.exists(stale) and os.path.isdir(alive) and os.path.isdir(w.tmp)
@@ -217,11 +219,12 @@ def test_a_killed_processes_worker_folder_is_removed_by_the_next_start(cold_cach
 
 def test_a_worker_that_ended_at_once_fails_its_job_quietly(cold_cache):
     "A worker gone before its job (it couldn't start) fails that job with its last words; ending it raises nothing"
-    w = _Worker("raise SystemExit('no compiler here')")
+    w = Worker("raise SystemExit('no compiler here')")
     w.start(torch.device('cpu'))
     w.proc.wait()
-    path = w.submit({'inputs': b''}) # Into a broken pipe
-    assert w.result(path) == dict(ok=False, error='no compiler here', oom=False)
+    job = w.submit({'inputs': b''}, nn.Linear(2, 2)) # Into a broken pipe
+    res = w.poll(job)
+    assert (res.ok, res.error, res.oom) == (False, 'no compiler here', False)
     w.end()
     assert w.proc is None and w.tmp is None
 
@@ -232,29 +235,59 @@ def test_the_hand_overs_compile_is_timed_within_its_epoch_and_phase(tmp_path, mo
     at = lambda epoch, it, training=True: SimpleNamespace(epoch=epoch, iter=it, training=training)
     aside = BackgroundCompile({'backend': 'eager'})
     aside.fastest_s, aside.notes = 0.5, ['compiled']
-    aside.handover = ('state', 10., 0, (0, 5, True)) # Batch 5 compiled warm; batch 6 ran eagerly to measure the eager step
+    aside.timing = ('state', 10., 0, (0, 5, True)) # Batch 5 compiled warm; batch 6 ran eagerly to measure the eager step
     aside._time_handover(14., at(0, 7))
     assert aside.records.get('state') == {'warm_s': 3.} and aside.notes == ["compiled; compiling it in the fit's path took 3.0s"]
-    aside.handover = ('other', 10., 0, (0, 5, True))
+    aside.timing = ('other', 10., 0, (0, 5, True))
     aside._time_handover(99., at(0, 0, training=False)) # The epoch's validation came first
-    assert aside.records.get('other') is None and aside.handover is None
+    assert aside.records.get('other') is None and aside.timing is None
 
 def test_the_probe_times_the_fastest_eager_step_for_the_hand_overs_timing(tmp_path, monkeypatch):
     "A fit's slow first batch (its loader starting) weighs on the probe's mean, not on what the hand-over's timing takes off"
     from types import SimpleNamespace
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
     learn = SimpleNamespace(n_epoch=1, n_iter=10_000, epoch=0, iter=0, training=True)
-    aside, model, sig = BackgroundCompile({'backend': 'eager'}), nn.Linear(2, 2), ('state',)
+    aside, model = BackgroundCompile({'backend': 'eager'}), nn.Linear(2, 2)
+    st = aside.state(state_key(model, (torch.randn(1, 2),), True), model)
     times = [0., 5.] + [5. + 0.25*i for i in range(1, 8)] # The first batch takes 5s, the others 0.25s
-    worth = [aside._worth(sig, learn, t, model) for t in times]
+    worth = [aside._judge(st, learn, t) for t in times]
     assert worth == [False]*8 + [True] # After 8 batches timed, thousands left: a cold compile pays
-    assert aside.step_s == pytest.approx((5. + 7*0.25)/8) and aside.fastest_s == pytest.approx(0.25)
-    aside.notes, aside.handover = ['compiled'], ('state', 10., 0, (0, 9, True))
+    assert st.probe.step_s == pytest.approx((5. + 7*0.25)/8) and aside.fastest_s == pytest.approx(0.25)
+    aside.notes, aside.timing = ['compiled'], ('state', 10., 0, (0, 9, True))
     aside._time_handover(12.25, SimpleNamespace(epoch=0, iter=10, training=True)) # Batch 9 compiled in 2s, then ran in 0.25s
     assert aside.records.get('state') == {'warm_s': pytest.approx(2.)}
 
 def test_the_next_training_batch_after_an_epochs_last_is_the_next_epochs_first():
     from types import SimpleNamespace
-    from fastxtend_compile.background import _where
+    from fastxtend_compile.background import where
     at = lambda it: SimpleNamespace(epoch=1, iter=it, n_iter=4)
-    assert [_where(at(2), True), _where(at(3), True), _where(at(3))] == ['epoch 1, batch 3', 'epoch 2, batch 0', 'epoch 1, batch 3']
+    assert [where(at(2), True), where(at(3), True), where(at(3))] == ['epoch 1, batch 3', 'epoch 2, batch 0', 'epoch 1, batch 3']
+
+def test_a_failed_job_fails_alone_and_the_worker_compiles_the_next(cold_cache):
+    "A job that fails (here a model that can't be read back) leaves the job sent after it to compile in the same process"
+    from fastxtend_compile.worker import job_payload
+    w, m, x = Worker(), nn.Linear(3, 2), torch.randn(4, 3)
+    try:
+        bad = {**job_payload(m, (x,), dict(backend='eager')), 'models': {'cpu': b'not a pickle'}}
+        jobs = [w.submit(bad, m), w.submit(job_payload(m, (x,), dict(backend='eager')), m)]
+        res = []
+        for job in jobs:
+            while (r := w.poll(job)) is None: time.sleep(0.05)
+            res.append(r)
+        assert [r.ok for r in res] == [False, True] and 'UnpicklingError' in res[0].error, res
+        assert jobs[0].proc is jobs[1].proc and w.proc.poll() is None # One process served both, and still runs
+    finally: w.end()
+
+def test_a_new_model_where_a_freed_one_lived_is_a_new_state():
+    "A model made after another is freed may get its address (`id`): it is a state of its own, not the freed one's"
+    import gc
+    x = torch.randn(1, 2)
+    aside, a = BackgroundCompile({'backend': 'eager'}), nn.Linear(2, 2)
+    old, key = id(a), state_key(a, (x,), True)
+    aside.state(key, a).to(Stage.READY)
+    assert aside.ready(key)
+    del a; gc.collect()
+    b = next((m for m in (nn.Linear(2, 2) for _ in range(10_000)) if id(m) == old), None)
+    if b is None: pytest.skip("no new model took the freed one's address here")
+    new = state_key(b, (x,), True)
+    assert new != key and not aside.ready(new) and aside.state(new, b).stage is Stage.PROBING

@@ -126,8 +126,8 @@ def test_a_launch_bound_step_tries_cuda_graphs_and_trains_like_eager(tmp_path, m
     from fastxtend_compile.tiers import Tiers
     from test_tiers import TierBatches # Waits for each job of the worker, so the hand-overs come within the fit
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
-    monkeypatch.setattr(BackgroundCompile, 'min_fit_s', 0) # A worker, and a tier, for a fit of seconds
-    monkeypatch.setattr(Tiers, 'min_rest_s', 0)
+    monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 0) # A worker, and a tier, for a fit of seconds
+    monkeypatch.setattr(Tiers, 'try_cost_s', 0)
     eager = fit(epochs=4)
     comp = fit(dict(background=True), cbs=[TierBatches()], epochs=4)
     notes = comp.compiler.report.background
@@ -135,4 +135,4 @@ def test_a_launch_bound_step_tries_cuda_graphs_and_trains_like_eager(tmp_path, m
     assert any(n.startswith(('tier reduce-overhead took over', 'tier reduce-overhead not kept')) for n in notes), notes
     assert np.allclose(losses(eager), losses(comp), rtol=5e-2, atol=5e-2), np.abs(losses(eager) - losses(comp)).max()
     assert abs(float(eager.recorder.values[-1][-1]) - float(comp.recorder.values[-1][-1])) <= 0.03
-    assert comp.compiler.aside.process.proc is None
+    assert comp.compiler.aside.worker.proc is None

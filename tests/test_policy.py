@@ -14,10 +14,10 @@ def batch(training=True, iter=0, n_iter=10, model=None, epoch=0, n_epoch=1):
 class Aside:
     "A compile outside the fit's path whose code is ready once `ready` is set; evaluation waits for it too with `evaluation`"
     def __init__(self, evaluation=False): self.ready, self.evaluation, self.asked = False, evaluation, []
-    def runs_eagerly(self, learn, model, training):
-        self.asked.append(training)
-        return (training or self.evaluation) and not self.ready
-    def agree(self, learn, model): pass # One process: no ranks to agree with
+    def runs_eagerly(self, learn, key, model):
+        self.asked.append(learn.training)
+        return (learn.training or self.evaluation) and not self.ready
+    def agree(self, learn, key, model): pass # One process: no ranks to agree with
 
 def validation(p, n_iter=4, **kwargs):
     "Run a training batch, then a validation of `n_iter` batches; `p`'s eager and timed decision for each validation batch"

@@ -6,7 +6,8 @@ from fastai.callback.core import Callback
 from fastai.torch_core import set_seed
 from fastxtend_compile import *
 from fastxtend_compile import tiers
-from fastxtend_compile.tiers import Tiers, pick_tier, why_no_tiers, cudagraphs_fit, faster
+from fastxtend_compile.tiers import Tiers, why_no_tiers
+from fastxtend_compile.payoff import pick_tier, cudagraphs_fit, faster
 from fastxtend_compile.background import BackgroundCompile
 from fastxtend_compile.internals import compiled_call
 from conftest import two_conv_cnn, digits_dls, EAGER_PRECISION, assert_fit_close
@@ -24,15 +25,15 @@ class TierBatches(Callback):
         if self.learn.compiler.policy.tier is not None: self.ran.append((self.epoch, self.training, self.iter, self.n_iter))
     def after_batch(self):
         aside = self.learn.compiler.aside
-        jobs = aside.process.waiting if self.wait else [aside.job[2]] if aside.job else [] # The default's job, then the tier's
-        for path in list(jobs):
-            while aside.process.result(path) is None: time.sleep(0.05)
+        jobs = aside.worker.waiting if self.wait else [aside.compiling.job] if aside.compiling else [] # The default's job, then the tier's
+        for job in list(jobs):
+            while aside.poll(job) is None: time.sleep(0.05)
 
 @pytest.fixture
 def cpu_tiers(cold_cache, monkeypatch):
     "Tiers on the CPU, in short stages, the tier named by the test picked whatever the measured step and the backend"
     monkeypatch.setattr(Tiers, 'default_on', ('cpu',))
-    for k,v in dict(settle_batches=1, time_batches=3, warmup_batches=1, ab_batches=6, min_rest_s=0).items(): monkeypatch.setattr(Tiers, k, v)
+    for k,v in dict(settle_batches=1, time_batches=3, warmup_batches=1, ab_batches=6, try_cost_s=0).items(): monkeypatch.setattr(Tiers, k, v)
     def use(name, settings):
         monkeypatch.setitem(tiers.TIERS, name, settings)
         monkeypatch.setattr(Tiers, 'pick', staticmethod(lambda busy: name))
@@ -89,7 +90,7 @@ def test_a_fit_that_ends_while_its_tier_compiles_leaves_nothing_behind(cpu_tiers
     learn, ran = _fit(epochs=2, wait=False, backend='aot_eager')
     notes = learn.compiler.report.background
     assert "the fit ended before tier slow compiled in the worker process" in notes, notes
-    assert ran == [] and learn.compiler.aside.process.proc is None # The worker was ended (the fixture checks its folder went)
+    assert ran == [] and learn.compiler.aside.worker.proc is None # The worker was ended (the fixture checks its folder went)
 
 def test_a_slower_tier_is_dropped_after_its_ab(cpu_tiers):
     cpu_tiers('sleepy', dict(backend=sleepy))
@@ -111,17 +112,17 @@ def test_a_tier_the_worker_cannot_compile_leaves_the_default_training(cpu_tiers)
     notes = learn.compiler.report.background
     assert any(re.search(r"^tier refused not tried: compiling it in a worker process failed after [\d.]+s \(.*this tier has no kernels "
                          r"for the model.*\); the default tier trains on$", n) for n in notes), notes
-    assert ran == [] and learn.compiler.aside.process.proc is None
+    assert ran == [] and learn.compiler.aside.worker.proc is None
     assert_fit_close(eager.model, learn.model)
 
 def test_a_short_fit_tries_no_tier(cpu_tiers, monkeypatch):
     cpu_tiers('plain', dict(backend='aot_eager'))
-    monkeypatch.setattr(Tiers, 'min_rest_s', 30.) # A digits fit on the CPU takes a few seconds
+    monkeypatch.setattr(Tiers, 'try_cost_s', 6.) # 30s of steps: a digits fit on the CPU takes a few
     learn, ran = _fit(epochs=2, backend='aot_eager')
     notes = learn.compiler.report.background
     assert any(re.search(r"^no faster tier: the fit's \d+ training batches left, about \ds with the default tier, are too few to pay "
                          r"back trying one \(under 30s\)$", n) for n in notes), notes
-    assert ran == [] and learn.compiler.aside.process.jobs == 1 # The default's job alone: no tier was sent to the worker
+    assert ran == [] and learn.compiler.aside.worker.jobs == 1 # The default's job alone: no tier was sent to the worker
 
 def test_an_explicit_mode_or_ddp_or_dynamic_shapes_try_no_tier():
     settings = lambda **kw: {'backend': 'inductor', 'mode': None, 'options': None, 'dynamic': False, **kw}
