@@ -30,8 +30,9 @@ class Local:
     def judges(self, training:bool)->bool: return True # This process times and judges every state
 
     def judged(self, aside, st:ModelState, learn, model, now:float)->bool:
-        "`st` is worth compiling: compile it now. Whether this batch runs eagerly"
-        return aside.begin(st, learn, model, now)
+        "`st` is worth compiling: at once where inductor's cache has its code, else in the worker. Whether this batch runs eagerly"
+        if (rec := aside.records.get(st.record)) is not None: return aside.warm(st, rec, learn, now)
+        return aside.send(st, learn, model)
 
     def done(self, aside, st:ModelState):
         "The worker finished `st`: its code takes over, or it trains eagerly"

@@ -60,6 +60,30 @@ class WarmRecords:
         write_json(str(self.root()/f'{key}.json'), {**(self.get(key) or {}), **values})
 
 # %% ../nbs/08_background.ipynb #c242d0a8
+class _Probes:
+    "Times each new model state's first eager batches, in a row; counts how often the states changed"
+    def __init__(self): self.state, self.changes, self.fastest_s = None, 0, None
+
+    def tick(self, st:ModelState, now:float)->int:
+        "Time this batch of `st`, a new probe where the last batch was another state's: the batches timed so far"
+        if self.state is not st: st.probe, self.state, self.changes = Probe(now), st, self.changes + 1
+        st.probe.tick(now)
+        return st.probe.seen - 1
+
+class _WarmTimer:
+    "Times a warm compile in the fit's path from its batch to a later one of the same epoch and phase"
+    def __init__(self): self.timing = None # (record, start, note, batch)
+
+    def start(self, record:str, now:float, note:int, learn): self.timing = (record, now, note, _batch(learn))
+
+    def stop(self, now:float, learn, step_s:float|None)->tuple|None:
+        "(record, note, seconds) of the compile, where this batch can time it; each batch between counts as `step_s`"
+        if self.timing is None: return None
+        (record, start, note, (epoch, it, training)), self.timing = self.timing, None
+        if (learn.epoch, learn.training) != (epoch, training) or learn.iter <= it: return None
+        return record, note, max(now - start - (learn.iter - it)*(step_s or 0.), 0.)
+
+# %% ../nbs/08_background.ipynb #f47c974a
 class BackgroundCompile:
     "Compile a model state in a worker process, into the on-disk caches, while the fit trains eagerly; then take over warm"
     # A cold compile's cost to the fit's path: with a step `SAVING` faster, a fit with under 30 s of eager steps left
@@ -79,15 +103,13 @@ class BackgroundCompile:
         self.ranks = Local() # How the fit's processes decide on a state: `DDP` under DDP
         self.states = {} # Each `StateKey` met, its `ModelState`: those `READY` stay for later fits
         self.compiling = None # The `ModelState` whose job the worker compiles
-        self.probing = None # The `ModelState` whose eager batches are timed
-        self.changes = 0 # Times this fit's probe started over on a new state, mostly a new shape of the batches
-        self.fastest_s = None # The fastest eager step a probe timed: what a hand-over's timing takes off for each batch it counts
-        self.timing = None # (record, start, note, batch) of the hand-over compiling warm in the fit's path, timed at a later batch
+        self.probes = _Probes() # Times new states' eager batches
+        self.timer = _WarmTimer() # Times a hand-over's warm compile in the fit's path
         self.notes = [] # One line for the report per background compile of this fit
 
     def __getstate__(self): # A copy of the callback (`learn.export`) starts with no worker and nothing compiled
-        return {**self.__dict__, 'worker': Worker(), 'ranks': Local(), 'states': {}, 'compiling': None, 'probing': None,
-                'timing': None, 'show': None}
+        return {**self.__dict__, 'worker': Worker(), 'ranks': Local(), 'states': {}, 'compiling': None, 'probes': _Probes(),
+                'timer': _WarmTimer(), 'show': None}
 
     def start(self,
         show=None, # Where the hand-over is announced (`CompilerCallback._show`)
@@ -144,11 +166,11 @@ class BackgroundCompile:
     def _judge(self, st:ModelState, learn, now:float)->bool:
         "Whether the fit's eager rest, timed over its first `probe_batches` batches of this state, pays back its compile"
         if self.cold_cost_s <= 0: return True
-        if self.probing is not st: self._new_probe(st, now)
-        st.probe.tick(now)
-        if st.probe.seen <= self.probe_batches: return False
-        left, step_s = batches_left(learn), st.probe.step_s
-        self.fastest_s = st.probe.fastest
+        if (n := self.probes.tick(st, now)) < self.probe_batches:
+            if n == 0 and self.probes.changes == 2*self.probe_batches and not any(s.stage is Stage.READY for s in self.states.values()):
+                self.notes.append(_shapes_change(self.probes.changes, self.probe_batches)) # Said once, if states change too often
+            return False
+        left, step_s, self.probes.fastest_s = batches_left(learn), st.probe.step_s, st.probe.fastest
         rec = self.records.get(st.record) # Once the probe is done: not at each of its batches
         cost = self.cold_cost_s if rec is None else rec.get('warm_s', self.warm_s)
         if pays_back(left, SAVING*step_s, cost): return True
@@ -157,29 +179,13 @@ class BackgroundCompile:
         self.notes.append(_too_short(left, step_s*left, None if rec is None else cost, rest_needed(cost)))
         return False
 
-    def _new_probe(self, st:ModelState, now:float):
-        "Time a new state's eager batches, in a row; say once if states change too often for any to be timed"
-        st.probe, self.probing, self.changes = Probe(now), st, self.changes + 1
-        if self.changes == 2*self.probe_batches and not any(s.stage is Stage.READY for s in self.states.values()):
-            self.notes.append(_shapes_change(self.changes, self.probe_batches))
-
-    def begin(self,
-        st:ModelState, # A state judged worth compiling
-        learn, # The `Learner` whose batch this is
-        model:nn.Module, # The model being compiled
-        now:float|None, # This batch's start, where it runs the compiled code if the cache has it
-    )->bool:
-        "Compile `st`: at once where inductor's cache has its code, else in the worker. Whether this batch runs eagerly"
-        if (rec := self.records.get(st.record)) is not None: return self.warm(st, rec, learn, now)
-        return self.send(st, learn, model)
-
     def warm(self, st:ModelState, rec:dict, learn, now:float|None)->bool:
         "Compile `st` in the fit's path, from inductor's cache: this batch (`now`), or the next"
         st.to(Stage.READY)
         self.worker.idle() # Not needed this fit, unless a job waits for it
         self.notes.append(_warm(rec, st.key.training, where(learn, next_batch=now is None), self.ranks.together(False)))
         if now is None: st.handover = 'warm' # Timed from the next batch, which compiles
-        else: self.timing = (st.record, now, len(self.notes) - 1, _batch(learn))
+        else: self.timer.start(st.record, now, len(self.notes) - 1, learn)
         return False
 
     def submit(self,
@@ -225,23 +231,19 @@ class BackgroundCompile:
         "The compiled code runs from this batch on; the first after its compile elsewhere compiles warm, timed"
         handover, st.handover = st.handover, None
         if handover == 'warm': # A warm compile the ranks agreed on: this batch compiles
-            self.timing = (st.record, now, _last(self.notes, 'compiled'), _batch(learn))
+            self.timer.start(st.record, now, _last(self.notes, 'compiled'), learn)
         elif handover == 'worker':
             at = where(learn)
-            self.timing = (st.record, now, len(self.notes), _batch(learn))
+            self.timer.start(st.record, now, len(self.notes), learn)
             self.notes.append(_took_over(st, at, self.ranks.together(True)))
             if self.show is not None:
                 self.show(f"torch.compile: the compiled model takes over at {at}, after {st.result.took_s:.1f}s compiling in a worker process")
         return False
 
     def _time_handover(self, now:float, learn):
-        "A later batch of the hand-over's epoch and phase: record how long the warm compile in the fit's path took, for later fits"
-        if self.timing is None: return
-        (record, start, i, (epoch, it, training)), self.timing = self.timing, None
-        # Each batch from the compiled one to this counts as the fastest eager step (the probe's mean holds a fit's slow first
-        # batches, which would make the compile look free); a validation between (another epoch or phase) leaves it untimed
-        if (learn.epoch, learn.training) != (epoch, training) or learn.iter <= it: return
-        warm = max(now - start - (learn.iter - it)*(self.fastest_s or 0.), 0.)
+        "Record how long a hand-over's warm compile in the fit's path took, for later fits, once a later batch can tell"
+        if (timed := self.timer.stop(now, learn, self.probes.fastest_s)) is None: return
+        record, i, warm = timed
         if self.ranks.rank == 0: self.records.put(record, warm_s=warm) # Under DDP, rank 0's: the one that timed the eager step
         self.notes[i] += f"; compiling it in the fit's path took {warm:.1f}s"
 
@@ -256,16 +258,16 @@ class BackgroundCompile:
         if (st := self.compiling) is not None: self.notes.append(_unfinished(st))
         self.worker.end()
         self.ranks.end()
-        self.ranks, self.compiling, self.probing, self.changes, self.timing = Local(), None, None, 0, None
+        self.ranks, self.compiling, self.probes, self.timer = Local(), None, _Probes(), _WarmTimer()
         self.states = {k: s for k,s in self.states.items() if s.stage is Stage.READY}
-        for s in self.states.values(): s.handover = None # Its code compiles at its next batch, unannounced
+        for s in self.states.values(): s.end_fit() # Its code compiles at its next batch, unannounced
 
     def take_notes(self)->list:
         "The report's lines about this fit, emptied for the next"
         notes, self.notes = self.notes, []
         return notes
 
-# %% ../nbs/08_background.ipynb #672de7ca
+# %% ../nbs/08_background.ipynb #b6d2a962
 def where(learn, next_batch:bool=False)->str:
     "Where in the fit this batch is, or the next training batch (after an epoch's last: the next epoch's first)"
     epoch, it = learn.epoch, learn.iter + next_batch
@@ -274,7 +276,7 @@ def where(learn, next_batch:bool=False)->str:
 def _batch(learn)->tuple: return learn.epoch, learn.iter, learn.training
 def _last(notes:list, start:str)->int: return max(i for i,n in enumerate(notes) if n.startswith(start))
 
-# %% ../nbs/08_background.ipynb #836eeba9
+# %% ../nbs/08_background.ipynb #2d444b79
 def _phase(training:bool)->str: return '' if training else ' for evaluation' # A state's phase, in the report's words
 
 def profile_text(res:JobResult)->str:

@@ -17,7 +17,7 @@ from fastai.torch_core import rank_distrib
 
 from .core import inner_model, model_device, model_fingerprint
 from .internals import inductor_cache_dir, cpp_kernel_files
-from .callback import _compiler_of
+from .callback import compiler_of
 from .background import WarmRecords
 
 # %% auto #0
@@ -48,7 +48,7 @@ def _learner_device(learn:Learner)->torch.device:
 
 def _settings_text(learn:Learner)->str|None:
     "`learn`'s compile settings as text, `None` if it has no `CompilerCallback`"
-    cb = _compiler_of(learn, kept=True)
+    cb = compiler_of(learn, kept=True)
     if cb is None: return None
     name = lambda v: v if v is None or isinstance(v, (str, bool, int, float, dict)) else getattr(v, '__qualname__', type(v).__name__)
     return ', '.join(f'{k}={name(v)!r}' for k,v in sorted({**cb.settings, 'regional': cb.regional}.items()))
@@ -83,7 +83,7 @@ def save_compile_cache(self:Learner,
 )->Path|None:
     "Save the code `torch.compile` generated in this process, for `load_compile_cache` in another"
     if rank_distrib(): return None # Rank 0 saves, as `Learner.save` does
-    cb = _compiler_of(self, kept=True)
+    cb = compiler_of(self, kept=True)
     with cb.precompile.saving() if cb is not None else nullcontext(): saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         warnings.warn("Not saving a compile cache: nothing compiled in this process is cached. Fit the compiled Learner first.")

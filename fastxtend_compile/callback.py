@@ -283,7 +283,7 @@ class CompilerCallback(Callback):
 
     def _stands_aside(self)->bool:
         "Whether a `CompilerCallback` passed to this fit (the newest) compiles it instead of this one"
-        return _compiler_of(self.learn) is not self
+        return compiler_of(self.learn) is not self
 
     def _frozen(self): return self.learn.opt is not None and self.learn.opt.frozen_idx > 0
 
@@ -404,7 +404,7 @@ class CompilerCallback(Callback):
         return self.report.plot(ax=ax)
 
 # %% ../nbs/02_callback.ipynb #b498dbea
-def _compiler_of(
+def compiler_of(
     learn:Learner, # Learner whose fits may be compiled
     kept:bool=False, # Else the `CompilerCallback` a fit was passed and removed, kept as `learn.compiler` for its report
 )->CompilerCallback|None:

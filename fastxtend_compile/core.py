@@ -108,27 +108,27 @@ def cannot_compile_reason(
     return None
 
 # %% ../nbs/00_core.ipynb #233956e3
-def _plain(t:TensorBase)->Tensor: return t.as_subclass(Tensor)
+def plain_tensor(t:TensorBase)->Tensor: return t.as_subclass(Tensor)
 
 def _stripped(args:tuple, kwargs:dict, leaves:list, spec):
     "`args` and `kwargs` (flattened: `leaves` and `spec`) with fastai tensors made plain, and the first fastai tensor (or `None`)"
     like = next((o for o in leaves if isinstance(o, TensorBase)), None)
     if like is None: return args, kwargs, None
-    return *tree_unflatten([_plain(o) if isinstance(o, TensorBase) else o for o in leaves], spec), like
+    return *tree_unflatten([plain_tensor(o) if isinstance(o, TensorBase) else o for o in leaves], spec), like
 
 def _retyped(t:Tensor, cls:type, like:TensorBase|None)->Tensor:
     res = t.as_subclass(cls)
     if like is not None: res.set_meta(like, as_copy=True)
     return res
 
-def _casts(module:nn.Module)->list:
+def tensor_casts(module:nn.Module)->list:
     "fastai's `ToTensorBase` layers in `module`: each casts the tensor it gets to a fastai type"
     return [m for m in module.modules() if isinstance(m, ToTensorBase)]
 
 def _pass_through(x): return x
 
 @contextmanager
-def _casts_deferred(casts:list):
+def casts_deferred(casts:list):
     "fastai's `ToTensorBase` layers `casts` pass their input through, for TorchDynamo: their cast is applied to the outputs"
     # TorchDynamo fails on a fastai tensor made inside a graph (torch 2.15 recurses into fastai's `Tensor.as_subclass`,
     # 2.11 errors in `TensorBase.__torch_function__`): `DynamicUnet` ends with a `ToTensorBase`
@@ -213,7 +213,7 @@ def _observer(hook:Callable)->bool:
     owner = getattr(hook, '__self__', None)
     return isinstance(owner, Hook) and owner.detach
 
-def _hook_owner(hook:Callable)->str:
+def hook_owner(hook:Callable)->str:
     "Who registered `hook`: the callback or function behind a fastai `Hook`, else the hook itself"
     f = getattr(getattr(hook, '__self__', None), 'hook_func', hook)
     return type(f.__self__).__name__ if hasattr(f, '__self__') else getattr(f, '__qualname__', repr(f))
@@ -426,7 +426,7 @@ class CompiledCall:
         # CUDA graphs overwrite their outputs at the next replay, and fastai keeps outputs around (Recorder, metrics, preds)
         self.cudagraphs = uses_cudagraphs(settings)
         self.hook_dicts = hook_dicts(module)
-        self.casts = _casts(module)
+        self.casts = tensor_casts(module)
         self.eager_calls = Counter() # Calls run eagerly rather than compiled for a shape seen once, by (phase, shapes)
         self.dims = {} # The input sizes compiled dynamically, by phase, once they kept changing: {(input, dimension)}
         self.around = '' # The recurrent layers this part of a model is compiled around, which run eagerly (`_rnn_free_parts`)
@@ -508,7 +508,7 @@ class CompiledCall:
         # another model's code, or another freeze state's (some torch versions don't guard `requires_grad`), from loading
         if not caching_precompile(): return None
         settings = sorted((k, str(v)) for k,v in (self.settings if settings is None else settings).items())
-        what = (model_fingerprint(self.module), settings, trains, list(map(_hook_owner, self.hooks)))
+        what = (model_fingerprint(self.module), settings, trains, list(map(hook_owner, self.hooks)))
         return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
 
     def _hooks(self)->tuple: return tuple(h for d in self.hook_dicts if d for h in d.values())
@@ -531,7 +531,7 @@ class CompiledCall:
         if cudagraphs: torch.compiler.cudagraph_mark_step_begin()
         try:
             # A model's own bug is logged by torch as it traces: held back until eager's run says whose bug it is
-            with HeldRecords(fake_tensor_logger, traced_op_error()) as held, _casts_deferred(self.casts):
+            with HeldRecords(fake_tensor_logger, traced_op_error()) as held, casts_deferred(self.casts):
                 out = entry(self.module, *args, **kwargs)
         except (graph_break_error(), data_dependent_error(), recompile_limit_error()) as e:
             if not self.settings.get('fullgraph'): raise
@@ -580,7 +580,7 @@ class CompiledCall:
         "Say, once for each set of hooks, that the model runs eagerly while they look at its values"
         if observers == self.warned_hooks: return
         self.warned_hooks = observers
-        owners = ', '.join(dict.fromkeys(map(_hook_owner, observers)))
+        owners = ', '.join(dict.fromkeys(map(hook_owner, observers)))
         warnings.warn(f"{owners} registered hooks on {len(observers)} module(s) of {type(self.module).__name__} that read its "
             "values out (fastai `Hook`s with `detach=True`). Compiled, each would break the graph and recompile at every "
             "batch, so the model runs eagerly while they are registered and compiled once they are removed (HookCallbacks "

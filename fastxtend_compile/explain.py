@@ -18,9 +18,9 @@ from fastai.learner import Learner
 
 from .core import *
 from .core import check_backend, graph_break_reason, CompiledCall, inner_model, model_device
-from .core import _plain, _casts, _casts_deferred
+from .core import plain_tensor, tensor_casts, casts_deferred
 from .internals import compiled_call, set_compiled_call, explain, explained_break, tree_map_only, tree_leaves, inductor_fallback_random
-from .callback import CompilerCallback, _compiler_of
+from .callback import CompilerCallback, compiler_of
 
 # %% auto #0
 __all__ = ['explain_summary', 'DynamoExplainCallback', 'CompileStage']
@@ -77,7 +77,7 @@ def one_plain_batch(
     # fastai's `DistributedDL` deals each rank its share through a collective every rank must join: draw from the
     # DataLoader it wraps, so rank 0 alone can take a batch
     if type(dl).__name__ == 'DistributedDL': dl = dl.dl
-    b = tree_map_only(TensorBase, _plain, dl.one_batch())
+    b = tree_map_only(TensorBase, plain_tensor, dl.one_batch())
     # On the model's device, as fastai's `Learner` puts a batch: before a fit the model may still be on the CPU
     b = to_device(b, model_device(inner_model(learn.model)))
     return b[:dl.n_inp], b[dl.n_inp:]
@@ -126,7 +126,7 @@ class DynamoExplainCallback(Callback):
 
     def explain(self):
         "Run `torch._dynamo.explain` on one batch, as training would compile it, leaving other compiled code alone"
-        with untouched(self.learn) as model, learner_autocast(self.learn), _casts_deferred(_casts(model)): # As `CompiledCall` runs it
+        with untouched(self.learn) as model, learner_autocast(self.learn), casts_deferred(tensor_casts(model)): # As `CompiledCall` runs it
             xb,_ = one_plain_batch(self.learn)
             self.explain_output = explain(model, *xb)
         if self.print_results: print(self.summary())
@@ -187,7 +187,7 @@ def debug_compile(self:Learner,
     show:bool=True, # Print each stage's result
 )->list:
     "Run one batch through backend 'eager', then 'aot_eager', then `backend`, stopping at the first that fails"
-    settings = dict((_compiler_of(self, kept=True) or CompilerCallback(backend=backend or 'inductor')).settings)
+    settings = dict((compiler_of(self, kept=True) or CompilerCallback(backend=backend or 'inductor')).settings)
     settings['backend'] = check_backend(backend or settings['backend'])
     stages = []
     with untouched(self) as model:

@@ -18,7 +18,7 @@ import fastai.callback.schedule # Patches `Learner.fine_tune` and `fit_one_cycle
 from .core import *
 from .core import unwrap_model
 from .internals import without_dynamo_marks
-from .callback import CompilerCallback, _compiler_of
+from .callback import CompilerCallback, compiler_of
 
 # %% auto #0
 __all__ = ['load_learner']
@@ -107,10 +107,10 @@ def _compiler_after(learn:Learner, fits:CompilerCallback):
 def fit(self, *args, **kwargs):
     fits = _fit_compilers(args, kwargs)
     try:
-        if cb := _compiler_of(self): cb.before_ddp_wraps()
+        if cb := compiler_of(self): cb.before_ddp_wraps()
         return _fastai_fit(self, *args, **kwargs)
     finally: # After a fit that raised; after one that ended there is nothing left to undo
-        if cb := _compiler_of(self): cb.restore() # A fit's own `cbs` restore as they are removed
+        if cb := compiler_of(self): cb.restore() # A fit's own `cbs` restore as they are removed
         if fits: _compiler_after(self, fits[-1])
 
 # %% ../nbs/03_patches.ipynb #cfcbdb5b
@@ -124,7 +124,7 @@ def freeze_to(self:Learner,
     trains = lambda: [p.requires_grad for p in self.model.parameters()]
     before = trains()
     _fastai_freeze_to(self, n)
-    if (cb := _compiler_of(self)) and trains() != before: cb.after_freeze()
+    if (cb := compiler_of(self)) and trains() != before: cb.after_freeze()
 
 # %% ../nbs/03_patches.ipynb #18b4adec
 _fastai_fine_tune = Learner.fine_tune

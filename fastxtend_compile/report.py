@@ -14,7 +14,7 @@ import torch, fastai
 from fastai.data.transforms import IntToFloatTensor
 from fastcore.basics import store_attr, groupby
 
-from .core import graph_break_reason, frame_name, _hook_owner
+from .core import graph_break_reason, frame_name, hook_owner
 from .internals import *
 from .payoff import pays_back
 
@@ -354,7 +354,7 @@ class CompileRecorder:
         for c in calls: # What ran eagerly rather than compile a graph for a shape seen once (twin blocks see alike)
             for k,n in c.eager_calls.items(): r.eager_calls[k] = max(r.eager_calls.get(k, 0), n)
             for phase in c.dims: r.dynamic[phase, type(c.module).__name__] = c.dynamic_shapes(phase)
-            if c.warned_hooks: r.eager_hooks = ', '.join(dict.fromkeys(map(_hook_owner, c.warned_hooks)))
+            if c.warned_hooks: r.eager_hooks = ', '.join(dict.fromkeys(map(hook_owner, c.warned_hooks)))
         if rnn := [c for c in calls if c.around]:
             r.rnns, r.rnn_parts = rnn[0].around, ', '.join(dict.fromkeys(type(c.module).__name__ for c in rnn))
         remove_compile_callbacks(self._on_start, self._on_end)

@@ -93,3 +93,8 @@ class ModelState:
         return self.stage is not Stage.READY
 
     def to(self, stage:Stage): self.stage = stage
+
+    def end_fit(self):
+        "The fit ended: what it measured of this state goes; its compiled code, and a tier it kept, stay"
+        self.probe, self.job, self.eager_batches, self.sent_at, self.handover = None, None, 0, '', None
+        if self.tier is not None: self.tier = self.tier.next_fit()

@@ -216,19 +216,17 @@ class Tiers:
         "Pick the tier the measured step needs, and have the worker compile it, or compile it at once where its code is cached"
         run.to(TierStage.DONE)
         if (name := self.pick(busy)) is None: return self.notes.append("no faster tier: the GPU's share of the step was not measured here")
-        share = '' if busy is None else f"the GPU ran work {busy:.0%} of the default's {median(run.base)*1e3:.1f} ms step, "
+        share = '' if busy is None else _share(busy, median(run.base))
         graphs = self._graphs(name)
         if graphs and step_bytes is not None and not cudagraphs_fit(free := torch.cuda.mem_get_info(self.device)[0], step_bytes):
-            return self.notes.append(f"no faster tier: {share}so CUDA graphs ({name}) would be faster, but their memory, "
-                                     f"{step_bytes/2**30:.1f} GB a step, doesn't fit in the {free/2**30:.1f} GB the GPU has free")
+            return self.notes.append(_no_room(share, name, step_bytes, free))
         run.tier = name
         if share: run.why = share + ("so the host's launches bound it: CUDA graphs" if graphs else "so the GPU bounds it: autotuned kernels")
         run.records = self.records[name]
         run.record = run.records.key(model, st.key)
         if run.records.get(run.record) is not None: return self._switch(run, learn, policy) # Inductor's cache has its code
         try: run.job = self.aside.submit(model, learn, self._settings(name))
-        except Exception as e:
-            return self.notes.append(f"tier {name} not tried: the model could not be sent to a worker process ({type(e).__name__}: {e})")
+        except Exception as e: return self.notes.append(_unsent(name, e))
         run.to(TierStage.COMPILE)
 
     def _on_compile(self, run, learn, policy, model, st):
@@ -236,9 +234,7 @@ class Tiers:
         if (res := self.aside.poll(run.job)) is None: return
         if not res.ok:
             run.to(TierStage.DONE)
-            full = 'the GPU is too full to compile it beside the fit; ' if res.oom else ''
-            return self.notes.append(f"tier {run.tier} not tried: compiling it in a worker process failed after {res.took_s:.1f}s "
-                                     f"({full}{res.error}); the default tier trains on")
+            return self.notes.append(_worker_failed(run.tier, res))
         run.res = res
         run.records.put(run.record, cold_s=res.compile_s)
         self._switch(run, learn, policy)
@@ -269,16 +265,12 @@ class Tiers:
     def _verdict(self, run, learn, policy, model):
         "Keep the faster tier for the rest of the fit; drop the slower one's graphs"
         run.to(TierStage.DONE)
-        ms = (f"{median(run.tier_times)*1e3:.1f} ms a step against {median(run.ab_base)*1e3:.1f} ms for the default, "
-              "alternating on the fit's batches")
-        how = f"compiled in a worker process in {run.res.took_s:.1f}s ({profile_text(run.res)})" if run.res else "its code was in inductor's cache"
         if faster(run.tier_times, run.ab_base):
             run.kept = True
             self._run_tier(learn, policy, run, counted=True)
-            return self.notes.append(f"tier {run.tier} took over at {where(learn)}: {run.why}{'; ' if run.why else ''}{how}; "
-                                     f"compiling it in the fit's path took {run.warm:.1f}s; {ms}")
+            return self.notes.append(_took_over(run, where(learn)))
         self._drop(run.tier, model)
-        self.notes.append(f"tier {run.tier} not kept: {ms}; its graphs were dropped")
+        self.notes.append(f"tier {run.tier} not kept: {_ab(run)}; its graphs were dropped")
 
     def _drop(self, name:str, model:nn.Module):
         "Drop tier `name`'s compiled functions, with the memory their graphs held"
@@ -311,7 +303,6 @@ class Tiers:
             if r.meter is not None: r.meter.end()
             if r.stage is TierStage.COMPILE: self.notes.append(f"the fit ended before tier {r.tier} compiled in the worker process")
             if r.kept and r.batches: self.notes.append(f"tier {r.tier} ran {r.batches} training batch(es), from {r.since} on")
-            st.tier = r.next_fit()
         self.aside = None
 
     def take_notes(self)->list:
@@ -322,6 +313,30 @@ class Tiers:
 def _calls(model:nn.Module)->list:
     "The compiled calls of `model` and its blocks"
     return [c for m in model.modules() if isinstance(c := compiled_call(m), CompiledCall)]
+
+# %% ../nbs/09_tiers.ipynb #04d59625
+def _share(busy:float, step_s:float)->str: return f"the GPU ran work {busy:.0%} of the default's {step_s*1e3:.1f} ms step, "
+
+def _no_room(share:str, name:str, step_bytes:int, free:int)->str:
+    return (f"no faster tier: {share}so CUDA graphs ({name}) would be faster, but their memory, {step_bytes/2**30:.1f} GB a step, "
+            f"doesn't fit in the {free/2**30:.1f} GB the GPU has free")
+
+def _unsent(name:str, e:Exception)->str:
+    return f"tier {name} not tried: the model could not be sent to a worker process ({type(e).__name__}: {e})"
+
+def _worker_failed(name:str, res)->str:
+    full = 'the GPU is too full to compile it beside the fit; ' if res.oom else ''
+    return (f"tier {name} not tried: compiling it in a worker process failed after {res.took_s:.1f}s ({full}{res.error}); the "
+            "default tier trains on")
+
+def _ab(run:TierRun)->str:
+    return (f"{median(run.tier_times)*1e3:.1f} ms a step against {median(run.ab_base)*1e3:.1f} ms for the default, alternating "
+            "on the fit's batches")
+
+def _took_over(run:TierRun, at:str)->str:
+    how = f"compiled in a worker process in {run.res.took_s:.1f}s ({profile_text(run.res)})" if run.res else "its code was in inductor's cache"
+    return (f"tier {run.tier} took over at {at}: {run.why}{'; ' if run.why else ''}{how}; compiling it in the fit's path took "
+            f"{run.warm:.1f}s; {_ab(run)}")
 
 def _no_time(left:int, rest_s:float, needed_s:float)->str:
     return (f"no faster tier: the fit's {left} training batches left, about {rest_s:.0f}s with the default tier, are too few to "

@@ -234,13 +234,13 @@ def test_the_hand_overs_compile_is_timed_within_its_epoch_and_phase(tmp_path, mo
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
     at = lambda epoch, it, training=True: SimpleNamespace(epoch=epoch, iter=it, training=training)
     aside = BackgroundCompile({'backend': 'eager'})
-    aside.fastest_s, aside.notes = 0.5, ['compiled']
-    aside.timing = ('state', 10., 0, (0, 5, True)) # Batch 5 compiled warm; batch 6 ran eagerly to measure the eager step
+    aside.probes.fastest_s, aside.notes = 0.5, ['compiled']
+    aside.timer.timing = ('state', 10., 0, (0, 5, True)) # Batch 5 compiled warm; batch 6 ran eagerly to measure the eager step
     aside._time_handover(14., at(0, 7))
     assert aside.records.get('state') == {'warm_s': 3.} and aside.notes == ["compiled; compiling it in the fit's path took 3.0s"]
-    aside.timing = ('other', 10., 0, (0, 5, True))
+    aside.timer.timing = ('other', 10., 0, (0, 5, True))
     aside._time_handover(99., at(0, 0, training=False)) # The epoch's validation came first
-    assert aside.records.get('other') is None and aside.timing is None
+    assert aside.records.get('other') is None and aside.timer.timing is None
 
 def test_the_probe_times_the_fastest_eager_step_for_the_hand_overs_timing(tmp_path, monkeypatch):
     "A fit's slow first batch (its loader starting) weighs on the probe's mean, not on what the hand-over's timing takes off"
@@ -252,8 +252,8 @@ def test_the_probe_times_the_fastest_eager_step_for_the_hand_overs_timing(tmp_pa
     times = [0., 5.] + [5. + 0.25*i for i in range(1, 8)] # The first batch takes 5s, the others 0.25s
     worth = [aside._judge(st, learn, t) for t in times]
     assert worth == [False]*8 + [True] # After 8 batches timed, thousands left: a cold compile pays
-    assert st.probe.step_s == pytest.approx((5. + 7*0.25)/8) and aside.fastest_s == pytest.approx(0.25)
-    aside.notes, aside.timing = ['compiled'], ('state', 10., 0, (0, 9, True))
+    assert st.probe.step_s == pytest.approx((5. + 7*0.25)/8) and aside.probes.fastest_s == pytest.approx(0.25)
+    aside.notes, aside.timer.timing = ['compiled'], ('state', 10., 0, (0, 9, True))
     aside._time_handover(12.25, SimpleNamespace(epoch=0, iter=10, training=True)) # Batch 9 compiled in 2s, then ran in 0.25s
     assert aside.records.get('state') == {'warm_s': pytest.approx(2.)}
 
