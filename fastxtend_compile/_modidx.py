@@ -777,8 +777,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                          'fastxtend_compile/state.py'),
                                          'fastxtend_compile.state.ModelState.to': ( 'state.html#modelstate.to',
                                                                                     'fastxtend_compile/state.py'),
-                                         'fastxtend_compile.state.ModelState.waiting': ( 'state.html#modelstate.waiting',
-                                                                                         'fastxtend_compile/state.py'),
                                          'fastxtend_compile.state.Probe': ('state.html#probe', 'fastxtend_compile/state.py'),
                                          'fastxtend_compile.state.Probe.__init__': ( 'state.html#probe.__init__',
                                                                                      'fastxtend_compile/state.py'),

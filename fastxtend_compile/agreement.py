@@ -4,7 +4,7 @@
 
 # %% ../nbs/16_agreement.ipynb #7cf1f01b
 from __future__ import annotations
-import socket, time
+import socket
 from datetime import timedelta
 
 import torch

@@ -4,7 +4,7 @@
 
 # %% ../nbs/15_state.ipynb #d4199f7b
 from __future__ import annotations
-import itertools, time, weakref
+import itertools, weakref
 from enum import Enum
 from typing import NamedTuple
 
@@ -86,11 +86,6 @@ class ModelState:
         self.sent_at = '' # Where in the fit its job was sent
         self.handover = None # 'worker' or 'warm': how its compiled code takes over, at its next batch
         self.tier = None # The faster tier's way with this state (`Tiers`), once its compiled code runs
-
-    @property
-    def waiting(self)->bool:
-        "Whether its batches run eagerly now"
-        return self.stage is not Stage.READY
 
     def to(self, stage:Stage): self.stage = stage
 
