@@ -291,3 +291,18 @@ def test_a_new_model_where_a_freed_one_lived_is_a_new_state():
     if b is None: pytest.skip("no new model took the freed one's address here")
     new = state_key(b, (x,), True)
     assert new != key and not aside.ready(new) and aside.state(new, b).stage is Stage.PROBING
+
+def test_a_state_whose_worker_failed_is_tried_again_in_the_next_fit(cold_cache, monkeypatch):
+    "A failed compile leaves its state eager for the fit; the next fit sends it to a worker again (the GPU may have room now)"
+    code = Worker.code
+    monkeypatch.setattr(Worker, 'code', "raise SystemExit('no compiler here')")
+    set_seed(0, reproducible=True)
+    learn = Learner(digits_dls(), two_conv_cnn(), cbs=[WaitForWorker(at=0)])
+    learn.compile(backend='aot_eager', background=True, **EAGER_PRECISION)
+    with pytest.warns(UserWarning, match=r"torch.compile failed in a background worker process \(no compiler here\)"), learn.no_bar():
+        learn.fit(1, 3e-3)
+    assert learn.compiler.report.graphs == 0
+    monkeypatch.setattr(Worker, 'code', code)
+    with learn.no_bar(): learn.fit(1, 3e-3)
+    notes = learn.compiler.report.background
+    assert "the compiled code took over at epoch 0, batch 1" in notes[-1] and learn.compiler.report.graphs >= 1, notes
