@@ -77,6 +77,26 @@ class _BusyMeter:
         self.prof = None
 
 # %% ../nbs/09_tiers.ipynb #19c121f7
+class _StepTimer:
+    "Times a training batch alone, from no work queued to all of it done"
+    def __init__(self): self.device, self.times, self.t0 = None, None, 0.
+
+    def _sync(self):
+        if self.device is not None and self.device.type == 'cuda': torch.cuda.synchronize(self.device)
+
+    def start(self, times:list):
+        "Time this batch, into `times`"
+        self._sync()
+        self.times, self.t0 = times, time.perf_counter()
+
+    def stop(self):
+        "The batch ended: its time, where it was timed"
+        if self.times is None: return
+        self._sync()
+        self.times.append(time.perf_counter() - self.t0)
+        self.times = None
+
+# %% ../nbs/09_tiers.ipynb #9aa13951
 class TierStage(Enum):
     "Where a model state is on its way through the tiers"
     SETTLE = 'settle' # The default tier's first compiled batches
@@ -111,7 +131,7 @@ class TierRun:
         "What the state's next fit starts from: its kept tier, or nothing (it is tried again)"
         return TierRun(self.tier) if self.kept else None
 
-# %% ../nbs/09_tiers.ipynb #8de7f94b
+# %% ../nbs/09_tiers.ipynb #04d59625
 class Tiers:
     "Once the compiled code runs a state's training batches, a faster tier compiled in the worker, kept where an A/B on the fit's batches says so"
     default_on = ('cuda',) # Device types where a fit that compiles in the background tries tiers
@@ -130,11 +150,10 @@ class Tiers:
         self.aside = None # The fit's background compile, whose worker compiles the tiers; `None` while tiers are off
         self.device = None # The device the fit trains on
         self.records = {n: WarmRecords(self._settings(n), regional) for n in TIERS} # What each tier compiled before
-        self.timing = None # The list the time of the batch running goes to, where it is timed alone
-        self.t0 = 0. # When that batch started
+        self.timer = _StepTimer() # Times a batch alone, where its state's stage needs
         self.notes = [] # The report's lines about the tiers of this fit
 
-    def __getstate__(self): return {**self.__dict__, 'aside': None, 'timing': None}
+    def __getstate__(self): return {**self.__dict__, 'aside': None, 'timer': _StepTimer()}
 
     def start(self,
         aside:BackgroundCompile|None, # The fit's background compile; `None` compiles in the fit's path, without tiers
@@ -142,7 +161,7 @@ class Tiers:
         ddp:bool=False, # The fit runs under DistributedDataParallel
     ):
         "A fit starts: it tries tiers where it compiles in the background on a device that has them, with the default mode"
-        self.aside, self.device = None, device
+        self.aside, self.device, self.timer.device = None, device, device
         if aside is None or device.type not in self.default_on: return
         if (why := why_no_tiers(self.settings, ddp)) is not None:
             if why: self.notes.append(why)
@@ -163,17 +182,7 @@ class Tiers:
         if st.tier is None: st.tier = TierRun()
         self.on[st.tier.stage](self, st.tier, learn, policy, model, st)
 
-    def after_batch(self):
-        "The batch ended: its time, where it was timed alone"
-        if self.timing is None: return
-        if self.device.type == 'cuda': torch.cuda.synchronize(self.device)
-        self.timing.append(time.perf_counter() - self.t0)
-        self.timing = None
-
-    def _timed(self, times:list):
-        "Time this batch alone: from no work queued to all of it done"
-        if self.device.type == 'cuda': torch.cuda.synchronize(self.device)
-        self.timing, self.t0 = times, time.perf_counter()
+    def after_batch(self): self.timer.stop() # The batch ended: its time, where it was timed alone
 
     def _settings(self, name:str)->dict: return {**self.settings, **TIERS[name]} # Tier `name`'s `torch.compile` settings
     def _graphs(self, name:str)->bool: return self.device.type == 'cuda' and uses_cudagraphs(self._settings(name))
@@ -190,7 +199,7 @@ class Tiers:
         if run.n >= self.settle_batches: run.to(TierStage.TIME)
 
     def _on_time(self, run, learn, policy, model, st):
-        if len(run.base) < self.time_batches: return self._timed(run.base)
+        if len(run.base) < self.time_batches: return self.timer.start(run.base)
         left, step_s = batches_left(learn), median(run.base)
         if not pays_back(left, SAVING*step_s, self.try_cost_s):
             run.to(TierStage.DONE)
@@ -243,7 +252,7 @@ class Tiers:
         "This batch compiles the tier in the fit's path, from inductor's cache, timed"
         run.to(TierStage.WARMUP)
         self._run_tier(learn, policy, run)
-        self._timed(run.tier_times)
+        self.timer.start(run.tier_times)
 
     def _on_warmup(self, run, learn, policy, model, st):
         if run.n == 0: # The switch batch's time, less a step: the warm compile
@@ -259,7 +268,7 @@ class Tiers:
         if run.n == 2*self.ab_batches: return self._verdict(run, learn, policy, model)
         on = run.n % 2 == 0
         if on: self._run_tier(learn, policy, run)
-        self._timed(run.tier_times if on else run.ab_base)
+        self.timer.start(run.tier_times if on else run.ab_base)
         run.n += 1
 
     def _verdict(self, run, learn, policy, model):
@@ -297,7 +306,7 @@ class Tiers:
 
     def stop(self):
         "The fit ended or raised: what each state's tier did, for the report; a tier compiling is abandoned with the worker"
-        self.timing = None
+        self.timer = _StepTimer()
         for st in [] if self.aside is None else self.aside.states.values():
             if (r := st.tier) is None: continue
             if r.meter is not None: r.meter.end()
@@ -314,7 +323,7 @@ def _calls(model:nn.Module)->list:
     "The compiled calls of `model` and its blocks"
     return [c for m in model.modules() if isinstance(c := compiled_call(m), CompiledCall)]
 
-# %% ../nbs/09_tiers.ipynb #04d59625
+# %% ../nbs/09_tiers.ipynb #b0d91b9a
 def _share(busy:float, step_s:float)->str: return f"the GPU ran work {busy:.0%} of the default's {step_s*1e3:.1f} ms step, "
 
 def _no_room(share:str, name:str, step_bytes:int, free:int)->str:
