@@ -26,8 +26,13 @@ class Local:
         "A fit starts on `device`"
         self.device = None if device is None else str(device)
 
-    def devices(self)->list|None: return None # The worker compiles for the model's own device
-    def judges(self, training:bool)->bool: return True # This process times and judges every state
+    def devices(self)->list|None:
+        "The devices the worker compiles for: `None`, the model's own"
+        return None
+
+    def judges(self, training:bool)->bool:
+        "Whether this process times and judges a state of this phase: every state, in one process"
+        return True
 
     def judged(self, aside, st:ModelState, learn, model, now:float)->bool:
         "`st` is worth compiling: at once where inductor's cache has its code, else in the worker. Whether this batch runs eagerly"
@@ -44,9 +49,15 @@ class Local:
         st.to(Stage.READY)
         return False
 
-    def agree(self, aside, learn, st:ModelState, model): pass # Nothing to agree on: each event was acted on
-    def together(self, worker:bool)->str: return '' # How the ranks switched, for the report: nothing in one process
-    def end(self): pass
+    def agree(self, aside, learn, st:ModelState, model):
+        "Nothing to agree on in one process: each event was acted on as it came"
+
+    def together(self, worker:bool)->str:
+        "How the ranks switched, for the report: nothing to say in one process"
+        return ''
+
+    def end(self):
+        "The fit ended: nothing to release in one process"
 
 # %% ../nbs/16_agreement.ipynb #20dd845f
 def decide(
@@ -87,14 +98,17 @@ class DDP(Local):
         "The devices this host's ranks train on, each once: the host's worker compiles for each"
         return list(dict.fromkeys(d for h,d in self.hosts if h == self.host))
 
-    def judges(self, training:bool)->bool: return training and self.rank == 0 # Rank 0 judges; the ranks agree
+    def judges(self, training:bool)->bool:
+        "Whether this rank times and judges a state: rank 0 its training states; the ranks agree on them"
+        return training and self.rank == 0
 
     def judged(self, aside, st:ModelState, learn, model, now:float)->bool:
         "`st` is worth compiling: its compile starts on every host at the ranks' next agreement"
         st.to(Stage.JUDGED)
         return True
 
-    def done(self, aside, st:ModelState): pass # Acted on once every host's worker is done, at an agreement
+    def done(self, aside, st:ModelState):
+        "The host's worker finished `st`: acted on at an agreement, once every host's worker is done"
 
     def unsent(self, aside, st:ModelState, why:str)->bool:
         "`st` could not be sent to the host's worker: a failure the ranks agree on"

@@ -413,7 +413,7 @@ def compiler_of(
     if cb is None and kept and isinstance(old := learn.__dict__.get('compiler'), CompilerCallback): cb = old
     return cb
 
-
+# %% ../nbs/02_callback.ipynb #b498dbeb
 @patch
 @delegates(CompilerCallback)
 def compile(self:Learner, **kwargs):

@@ -70,7 +70,9 @@ class Probe:
         self.seen, self.last = self.seen + 1, now
 
     @property
-    def step_s(self)->float: return (self.last - self.start) / max(self.seen - 1, 1) # The mean of the batches timed
+    def step_s(self)->float:
+        "The mean of the batches timed"
+        return (self.last - self.start) / max(self.seen - 1, 1)
 
 # %% ../nbs/15_state.ipynb #b8765e07
 class ModelState:
@@ -87,7 +89,9 @@ class ModelState:
         self.handover = None # 'worker' or 'warm': how its compiled code takes over, at its next batch
         self.tier = None # The faster tier's way with this state (`Tiers`), once its compiled code runs
 
-    def to(self, stage:Stage): self.stage = stage
+    def to(self, stage:Stage):
+        "Move on to `stage`"
+        self.stage = stage
 
     def end_fit(self):
         "The fit ended: what it measured of this state goes; its compiled code, and a tier it kept, stay"

@@ -125,7 +125,9 @@ class TierRun:
         self.kept = kept is not None # The A/B kept the tier: it runs this state's training batches
         self.batches, self.since = 0, '' # Training batches the tier ran in this fit, and where it started
 
-    def to(self, stage:TierStage): self.stage, self.n = stage, 0
+    def to(self, stage:TierStage):
+        "Move on to `stage`, from its first batch"
+        self.stage, self.n = stage, 0
 
     def next_fit(self)->TierRun|None:
         "What the state's next fit starts from: its kept tier, or nothing (it is tried again)"

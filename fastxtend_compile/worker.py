@@ -195,7 +195,9 @@ class JobResult:
         return cls(took_s=took_s, **{k:v for k,v in d.items() if k in names})
 
     @property
-    def compile_s(self)->float: return self.forward_s + self.backward_s
+    def compile_s(self)->float:
+        "Seconds compiling, forward and backward"
+        return self.forward_s + self.backward_s
 
 @dataclass(eq=False)
 class Job:
