@@ -223,3 +223,11 @@ def test_regional_blocks_share_the_callbacks_policy_which_pickles_without_its_ca
     assert len(calls) == 3 and all(c.policy is cb.policy for c in calls) and cb.compile_valid
     copy = pickle.loads(pickle.dumps(cb))
     assert copy.policy is not cb.policy and copy.policy.compiled_calls() == [] and copy.policy.compile_valid
+
+def test_a_tiers_error_does_not_outlive_its_fit():
+    "A tier that raised in a fit that then ended is not dropped again, nor reported, in the next fit"
+    p = EagerPolicy()
+    p.start_fit()
+    assert p.tier_failed('plain', RuntimeError('no kernels')) and p.tier_error is not None
+    p.stop()
+    assert p.tier_error is None and p.tier is None
