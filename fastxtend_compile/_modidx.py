@@ -899,6 +899,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                           'fastxtend_compile.worker._kill': ('worker.html#_kill', 'fastxtend_compile/worker.py'),
                                           'fastxtend_compile.worker._last_line': ('worker.html#_last_line', 'fastxtend_compile/worker.py'),
                                           'fastxtend_compile.worker._loss': ('worker.html#_loss', 'fastxtend_compile/worker.py'),
+                                          'fastxtend_compile.worker._main_globals': ( 'worker.html#_main_globals',
+                                                                                      'fastxtend_compile/worker.py'),
                                           'fastxtend_compile.worker._modules': ('worker.html#_modules', 'fastxtend_compile/worker.py'),
                                           'fastxtend_compile.worker._no_call': ('worker.html#_no_call', 'fastxtend_compile/worker.py'),
                                           'fastxtend_compile.worker._out_of_memory': ( 'worker.html#_out_of_memory',

@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit, glob, io, json, os, shutil, signal, subprocess, sys, tempfile, time, traceback
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
+from types import FunctionType
 
 import torch
 from torch import nn, Tensor
@@ -101,6 +102,16 @@ def _compile_on(model:nn.Module, xb:list, job:dict)->tuple:
     return t1 - t0, time.perf_counter() - t1
 
 # %% ../nbs/13_worker.ipynb #d0ec8234
+def _main_globals(model:nn.Module):
+    "Give this process's `__main__` the globals that the methods of `model`'s classes defined in a script or notebook read"
+    # cloudpickle carries such a class's methods with the globals they read, but TorchDynamo (torch 2.11) looks a global
+    # up in the module its function names, `__main__`: here the worker's own, without them
+    main = sys.modules['__main__'].__dict__
+    for cls in {type(o) for o in model.modules() if type(o).__module__ == '__main__'}:
+        for f in vars(cls).values():
+            if isinstance(f, FunctionType): main.update({k:v for k,v in f.__globals__.items() if not k.startswith('__') and k not in main})
+
+# %% ../nbs/13_worker.ipynb #247bc4f4
 def compile_in_worker(
     path:str, # File of the job `Worker.submit` wrote
 )->dict:
@@ -111,6 +122,7 @@ def compile_in_worker(
     # With each module's training mode and each parameter's `requires_grad` as in the fit; one copy for each device the
     # host's ranks train on, as inductor's cache keeps the code of each device apart
     models = {d: cloudpickle.loads(b) for d,b in job['models'].items()}
+    for m in models.values(): _main_globals(m)
     xb = torch.load(io.BytesIO(job['inputs']), weights_only=True)
     t1, forward, backward = time.perf_counter(), 0., 0.
     for device, model in models.items():
@@ -119,7 +131,7 @@ def compile_in_worker(
         forward, backward = forward + f, backward + b
     return dict(load_s=t1 - t0, forward_s=forward, backward_s=backward, devices=len(models))
 
-# %% ../nbs/13_worker.ipynb #247bc4f4
+# %% ../nbs/13_worker.ipynb #464e731b
 def _chain(e:BaseException|None, inner)->list:
     "`e` and the errors it wraps, each `inner(error)` of the one before, to the root"
     chain = []
@@ -132,7 +144,7 @@ def _out_of_memory(e:BaseException)->bool:
     "Whether `e`, or an error it was raised from, is the GPU running out of memory"
     return any(isinstance(o, torch.OutOfMemoryError) for o in _chain(e, lambda o: o.__cause__ or o.__context__))
 
-# %% ../nbs/13_worker.ipynb #464e731b
+# %% ../nbs/13_worker.ipynb #427cb055
 def error_text(e:BaseException)->str:
     "The error at the root of `e`, on one line: a backend's own error rather than TorchDynamo's wrapping of it"
     root = _chain(e, lambda o: o.__cause__ or backend_error(o))[-1]
@@ -150,7 +162,7 @@ def read_json(path:str)->dict|None:
         with open(path) as f: return json.load(f)
     except (OSError, ValueError): return None
 
-# %% ../nbs/13_worker.ipynb #427cb055
+# %% ../nbs/13_worker.ipynb #d723f213
 def serve(
     device:str, # Device the fit trains on: a GPU's CUDA context starts before the first job
     modules:str='', # Modules of the model's classes, comma-separated, imported before the first job
@@ -174,7 +186,7 @@ def serve(
             if torch.cuda.is_available(): torch.cuda.empty_cache()
         write_json(path + '.done', res)
 
-# %% ../nbs/13_worker.ipynb #aac4ee2a
+# %% ../nbs/13_worker.ipynb #3a43883d
 @dataclass
 class JobResult:
     "How a job went in the worker: compiled or why not, and where the worker's time went"
@@ -206,7 +218,7 @@ class Job:
     sent:float = field(default_factory=time.perf_counter)
     proc:subprocess.Popen|None = None
 
-# %% ../nbs/13_worker.ipynb #3a43883d
+# %% ../nbs/13_worker.ipynb #2b37b883
 def _kill(proc:subprocess.Popen):
     "End the worker and the compile processes it started (its own process group)"
     if proc.poll() is not None: return
@@ -241,7 +253,7 @@ def _last_line(path:str|None)->str:
     except Exception: lines = []
     return lines[-1][:300] if lines else 'no output'
 
-# %% ../nbs/13_worker.ipynb #2b37b883
+# %% ../nbs/13_worker.ipynb #e1068e25
 class Worker:
     "The worker process of a fit: started for its first job, it compiles jobs one at a time, and ends with the fit"
     prefix = 'fxc-background-' # Its folder: `<prefix><the training process's pid>-<random>`, in the temporary directory
