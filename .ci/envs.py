@@ -7,7 +7,7 @@ table of tested versions from them and checks that settings.ini and setup.py dec
                                       no more than `--jobs` of them (~6 GB each) at once
   python .ci/envs.py setup NAME       make .venv-NAME: its Python (found on PATH or through pyenv), its torch, torchvision
                                       and fastai, then the README's set-up command in it; check the versions it got
-  python .ci/envs.py test NAME        in .venv-NAME: the README's test command, then the notebooks
+  python .ci/envs.py test NAME        in .venv-NAME: the README's test command (or the fast tests), then the notebooks
   python .ci/envs.py table            the README's table of tested versions
 
 Each environment installs with pip's configuration files and constraints left out (`PIP_CONFIG_FILE=/dev/null`), so a
@@ -30,21 +30,21 @@ def settings():
     return cfg['DEFAULT']
 
 class Env:
-    "One line of `test_envs`: name, Python, and torch, torchvision and fastai requirements"
+    "One line of `test_envs`: name, Python, torch, torchvision and fastai requirements, and which tests run"
     def __init__(self, line:str, last:bool):
-        name, self.python, *reqs = line.split()
+        name, self.python, *reqs, self.tests = line.split()
         self.name, self.last = name, last
-        if len(reqs) != len(PKGS): raise ValueError(f'test_envs, {name}: {line.strip()!r} is not a name, a Python, then {", ".join(PKGS)}')
         self.reqs = dict(zip(PKGS, reqs))
         for k, r in self.reqs.items():
             if not re.fullmatch(rf'{k}(==[\w.+]+)?', r): raise ValueError(f'test_envs, {name}: {r!r} is not `{k}` or `{k}==VERSION`')
+        if self.tests not in ('all', 'fast'): raise ValueError(f"test_envs, {name}: tests are 'all' or 'fast', not {self.tests!r}")
         self.venv = ROOT/f'.venv-{name}'
         self.log = ROOT/f'.venv-{name}.log'
 
     def pin(self, pkg): return self.reqs[pkg].partition('==')[2] or None
     @property
     def site(self): return self.last # The newest environment builds the site from its notebooks and runs the bench
-    def __repr__(self): return f'{self.name} (Python {self.python}, {", ".join(self.reqs.values())})'
+    def __repr__(self): return f'{self.name} (Python {self.python}, {", ".join(self.reqs.values())}, {self.tests} tests)'
 
 def envs():
     lines = [l for l in settings()['test_envs'].splitlines() if l.strip()]
@@ -63,15 +63,18 @@ def _vkey(v): return tuple(int(x) for x in v.split('.'))
 def table()->str:
     "Markdown: the tested versions, one environment a row"
     def ver(e, pkg): return e.pin(pkg) or 'newest'
-    rows = ['| Python | torch | torchvision | fastai |', '|---|---|---|---|']
-    for e in envs(): rows.append(f'| {e.python} | {ver(e, "torch")} | {ver(e, "torchvision")} | {ver(e, "fastai")} |')
+    fast = [Path(f).stem.removeprefix('test_') for f in settings()['fast_tests'].split()]
+    fast = ', '.join(fast[:-1]) + ' and ' + fast[-1] if len(fast) > 1 else fast[0]
+    runs = {'all': 'every test and notebook', 'fast': f'every notebook; the {fast} tests'}
+    rows = ['| Python | torch | torchvision | fastai | Tested |', '|---|---|---|---|---|']
+    for e in envs():
+        rows.append(f'| {e.python} | {ver(e, "torch")} | {ver(e, "torchvision")} | {ver(e, "fastai")} | {runs[e.tests]} |')
     return '\n'.join(rows)
 
 def table_cell()->str:
     "The source of nbs/index.ipynb's cell that shows the table"
-    return ('`bash .ci/run`, the CI, tests the versions below together, each row in a virtual environment of its own, where it runs\n'
-            "every test and every notebook. The rows are `settings.ini`'s `test_envs`, which CI reads and this table is written from:\n\n"
-            + table() + '\n\n'
+    return ('`bash .ci/run`, the CI, tests the versions below together, each row in a virtual environment of its own. The rows are\n'
+            "`settings.ini`'s `test_envs`, which CI reads and this table is written from:\n\n" + table() + '\n\n'
             "*newest* is the newest release on PyPI when CI runs: CI installs it whatever the machine's `pip` configuration\n"
             'caps, and checks that it did. The first row is the oldest of each that the package supports (`settings.ini`\n'
             'requires them). What needs a newer torch than yours says so, and its tests and notebook cells are skipped with\n'
@@ -193,10 +196,11 @@ def setup(e:Env):
 def notebooks(): return sorted(p for p in (ROOT/'nbs').glob('*.ipynb') if not p.name.startswith(('_', '.')))
 
 def test(e:Env):
-    "In `e`'s environment: the README's test command, then every notebook (the newest: the docs checks, the site and the benchmark)"
+    "In `e`'s environment: its tests, then every notebook (the newest: the docs checks, the site and the benchmark)"
     env = pip_env(e.venv)
     check_versions(e, env)
-    times = {'tests': sh(TESTS, env)}
+    fast = re.sub(r'\s+', ' ', settings()['fast_tests'].strip())
+    times = {'tests': sh(TESTS if e.tests == 'all' else TESTS.replace(' tests', ' ' + fast), env)}
     if e.site:
         times['docs'] = sh('bash .ci/docs --no-test', env)
         times['notebooks and site'] = sh('bash .ci/site', env)
@@ -217,7 +221,7 @@ def run_all(names, jobs, keep=False):
     es = [get_env(n) for n in names] if names else envs()
     free = shutil.disk_usage(ROOT).free / 2**30
     print(f'== {free:.0f} GB free on the disk of {ROOT}', flush=True)
-    es.sort(key=lambda e: not e.site) # Longest first: the one that builds the site, then the others as listed
+    es.sort(key=lambda e: (not e.site, e.tests != 'all')) # Longest first: the site, then the whole suites
     def one(e):
         t = time.time()
         with open(e.log, 'w') as f:

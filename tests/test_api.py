@@ -9,8 +9,6 @@ from fastxtend_compile import *
 from fastxtend_compile.core import compile_settings
 from conftest import two_conv_cnn
 
-pytestmark = pytest.mark.usefixtures('one_thread') # Tiny models on a shared CPU: see conftest
-
 def defaults(f): return {k: v.default for k,v in inspect.signature(f).parameters.items() if k not in ('self', 'kwargs')}
 
 compile_defaults = dict(fullgraph=False, dynamic=False, backend='inductor', mode=None, options=None,

@@ -13,8 +13,6 @@ from fastai.layers import ToTensorBase
 from fastai.vision.all import unet_learner, resnet18
 from conftest import two_conv_cnn, digits_dls, cancer_dls, text_dls, ragged_text_dls, segmentation_dls, assert_fit_close, EAGER_PRECISION
 
-pytestmark = pytest.mark.usefixtures('one_thread') # Tiny models on a shared CPU: see conftest
-
 def compile_counts(learn):
     r = learn.compiler.report
     return r.graph_breaks, len(r.recompiles), len(r.fallbacks)

@@ -8,8 +8,6 @@ from fastxtend_compile import *
 from fastxtend_compile.cache import model_fingerprint
 from fastxtend_compile.internals import precompile_supported, caching_precompile, precompile_guard_logger
 
-pytestmark = pytest.mark.usefixtures('one_thread') # Tiny models on a shared CPU: see conftest
-
 # What each worker starts with: its role and path, and the same seeded data
 DATA = textwrap.dedent('''
     import json, sys, warnings
@@ -53,8 +51,7 @@ WORKER = DATA + textwrap.dedent('''
 def _run(role, path, tmp, worker=WORKER):
     cache = tmp/f'inductor-{role}'
     cache.mkdir()
-    # One intra-op thread, as the tests in this process run (`one_thread`): the model is tiny, and more threads only spin
-    env = {'OMP_NUM_THREADS': '1', **os.environ, 'TORCHINDUCTOR_CACHE_DIR': str(cache)}
+    env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': str(cache)}
     out = subprocess.run([sys.executable, '-c', worker, role, str(path)], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return {**json.loads(out.stdout.strip().splitlines()[-1]), 'stderr': out.stderr}

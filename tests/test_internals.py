@@ -5,8 +5,6 @@ from fastxtend_compile.internals import *
 from fastxtend_compile.core import compiled_entry, graph_break_reason
 from fastxtend_compile.internals import FrameCompile, tree_map_only, tree_flatten, tree_unflatten, tree_leaves
 
-pytestmark = pytest.mark.usefixtures('one_thread') # Tiny models on a shared CPU: see conftest
-
 def _fresh_compiled(f, **kw): return torch.compile(own_function(f, 'internals_test_call'), backend='eager', **kw)
 
 def test_own_function_gets_its_own_dynamo_cache():

@@ -15,8 +15,6 @@ from conftest import two_conv_cnn, bn_cnn, body_head_splitter, digits_dls, EAGER
 
 BACKEND = 'aot_eager' # Traces forward and backward like inductor without its C++ compile time; inductor runs below
 
-pytestmark = pytest.mark.usefixtures('one_thread') # Tiny models on a shared CPU: see conftest
-
 def params(m): return [p.detach().cpu().clone() for p in m.parameters()] # On the CPU: fit moves the model to the GPU
 def body_params(m):
     "Parameters of the body's convolutions: a frozen body still trains its BatchNorm in fastai (`train_bn=True`)"

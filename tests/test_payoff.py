@@ -21,8 +21,6 @@ from fastxtend_compile.core import repeated_blocks
 from fastxtend_compile.report import plain_reason
 from conftest import two_conv_cnn, digits_dls
 
-pytestmark = pytest.mark.usefixtures('one_thread') # Tiny models on a shared CPU: see conftest
-
 def image_folder(path, n=200, size=40, seed=0):
     "Two classes of JPEG files, one brighter than the other"
     rng = np.random.default_rng(seed)

@@ -16,8 +16,6 @@ from fastxtend_compile.core import cannot_compile_reason, EagerPolicy
 from fastxtend_compile.internals import compiled_call
 from conftest import two_conv_cnn, digits_dls
 
-pytestmark = pytest.mark.usefixtures('one_thread') # Tiny models on a shared CPU: see conftest
-
 BACKEND = 'aot_eager'
 
 class Toy(nn.Module):

@@ -11,8 +11,6 @@ from fastxtend_compile import *
 from fastxtend_compile.report import CompileRecorder
 from conftest import two_conv_cnn, digits_dls
 
-pytestmark = pytest.mark.usefixtures('one_thread') # Tiny models on a shared CPU: see conftest
-
 BACKEND = 'aot_eager' # Traces forward and backward like inductor without its C++ compile time
 
 def _mixup_by_hand(learn, dls):
