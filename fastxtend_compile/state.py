@@ -5,8 +5,8 @@
 # %% ../nbs/15_state.ipynb #d4199f7b
 from __future__ import annotations
 import itertools, weakref
+from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple
 
 import torch
 from torch import nn, Tensor
@@ -25,7 +25,8 @@ def model_token(model:nn.Module)->int:
     if (t := _tokens.get(model)) is None: t = _tokens[model] = next(_count)
     return t
 
-class StateKey(NamedTuple):
+@dataclass(frozen=True)
+class StateKey:
     "What a compiled graph is for: the model, its freeze state, the phase, the inputs' shapes and dtypes, and autocast"
     model:int # The model's `model_token`
     trains:tuple # Which parameters train
@@ -37,7 +38,7 @@ class StateKey(NamedTuple):
     @property
     def durable(self)->tuple:
         "The key without the model's token: the same for this state in every process"
-        return self[1:]
+        return self.trains, self.training, self.grad, self.inputs, self.autocast
 
 def state_key(
     model:nn.Module, # The model being compiled (not DDP's wrapper)
