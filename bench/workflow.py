@@ -13,10 +13,15 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
                 tabular_learner(layers=[200,100]) -> fit_one_cycle
     text        synthetic token sequences -> fastai Datasets/DataLoaders -> a transformer encoder classifier
                 (nn.TransformerEncoder) (.to_bf16() on CUDA) -> fit_one_cycle
+    text-small  the same with a small transformer and short sequences: the host's kernel launches, not the GPU, bound
+                its step
     awd-lstm    synthetic sentences from word lists in a DataFrame -> TextDataLoaders.from_df (spaCy's tokenizer where
                 installed, else fastai's BaseTokenizer) -> text_classifier_learner(AWD_LSTM, pretrained=False) -> fit_one_cycle
 
-    eager         no compiling
+    eager         no compiling, fastai's default optimizer (`Adam`)
+    eager-fused   no compiling, torch's fused AdamW wrapped for fastai (OptimWrapper) with fastai's Adam defaults
+                  (betas (0.9, 0.99), eps 1e-5, weight decay 0.01, decoupled): what a user picks instead of compiling.
+                  Fused on the CPU too, where torch has the kernel for float32
     compile-cold  learn.compile(background=False): compiled in the fit's path, fresh TORCHINDUCTOR_CACHE_DIR
     compile-warm  learn.compile() in a new process reusing compile-cold's cache dir (inductor's on-disk caches warm)
     compile-saved learn.compile() in a new process with a fresh cache dir, after learn.load_compile_cache() of the file
@@ -32,7 +37,8 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
                   (both name mode='default', which keeps a fit on the default mode: no faster tier)
     tiers-cold, tiers-warm   learn.compile(background=True) with `mode` unset: once the default mode's code runs, a
                   faster tier (CUDA graphs for a launch-bound step, autotuned kernels for a GPU-bound one) compiles in
-                  the worker and takes over where an A/B on the fit's batches finds it faster; CUDA only
+                  the worker and takes over where an A/B on the fit's batches finds it faster. Tiers are tried on
+                  CUDA alone: on the CPU these arms are a background compile of the default mode
     Every other compiled arm passes background=False: it compiles in the fit's path.
     --get-preds   also times learn.get_preds() on the validation set right after the fit, in every arm
     precompile-cold, precompile-warm, precompile-saved   the same with learn.compile(precompile=True): TorchDynamo's traced
@@ -40,18 +46,21 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
                   inductor only, so left out of a default run with another backend)
 
     python bench/workflow.py --workflows vision,vision-big,tabular,text --arms eager,compile-cold,compile-warm,compile-ro --out DIR
-    python bench/workflow.py --smoke --out /tmp/wf-smoke     # every workflow, tiny, on the CPU
+    python bench/workflow.py --smoke --out /tmp/wf-smoke     # every workflow but text-small, tiny, on the CPU
+    bash bench/first_run.sh DIR text 3                       # the first run of learn.compile() against eager-fused, on a GPU
     python bench/workflow.py --workflows vision --arms compile-cold --compile-kwargs '{"options": {"loop_ordering_after_fusion": false}}'
                                                              # inductor's options, against the default compile
 
 A kind of compile is one entry of `KINDS`, which gives it its arms. Each compiled arm's record has TorchDynamo's
 compile time by phase (`phases`): where a cold or warm start's seconds go.
 
-Writes DIR/workflow.json (every number), DIR/workflow.md (a table per workflow) and DIR/arms.log (each process's
-command and the end of its output), rewriting them after every arm. Exits with status 1 when an arm failed.
+Writes DIR/workflow.json (every number), DIR/workflow.md (a table per workflow, its ratios against eager and against
+eager-fused where that arm ran) and DIR/arms.log (each process's command and the end of its output), rewriting them
+after every arm. Exits with status 1 when an arm failed.
 """
 from __future__ import annotations
 import argparse, datetime, json, os, shutil, statistics, sys, tempfile, time
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -71,12 +80,13 @@ KINDS = {
     'background': (dict(background=True, mode='default'), '`learn.compile(background=True)`: trains eagerly while a worker process '
                    'compiles; the default mode named, so no faster tier', ('cold', 'warm')),
     'tiers':      (dict(background=True), '`learn.compile(background=True)`, `mode` unset: the default tier takes over, then a faster '
-                   'tier where the measured step has one (CUDA only)', ('cold', 'warm')),
+                   'tier where the measured step has one (tried on CUDA alone)', ('cold', 'warm')),
 }
-ARMS = ('eager', *(f'compile-{s}' for s in KINDS['compile'][2]), 'compile-ro',
+EAGER = ('eager', 'eager-fused') # Arms that compile nothing: fastai's `Adam`, and torch's fused AdamW (`fused_adamw`)
+ARMS = (*EAGER, *(f'compile-{s}' for s in KINDS['compile'][2]), 'compile-ro',
         *(f'{k}-{s}' for k,(_,_,starts) in KINDS.items() if k != 'compile' for s in starts))
-ARM_MODE = {a: None if a == 'eager' else 'reduce-overhead' if a == 'compile-ro' else 'default' for a in ARMS}
-ARM_KWARGS = {a: {'background': False, **KINDS[a.split('-')[0]][0]} for a in ARMS if a != 'eager'}
+ARM_MODE = {a: None if a in EAGER else 'reduce-overhead' if a == 'compile-ro' else 'default' for a in ARMS}
+ARM_KWARGS = {a: {'background': False, **KINDS[a.split('-')[0]][0]} for a in ARMS if a not in EAGER}
 COLD_OF = {a: a.rsplit('-', 1)[0] + '-cold' for a in ARMS if a.endswith(('-warm', '-saved'))} # Arms that start from what a cold run left
 INDUCTOR_ONLY = ('precompile',) # Kinds left out of a default run with another backend
 
@@ -97,6 +107,10 @@ WORKFLOWS = {
     'text': dict(
         gpu=dict(n=40_000, seq=256, vocab=8000, d=384, layers=6, heads=6, classes=4, bs=64, epochs=3, valid_pct=0.2),
         smoke=dict(n=400, seq=32, vocab=200, d=32, layers=2, heads=2, classes=4, bs=16, epochs=2, valid_pct=0.2)),
+    # Sized for an eager fit of ~45 s on an H100: 1,000 batches an epoch, each ~8-10 ms of the host's launches
+    'text-small': dict(
+        gpu=dict(n=40_000, seq=64, vocab=8000, d=128, layers=4, heads=4, classes=4, bs=32, epochs=5, valid_pct=0.2),
+        smoke=dict(n=400, seq=16, vocab=200, d=16, layers=2, heads=2, classes=4, bs=16, epochs=2, valid_pct=0.2)),
     'awd-lstm': dict(
         gpu=dict(rows=6000, words=(20, 80), classes=3, bs=64, seq_len=72, epochs=3, valid_pct=0.2),
         smoke=dict(rows=120, words=(8, 16), classes=3, bs=16, seq_len=16, epochs=1, valid_pct=0.2)),
@@ -315,7 +329,15 @@ def _num(v):
     except Exception: return str(v)
 
 BUILDERS = {'vision': build_vision, 'vision-big': build_vision, 'segmentation': build_segmentation, 'tabular': build_tabular,
-            'text': build_text, 'awd-lstm': build_awd_lstm}
+            'text': build_text, 'text-small': build_text, 'awd-lstm': build_awd_lstm}
+
+def fused_adamw():
+    "torch's fused `AdamW` as a fastai `opt_func`, with the hyper-parameters fastai's default `Adam` has"
+    import torch
+    from fastai.optimizer import OptimWrapper
+    # A Learner passes `lr` alone, and `fit_one_cycle` schedules `lr` and `mom` (OptimWrapper maps `mom` to `betas[0]`);
+    # the rest are `Adam`'s defaults, its weight decay decoupled as AdamW's is
+    return partial(OptimWrapper, opt=partial(torch.optim.AdamW, fused=True, betas=(0.9, 0.99), eps=1e-5, weight_decay=0.01))
 
 def compile_phases()->str|None:
     "TorchDynamo's compile time by phase (tracing, AOTAutograd, inductor's code generation, cache loads), as it prints it"
@@ -340,6 +362,7 @@ def child(spec:dict)->dict:
     torch.manual_seed(0)
     t = time.perf_counter()
     learn, fit = BUILDERS[w](w, c, spec.get('data'), device, spec.get('num_workers'))
+    if arm == 'eager-fused': learn.opt_func = fused_adamw() # The builders' Learners make their optimizer at the fit (or `fine_tune`'s freeze)
     setup_s = time.perf_counter() - t
 
     epochs = []
@@ -410,6 +433,8 @@ def child(spec:dict)->dict:
                train_batches=len(learn.dls.train), valid_batches=len(learn.dls.valid),
                valid_last_batch=len(learn.dls.valid_ds) % c['bs'], total_s=total, setup_s=setup_s, epochs=epochs,
                warnings=warns[:20], env=versions(device))
+    opt = getattr(learn.opt, 'opt', learn.opt) # An OptimWrapper's torch optimizer
+    res['optimizer'] = f"{type(opt).__module__.split('.')[0]}.{type(opt).__name__}" + (' (fused)' if getattr(opt, 'defaults', {}).get('fused') else '')
     if cuda: res['peak_mem_gb'] = torch.cuda.max_memory_allocated() / 2**30
     if spec.get('get_preds'): res['get_preds_s'] = get_preds_s
     try: # Inductor's cache hits and misses in this process: a warm compile hits
@@ -463,8 +488,6 @@ def run_job(args, job, spec_base, caches:dict, tmp:Path, log)->dict:
     w, arm, rep = job
     if arm == 'compile-ro' and args.device != 'cuda':
         return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason="reduce-overhead (CUDA graphs) needs a GPU")
-    if arm.startswith('tiers-') and args.device != 'cuda':
-        return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason="faster tiers are tried on a GPU alone")
     if arm in COLD_OF and (w, COLD_OF[arm], rep) not in caches:
         return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason=f'its {COLD_OF[arm]} run did not run')
     if arm.endswith('-warm'): cache = caches[(w, COLD_OF[arm], rep)]
@@ -512,6 +535,12 @@ def summarize(rec)->dict:
                 metric=vals.get('dice', vals.get('accuracy')), valid_loss=vals.get('valid_loss'), peak=rec.get('peak_mem_gb'))
 
 def f(v, spec='.1f', none='—'): return none if v is None else format(v, spec)
+def ratio(v, base): return v/base if v and base else None
+
+def baseline(recs:list, arm:str)->dict|None:
+    "Median total and steady epoch of `arm`'s good runs in `recs`, to divide the others' by; `None` where none ran"
+    ss = [summarize(r) for r in recs if r['arm'] == arm and r.get('status') == 'ok']
+    return {k: median(s[k] for s in ss) for k in ('total_s', 'steady_s')} if ss else None
 
 def render_md(data)->str:
     env, meta, recs = data['env'], data['meta'], data['records']
@@ -521,7 +550,9 @@ def render_md(data)->str:
         L += [env_line(env, meta), ""]
     if smoke: L += ["**CPU smoke run: tiny sizes, timings mean nothing.**", ""]
     kinds = '; '.join(f"{', '.join(f'*{k}-{s}*' for s in starts)} with {doc}" for k, (_, doc, starts) in KINDS.items() if k != 'compile')
-    L.append(f"`python bench/workflow.py {' '.join(meta.get('argv', []))}`. Each arm is a process of its own; *compile-cold* and "
+    L.append(f"`python bench/workflow.py {' '.join(meta.get('argv', []))}`. Each arm is a process of its own; *eager* trains with "
+             "fastai's `Adam`, *eager-fused* with torch's fused `AdamW` (`OptimWrapper`, `Adam`'s defaults), each ratio (×) is "
+             "against the eager arm it names; *compile-cold* and "
              "*compile-ro* (`mode='reduce-overhead'`) start with an empty `TORCHINDUCTOR_CACHE_DIR`, *compile-warm* reuses "
              "compile-cold's; *compile-saved* starts empty too, after `learn.load_compile_cache()` of the file compile-cold saved; "
              f"{kinds}. "
@@ -541,11 +572,12 @@ def render_md(data)->str:
         ok0 = next((r for r in wr if r.get('status') == 'ok'), None)
         if ok0: L += [f"{ok0['train_batches']} training batches an epoch, {ok0['valid_batches']} validation batches (the last of "
                       f"{ok0['valid_last_batch'] or cfg['bs']}), num_workers={ok0['num_workers']}.", ""]
-        eager = [summarize(r) for r in wr if r['arm'] == 'eager' and r.get('status') == 'ok']
-        e_total, e_steady = median(s['total_s'] for s in eager), median(s['steady_s'] for s in eager)
-        L += ["| arm | runs | total s | × eager | steady epoch s | × eager | compile s | graphs | recompiles | fallbacks "
+        # Ratios against each eager arm that ran: fastai's `Adam`, and the fused AdamW a user would pick instead
+        bases = {b: base for b in EAGER if (base := baseline(wr, b))}
+        cols = ''.join(f" × {b} |" for b in bases)
+        L += [f"| arm | runs | total s |{cols} steady epoch s |{cols} compile s | graphs | recompiles | fallbacks "
               "| graph breaks | epoch s | DataLoader share | accuracy (Dice for segmentation) |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+              "|---|---:|---:|" + "---:|"*len(bases) + "---:|" + "---:|"*len(bases) + "---:|---:|---:|---:|---:|---|---:|---:|"]
         notes = []
         for a in ARMS:
             ar = [r for r in wr if r['arm'] == a]
@@ -554,7 +586,7 @@ def render_md(data)->str:
             for r in ar:
                 if r.get('status') != 'ok': notes.append(f"- {a} run {r['repeat']}: **{r['status']}**: {str(r.get('reason'))[:300]}")
             if not good:
-                L.append(f"| {a} | 0 | {ar[0]['status']} |" + " |"*11)
+                L.append(f"| {a} | 0 | {ar[0]['status']} |" + " |"*(9 + 2*len(bases)))
                 continue
             ss = [summarize(r) for r in good]
             m = {k: median(s[k] for s in ss) for k in ('total_s', 'steady_s', 'data_share', 'compile_s', 'graphs', 'recompiles',
@@ -563,9 +595,9 @@ def render_md(data)->str:
             eps = [median(s['epochs'][i] for s in ss if i < len(s['epochs'])) for i in range(n_ep)]
             total = f(m['total_s'], '.2f' if smoke else '.1f')
             if len(ss) > 1: total += f" ({min(s['total_s'] for s in ss):.1f}–{max(s['total_s'] for s in ss):.1f})"
-            compiled = a != 'eager'
-            L.append(f"| {a} | {len(ss)} | {total} | {f(m['total_s']/e_total if e_total else None, '.2f')} | "
-                     f"{f(m['steady_s'], '.2f')} | {f(m['steady_s']/e_steady if e_steady and m['steady_s'] else None, '.2f')} | "
+            compiled = a not in EAGER
+            rt, rs = (''.join(f" {f(ratio(m[k], b[k]), '.2f')} |" for b in bases.values()) for k in ('total_s', 'steady_s'))
+            L.append(f"| {a} | {len(ss)} | {total} |{rt} {f(m['steady_s'], '.2f')} |{rs} "
                      f"{f(m['compile_s']) if compiled else ''} | {f(m['graphs'], 'g') if compiled else ''} | "
                      f"{f(m['recompiles'], 'g') if compiled else ''} | {f(m['fallbacks'], 'g') if compiled else ''} | "
                      f"{f(m['graph_breaks'], 'g') if compiled else ''} | {', '.join(f'{e:.2f}' for e in eps)} | "
@@ -601,9 +633,9 @@ def fmt_progress(rec)->str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--workflows', default=None, help=f"comma-separated, of {','.join(WORKFLOWS)} (default: all)")
+    p.add_argument('--workflows', default=None, help=f"comma-separated, of {','.join(WORKFLOWS)} (default: all; with --smoke, all but text-small)")
     p.add_argument('--arms', default=None, help=f"comma-separated, of {','.join(ARMS)} (default: all; with --smoke, compile-warm "
-                   "on tabular only; compile-ro and the tiers arms are skipped on the CPU)")
+                   "on tabular only and no tiers arms; compile-ro is skipped on the CPU, where the tiers arms compile in the background without tiers)")
     p.add_argument('--out', default=None, help='folder for workflow.json, workflow.md, arms.log (default: bench/results/workflow/latest; smoke: fxc-workflow-smoke in the temp folder)')
     p.add_argument('--repeat', type=int, default=1, help='runs of each arm (compile-warm reuses the same run\'s compile-cold cache)')
     p.add_argument('--smoke', action='store_true', help='tiny sizes on the CPU: checks that every workflow and arm runs')
@@ -625,7 +657,9 @@ def main():
         Path(args.result).write_text(json.dumps(res, indent=1))
         return
 
-    workflows = (args.workflows or ','.join(WORKFLOWS)).split(',')
+    # A smoke run's defaults leave out what repeats another's code on the CPU: text-small is text's code at other
+    # sizes, and the tiers arms are the background arms' compile there
+    workflows = (args.workflows or ','.join(w for w in WORKFLOWS if not (args.smoke and w == 'text-small'))).split(',')
     arms_given = args.arms is not None
     arms = (args.arms or ','.join(ARMS)).split(',')
     for name, vals, valid in (('workflows', workflows, WORKFLOWS), ('arms', arms, ARMS)):
@@ -637,6 +671,7 @@ def main():
             args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
     args.backend = args.backend or ('aot_eager' if args.smoke else None)
     if not arms_given and args.backend not in (None, 'inductor'): arms = [a for a in arms if a.split('-')[0] not in INDUCTOR_ONLY]
+    if not arms_given and args.smoke: arms = [a for a in arms if not a.startswith('tiers-')]
     args.timeout = args.timeout or (120 if args.smoke else 600)
     num_workers = args.num_workers if args.num_workers is not None else (0 if args.smoke or args.device == 'cpu' else None)
     overrides = json.loads(args.config)
