@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from fastai.torch_core import rank_distrib
 
 from .core import model_fingerprint
 from .internals import inductor_cache_dir
 from .worker import Worker, Job, JobResult, job_payload, read_json, write_json
-from .state import StateKey, Stage, Probe, ModelState
-from .payoff import SAVING, batches_left, pays_back, rest_needed
+from .state import StateKey, Stage, Probe, ModelState, state_key
+from .payoff import SAVING, batches_left, pays_back, rest_needed, warm_cost
 from .agreement import Local, DDP
 
 # %% auto #0
@@ -171,13 +172,30 @@ class BackgroundCompile:
                 self.notes.append(_shapes_change(self.probes.changes, self.probe_batches)) # Said once, if states change too often
             return False
         left, step_s, self.probes.fastest_s = batches_left(learn), st.probe.step_s, st.probe.fastest
-        rec = self.records.get(st.record) # Once the probe is done: not at each of its batches
-        cost = self.cold_cost_s if rec is None else rec.get('warm_s', self.warm_s)
+        rec = self.cached(st) # Once the probe is done: not at each of its batches
+        cost = self.cold_cost_s if rec is None else warm_cost(rec, self.warm_s)
         if pays_back(left, SAVING*step_s, cost): return True
         st.to(Stage.SHORT) # Not worth it: eager for the rest of this fit
         self.worker.idle() # Not needed this fit, unless a job waits for it
         self.notes.append(_too_short(left, step_s*left, None if rec is None else cost, rest_needed(cost)))
         return False
+
+    def compiled_in_path(self,
+        learn, # The `Learner` whose batch ends
+        model:nn.Module, # The model compiled (not DDP's wrapper)
+        seconds:float, # How long the batch compiled it
+    ):
+        "The batch compiled its model state in the fit's path: a state with no record gets one, so a later fit compiles it at once"
+        if rank_distrib(): return # Under DDP, rank 0's
+        key = self.records.key(model, state_key(model, learn.xb, learn.training))
+        if self.records.get(key) is None: self.records.put(key, path_s=seconds)
+
+    def cached(self, st:ModelState)->dict|None:
+        "The record of the code `st` hands over to, where inductor's cache has it: a faster tier's compiled first, else the default's"
+        if st.first is not None and (rec := self.records.get(st.first[1])) is not None: return rec
+        # Only the default's code cached: it compiles at once, and the faster tier waits its turn (`Tiers`)
+        if (rec := self.records.get(st.record)) is not None: st.first = None
+        return rec
 
     def warm(self, st:ModelState, rec:dict, learn, now:float|None)->bool:
         "Compile `st` in the fit's path, from inductor's cache: this batch (`now`), or the next"
@@ -185,7 +203,7 @@ class BackgroundCompile:
         self.worker.idle() # Not needed this fit, unless a job waits for it
         self.notes.append(_warm(rec, st.key.training, where(learn, next_batch=now is None), self.ranks.together(False)))
         if now is None: st.handover = 'warm' # Timed from the next batch, which compiles
-        else: self.timer.start(st.record, now, len(self.notes) - 1, learn)
+        else: self.timer.start(st.compiled_record, now, len(self.notes) - 1, learn)
         return False
 
     def submit(self,
@@ -201,8 +219,11 @@ class BackgroundCompile:
 
     def send(self, st:ModelState, learn, model:nn.Module)->bool:
         "Have the worker compile `st` while the fit trains eagerly"
-        try: st.job = self.submit(model, learn)
+        try:
+            st.job = self.submit(model, learn, None if st.first is None else st.first[0])
+            if st.first is not None: st.fallback = self.submit(model, learn) # The default's code next, for the A/B
         except Exception as e:
+            st.first = None # Compiled in the fit's path: the default's code
             why = f"the model could not be sent to a worker process ({type(e).__name__}: {e})"
             return self.ranks.unsent(self, st, why)
         st.to(Stage.COMPILING)
@@ -213,9 +234,12 @@ class BackgroundCompile:
         "Take in the worker's result for the state it compiles, if it is done"
         if self.compiling is None or (res := self.poll(self.compiling.job)) is None: return
         st, self.compiling = self.compiling, None
+        if not res.ok and st.fallback is not None: # The tier compiled first failed: the default's code, compiling next, serves
+            st.job, st.fallback, st.first, self.compiling = st.fallback, None, None, st
+            return self.notes.append(_first_failed(res))
         st.result = res
         st.to(Stage.DONE)
-        if res.ok: self.records.put(st.record, cold_s=res.compile_s)
+        if res.ok: self.records.put(st.compiled_record, cold_s=res.compile_s)
         self.ranks.done(self, st)
 
     def settle(self,
@@ -231,10 +255,10 @@ class BackgroundCompile:
         "The compiled code runs from this batch on; the first after its compile elsewhere compiles warm, timed"
         handover, st.handover = st.handover, None
         if handover == 'warm': # A warm compile the ranks agreed on: this batch compiles
-            self.timer.start(st.record, now, _last(self.notes, 'compiled'), learn)
+            self.timer.start(st.compiled_record, now, _last(self.notes, 'compiled'), learn)
         elif handover == 'worker':
             at = where(learn)
-            self.timer.start(st.record, now, len(self.notes), learn)
+            self.timer.start(st.compiled_record, now, len(self.notes), learn)
             self.notes.append(_took_over(st, at, self.ranks.together(True)))
             if self.show is not None:
                 self.show(f"torch.compile: the compiled model takes over at {at}, after {st.result.took_s:.1f}s compiling in a worker process")
@@ -277,12 +301,15 @@ def _batch(learn)->tuple: return learn.epoch, learn.iter, learn.training
 def _last(notes:list, start:str)->int: return max(i for i,n in enumerate(notes) if n.startswith(start))
 
 # %% ../nbs/08_background.ipynb #2d444b79
+_start_part = dict(python='Python, torch and this library', modules="the model's modules", inductor='inductor', cuda='CUDA')
+
 def _phase(training:bool)->str: return '' if training else ' for evaluation' # A state's phase, in the report's words
 
 def profile_text(res:JobResult)->str:
     "Where the worker's time went"
-    start = f"its start-up took {res.start_s:.1f}s" + (f", {res.waited_s:.1f}s of it after the job was sent" if res.waited_s >= 0.05 else
-                                                       ", done before the job was sent")
+    parts = ', '.join(f"{_start_part[k]} {s:.1f}s" for k,s in res.start_parts.items() if k in _start_part)
+    waited = f"{res.waited_s:.1f}s of it after the job was sent" if res.waited_s >= 0.05 else "done before the job was sent"
+    start = f"its start-up took {res.start_s:.1f}s" + (f" ({parts})" if parts else '') + f", {waited}"
     return f"{start}; loading the job {res.load_s:.1f}s, compiling the forward {res.forward_s:.1f}s and the backward {res.backward_s:.1f}s"
 
 def _too_short(left:int, rest_s:float, warm_s:float|None, needed_s:float)->str:
@@ -298,13 +325,18 @@ def _shapes_change(changes:int, batches:int)->str:
             "let one graph serve them")
 
 def _warm(rec:dict, training:bool, where:str, together:str)->str:
-    last = f"{rec['warm_s']:.1f}s when last measured" if 'warm_s' in rec else f"compiled cold in {rec.get('cold_s', 0):.1f}s"
+    last = (f"{rec['warm_s']:.1f}s when last measured" if 'warm_s' in rec else
+            f"compiled in a fit's path in {rec['path_s']:.1f}s" if 'path_s' in rec else f"compiled cold in {rec.get('cold_s', 0):.1f}s")
     return (f"compiled{_phase(training)} at once, in the fit's path at {where}{together}: inductor's cache has this model "
             f"state's code ({last})")
 
 def _took_over(st:ModelState, where:str, together:str)->str:
     return (f"compiled{_phase(st.key.training)} in a worker process in {st.result.took_s:.1f}s while {st.eager_batches} training "
             f"batch(es) ran eagerly; the compiled code took over at {where}{together} ({profile_text(st.result)})")
+
+def _first_failed(res:JobResult)->str:
+    return (f"the faster tier compiled first in the worker process failed after {res.took_s:.1f}s ({res.error}); the default's "
+            "code, compiled next, takes over")
 
 def _eval_eager()->str:
     return "ran eagerly, evaluation within the fit: under DDP the background compiles the training states alone"

@@ -343,6 +343,7 @@ class CompilerCallback(Callback):
         if not self.active: return
         self.tiers.after_batch()
         if self.policy.timed: self.compile_recorder.batch_done()
+        if (s := self.compile_recorder.take_compiled()) and self.policy.tier is None: self.aside.compiled_in_path(self.learn, get_model(self.learn.model), s)
         self.policy.end_batch(self.training)
 
     def after_fit(self):

@@ -7,7 +7,8 @@ from __future__ import annotations
 from statistics import median
 
 # %% auto #0
-__all__ = ['SAVING', 'batches_left', 'pays_back', 'rest_needed', 'pick_tier', 'cudagraphs_fit', 'faster']
+__all__ = ['SAVING', 'AUTOTUNE_SAVING', 'batches_left', 'pays_back', 'rest_needed', 'warm_cost', 'pick_tier', 'first_tier',
+           'tier_saving', 'cudagraphs_fit', 'faster']
 
 # %% ../nbs/14_payoff.ipynb #23d4101a
 SAVING = 0.2 # The share of a step a compiled one is expected to save, until a fit has measured it
@@ -31,6 +32,14 @@ def rest_needed(
     "Seconds of steps as they run now that pay back `cost_s`: below them a fit keeps what it runs"
     return cost_s / saving
 
+def warm_cost(
+    rec:dict, # A state's warm record (`WarmRecords`)
+    default_s:float, # Seconds taken where the record has no measure of a warm compile
+)->float:
+    "Seconds compiling a recorded state again, from inductor's cache, costs the fit's path"
+    # As last measured; else no more than its compile in a fit's path took, cold or warm
+    return rec.get('warm_s', min(rec.get('path_s', default_s), default_s))
+
 # %% ../nbs/14_payoff.ipynb #c2606ebc
 def pick_tier(
     busy:float|None, # The share of a compiled training step in which the GPU runs work; `None` where not measured
@@ -39,6 +48,25 @@ def pick_tier(
     "The tier likely faster than the default one for this step: CUDA graphs where launches bound it, autotuned kernels where the GPU does"
     if busy is None: return None
     return 'reduce-overhead' if busy < launch_bound else 'max-autotune-no-cudagraphs'
+
+def first_tier(
+    busy:float|None, # The share of an eager training step in which the GPU runs work; `None` where not measured
+    launch_bound:float=0.7, # A step whose GPU is busy less than this share of it waits on the host's launches
+)->str|None:
+    "The tier a worker compiles first, before the default: CUDA graphs, where the eager step already waits on the host's launches"
+    # Compiled, such a step launches fewer kernels but keeps waiting on them; a GPU-bound one gets the default first
+    return 'reduce-overhead' if busy is not None and busy < launch_bound else None
+
+AUTOTUNE_SAVING = 0.05 # The share of a GPU-bound step that autotuned kernels are expected to save
+
+def tier_saving(
+    name:str, # The tier: a key of `TIERS`
+    busy:float|None, # The share of the step in which the GPU runs work; `None` where not measured
+    step_s:float, # Seconds of the step the tier would replace
+)->float:
+    "Seconds a step of tier `name` is expected to save: CUDA graphs the GPU's idle time, autotuned kernels `AUTOTUNE_SAVING`"
+    if busy is None: return SAVING * step_s
+    return (1 - busy) * step_s if name == 'reduce-overhead' else AUTOTUNE_SAVING * step_s
 
 def cudagraphs_fit(
     free:int, # Bytes free on the GPU now

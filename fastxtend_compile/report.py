@@ -297,6 +297,7 @@ class CompileRecorder:
         self.phase_shapes = {} # Input shapes compiled for, by phase (training or not): TorchDynamo names one guard
         self.compiled_backward = False # Compiled autograd compiles the backwards (`ddp_compiled_autograd`)
         self.part = '' # The part of the training step running: '' (the model's forward), 'backward' or 'step'
+        self.compiled_s = 0. # Seconds the model compiled in the fit's path since `take_compiled` (the optimizer step's left out)
 
     def __getstate__(self): return {**self.__dict__, 'log_handler': None, 'show': None} # Handlers hold locks
 
@@ -321,7 +322,7 @@ class CompileRecorder:
         epochs:int=1, # The fit's epochs
     ):
         "Start recording compiles"
-        self.compiled_backward = compiled_backward
+        self.compiled_backward, self.compiled_s = compiled_backward, 0.
         self.report.ddp = ddp
         if train is not None: # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
             r = self.report
@@ -378,7 +379,13 @@ class CompileRecorder:
     def _on_end(self, *args):
         took = time.perf_counter() - self.started
         self.report.compile_seconds += took
+        if self.part != 'step': self.compiled_s += took
         if took >= self.notice_after and self.show is not None: self.show(f"torch.compile compiled {self._part_name()} for {self.during or 'its first call'} in {took:.1f}s")
+
+    def take_compiled(self)->float:
+        "Seconds the model compiled in the fit's path since the last call: those of the batch ending"
+        s, self.compiled_s = self.compiled_s, 0.
+        return s
 
     def _part_name(self)->str:
         "What a compile during the running part of the step compiled: the model, its backward graph or the optimizer step"

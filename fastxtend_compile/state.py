@@ -88,13 +88,20 @@ class ModelState:
         self.eager_batches = 0 # Training batches run eagerly while its job compiled
         self.sent_at = '' # Where in the fit its job was sent
         self.handover = None # 'worker' or 'warm': how its compiled code takes over, at its next batch
-        self.tier = None # The faster tier's way with this state (`Tiers`), once its compiled code runs
+        self.tier = None # The faster tier's way with this state (`Tiers`): from its probe, where the step is profiled
+        self.first = None # (settings, record) of a faster tier the worker compiles first, before the default's code
+        self.fallback = None # The default's `Job`, where a faster tier compiled first: its code serves the A/B
 
     def to(self, stage:Stage):
         "Move on to `stage`"
         self.stage = stage
 
+    @property
+    def compiled_record(self)->str:
+        "The record of the code its hand-over runs: the faster tier's compiled first, or the default's"
+        return self.record if self.first is None else self.first[1]
+
     def end_fit(self):
         "The fit ended: what it measured of this state goes; its compiled code, and a tier it kept, stay"
-        self.probe, self.job, self.eager_batches, self.sent_at, self.handover = None, None, 0, '', None
+        self.probe, self.job, self.eager_batches, self.sent_at, self.handover, self.fallback = None, None, 0, '', None, None
         if self.tier is not None: self.tier = self.tier.next_fit()

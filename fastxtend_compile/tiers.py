@@ -14,8 +14,8 @@ from torch import nn
 from .core import uses_cudagraphs, compiled_call, CompiledCall
 from .internals import gpu_busy_seconds
 from .worker import error_text
-from .state import StateKey
-from .payoff import SAVING, batches_left, pays_back, rest_needed, pick_tier, cudagraphs_fit, faster
+from .state import StateKey, Stage
+from .payoff import batches_left, pays_back, pick_tier, first_tier, tier_saving, cudagraphs_fit, faster
 from .background import BackgroundCompile, WarmRecords, profile_text, where
 
 # %% auto #0
@@ -99,11 +99,14 @@ class _StepTimer:
 # %% ../nbs/09_tiers.ipynb #9aa13951
 class TierStage(Enum):
     "Where a model state is on its way through the tiers"
+    PROBE = 'probe' # The eager step profiled, while the background compile times it
+    FIRST = 'first' # Compiled first in the worker: it runs from the hand-over
     SETTLE = 'settle' # The default tier's first compiled batches
     TIME = 'time' # Its step timed alone
     PROFILE = 'profile' # Its GPU work profiled
     COMPILE = 'compile' # The tier compiles in the worker
     WARMUP = 'warmup' # The tier runs its first batches
+    WAIT = 'wait' # The tier compiled first runs while the default's code compiles, for the A/B
     AB = 'ab' # The tier and the default alternate, each timed alone
     DONE = 'done' # Decided: the kept tier runs, or the default
 
@@ -111,8 +114,9 @@ class TierRun:
     "One model state's way through the tiers: the default's steps timed, the GPU profiled, a tier compiled, then an A/B"
     def __init__(self,
         kept:str|None=None, # The tier this state kept in an earlier fit
+        stage:TierStage=TierStage.SETTLE, # Where a state without one starts
     ):
-        self.stage = TierStage.DONE if kept else TierStage.SETTLE
+        self.stage = TierStage.DONE if kept else stage
         self.n = 0 # Batches of this stage so far
         self.base, self.ab_base, self.tier_times = [], [], [] # Seconds of the default's steps, timed alone before and in the A/B, and the tier's
         self.tier, self.why = kept, '' # The tier's name, and why it was picked
@@ -140,10 +144,12 @@ class Tiers:
     # Compiled batches the default runs before its step is timed (its caches warm), timed alone, profiled; tier batches
     # run before the A/B (CUDA graphs record at their first runs); batches of each tier in the A/B, alternating
     settle_batches, time_batches, profile_batches, warmup_batches, ab_batches = 4, 8, 3, 3, 8
-    # Seconds trying a tier costs the fit's path (its warm compile and A/B): with a step `SAVING` faster, a fit with under
-    # 30 s of the default tier's steps left (an `lr_find`, a short fit) keeps the default
-    try_cost_s = 6.
+    # Seconds trying a tier costs the fit's path (its warm compile and A/B), and a compile in the worker is taken to take
+    # until one is recorded: a tier is tried where the saving it is expected to bring over the batches left once it
+    # compiled pays back `try_cost_s`. Eager batches of the probe before its profile
+    try_cost_s, compile_guess_s, probe_from = 6., 20., 2
     pick = staticmethod(pick_tier) # The policy that picks a state's tier from its measured step
+    first = staticmethod(first_tier) # The policy that picks the tier compiled first, from the eager step
     def __init__(self,
         settings:dict, # The model's `torch.compile` settings, from `compile_settings`
         regional:bool=False, # Only the model's repeated blocks are compiled
@@ -178,9 +184,9 @@ class Tiers:
     ):
         "Choose the tier this training batch runs, and time it where its state's stage needs"
         if policy.tier_error is not None: self._raised(policy, model)
-        if self.aside is None or not learn.training or policy.eager or policy.one_off: return
-        if not self.aside.ready(key): return # The default's compiled code doesn't run it yet
-        st = self.aside.states[key]
+        if self.aside is None or not learn.training or policy.one_off or (st := self.aside.states.get(key)) is None: return
+        if st.stage is Stage.PROBING: return self._probe(st, learn, model)
+        if policy.eager or not self.aside.ready(key): return # The compiled code doesn't run it yet
         if st.tier is None: st.tier = TierRun()
         self.on[st.tier.stage](self, st.tier, learn, policy, model, st)
 
@@ -196,16 +202,55 @@ class Tiers:
         run.grads = True # fastai's `zero_grad` zeroes gradients in place: they stay the parameters' own
         if counted: run.batches, run.since = run.batches + 1, run.since or where(learn)
 
+    def _probe(self, st, learn, model):
+        "Profile a new state's eager probe: where the GPU idles for much of its step, the worker compiles CUDA graphs first"
+        if st.probe is None: return # Not probed: compiled at once
+        run = st.tier = st.tier or TierRun(stage=TierStage.PROBE)
+        seen = st.probe.seen # This batch's place in the probe, from 1
+        if run.stage is not TierStage.PROBE: return
+        if seen <= self.probe_from and run.meter is not None: # Probed afresh (another state's batches came between): start over
+            run.meter.end()
+            run.meter = None
+        if seen == self.probe_from + 1:
+            run.meter, run.epoch = _BusyMeter(), learn.epoch
+            if not run.meter.start(self.device): return run.to(TierStage.SETTLE) # Nothing to profile: the default goes first
+        if seen != self.probe_from + 1 + self.profile_batches or run.meter is None or run.meter.prof is None: return
+        gpu_s, step_bytes = run.meter.stop(self.device, self.profile_batches)
+        run.to(TierStage.SETTLE)
+        if learn.epoch == run.epoch: self._first(run, learn, model, st, gpu_s, step_bytes) # No validation between
+
+    def _first(self, run, learn, model, st, gpu_s:float|None, step_bytes:int):
+        "Have the worker compile the tier the eager step needs first, where it pays and its memory fits"
+        step_s = st.probe.fastest
+        busy = None if gpu_s is None else min(gpu_s / step_s, 1.)
+        if (name := self.first(busy)) is None or not pays_back(batches_left(learn), tier_saving(name, busy, step_s), self.try_cost_s): return
+        if self._graphs(name) and not cudagraphs_fit(torch.cuda.mem_get_info(self.device)[0], step_bytes): return
+        run.tier, run.records = name, self.records[name]
+        run.record = run.records.key(model, st.key)
+        run.why = "compiled first" if busy is None else _share(busy, step_s, 'the eager') + "so the host's launches bound it: CUDA graphs, compiled first"
+        st.first = (self._settings(name), run.record)
+        run.to(TierStage.FIRST)
+
+    def _on_probe(self, run, learn, policy, model, st):
+        "The state's code runs before its probe was profiled: the default goes first"
+        if run.meter is not None: run.meter.end()
+        run.to(TierStage.SETTLE)
+        self._on_settle(run, learn, policy, model, st)
+
+    def _on_first(self, run, learn, policy, model, st):
+        "The tier compiled first takes over, compiled warm at this batch; where the default's code was cached instead, it waits its turn"
+        if st.first is None:
+            st.tier = TierRun()
+            return self._on_settle(st.tier, learn, policy, model, st)
+        run.res = st.result # `None` where inductor's cache had its code
+        self._switch(run, learn, policy)
+
     def _on_settle(self, run, learn, policy, model, st):
         run.n += 1
         if run.n >= self.settle_batches: run.to(TierStage.TIME)
 
     def _on_time(self, run, learn, policy, model, st):
         if len(run.base) < self.time_batches: return self.timer.start(run.base)
-        left, step_s = batches_left(learn), median(run.base)
-        if not pays_back(left, SAVING*step_s, self.try_cost_s):
-            run.to(TierStage.DONE)
-            return self.notes.append(_no_time(left, left*step_s, rest_needed(self.try_cost_s)))
         run.to(TierStage.PROFILE)
         self._on_profile(run, learn, policy, model, st)
 
@@ -231,11 +276,17 @@ class Tiers:
         graphs = self._graphs(name)
         if graphs and step_bytes is not None and not cudagraphs_fit(free := torch.cuda.mem_get_info(self.device)[0], step_bytes):
             return self.notes.append(_no_room(share, name, step_bytes, free))
-        run.tier = name
-        if share: run.why = share + ("so the host's launches bound it: CUDA graphs" if graphs else "so the GPU bounds it: autotuned kernels")
         run.records = self.records[name]
         run.record = run.records.key(model, st.key)
-        if run.records.get(run.record) is not None: return self._switch(run, learn, policy) # Inductor's cache has its code
+        cached, step_s = run.records.get(run.record) is not None, median(run.base)
+        # Uncached, it compiles in the worker about as long as the default did
+        wait_s = 0. if cached else (self.aside.records.get(st.record) or {}).get('cold_s', self.compile_guess_s)
+        left = max(batches_left(learn) - int(wait_s / step_s), 0) # The batches it would run
+        if not pays_back(left, saving := tier_saving(name, busy, step_s), self.try_cost_s):
+            return self.notes.append(_no_gain(name, saving, left, self.try_cost_s))
+        run.tier = name
+        if share: run.why = share + ("so the host's launches bound it: CUDA graphs" if graphs else "so the GPU bounds it: autotuned kernels")
+        if cached: return self._switch(run, learn, policy) # Inductor's cache has its code
         try: run.job = self.aside.submit(model, learn, self._settings(name))
         except Exception as e: return self.notes.append(_unsent(name, e))
         run.to(TierStage.COMPILE)
@@ -262,8 +313,28 @@ class Tiers:
             run.records.put(run.record, warm_s=run.warm)
         run.n += 1
         if run.n <= self.warmup_batches: return self._run_tier(learn, policy, run)
+        run.to(TierStage.AB if st.first is None else TierStage.WAIT) # Compiled first: the A/B waits for the default's code
+        self.on[run.stage](self, run, learn, policy, model, st)
+
+    def _on_wait(self, run, learn, policy, model, st):
+        "The tier compiled first runs while the default's code, which the A/B needs, compiles in the worker"
+        if st.fallback is None and self.aside.records.get(st.record) is None: # A warm start of the tier alone
+            try: st.fallback = self.aside.submit(model, learn)
+            except Exception as e: return self._keep(run, learn, policy, f"it could not be sent to a worker process ({type(e).__name__}: {e})")
+        if st.fallback is not None:
+            if (res := self.aside.poll(st.fallback)) is None: return self._run_tier(learn, policy, run, counted=True)
+            st.fallback = None
+            if not res.ok: return self._keep(run, learn, policy, f"its compile in the worker process failed ({res.error})")
+            self.aside.records.put(st.record, cold_s=res.compile_s)
         run.to(TierStage.AB)
         self._on_ab(run, learn, policy, model, st)
+
+    def _keep(self, run, learn, policy, why:str):
+        "Keep the tier compiled first without an A/B: the default's code, `why`, isn't there to compare"
+        run.to(TierStage.DONE)
+        run.kept = True
+        self._run_tier(learn, policy, run, counted=True)
+        self.notes.append(f"tier {run.tier} kept without an A/B: the default's code, which it would be timed against, is missing: {why}")
 
     def _on_ab(self, run, learn, policy, model, st):
         "Alternate the tier and the default, a batch each, each timed alone; then keep the faster"
@@ -303,8 +374,9 @@ class Tiers:
     def _on_done(self, run, learn, policy, model, st):
         if run.kept: self._run_tier(learn, policy, run, counted=True)
 
-    on = {TierStage.SETTLE: _on_settle, TierStage.TIME: _on_time, TierStage.PROFILE: _on_profile, TierStage.COMPILE: _on_compile,
-          TierStage.WARMUP: _on_warmup, TierStage.AB: _on_ab, TierStage.DONE: _on_done} # What each stage does with a batch
+    on = {TierStage.PROBE: _on_probe, TierStage.FIRST: _on_first, TierStage.SETTLE: _on_settle, TierStage.TIME: _on_time,
+          TierStage.PROFILE: _on_profile, TierStage.COMPILE: _on_compile, TierStage.WARMUP: _on_warmup, TierStage.WAIT: _on_wait,
+          TierStage.AB: _on_ab, TierStage.DONE: _on_done} # What each stage does with a batch
 
     def stop(self):
         "The fit ended or raised: what each state's tier did, for the report; a tier compiling is abandoned with the worker"
@@ -313,6 +385,8 @@ class Tiers:
             if (r := st.tier) is None: continue
             if r.meter is not None: r.meter.end()
             if r.stage is TierStage.COMPILE: self.notes.append(f"the fit ended before tier {r.tier} compiled in the worker process")
+            if r.stage is TierStage.WAIT and r.batches: self.notes.append(f"tier {r.tier} ran {r.batches} training batch(es) from {r.since} on, and the fit "
+                                                            "ended before the default's code compiled for the A/B")
             if r.kept and r.batches: self.notes.append(f"tier {r.tier} ran {r.batches} training batch(es), from {r.since} on")
         self.aside = None
 
@@ -326,7 +400,7 @@ def _calls(model:nn.Module)->list:
     return [c for m in model.modules() if isinstance(c := compiled_call(m), CompiledCall)]
 
 # %% ../nbs/09_tiers.ipynb #b0d91b9a
-def _share(busy:float, step_s:float)->str: return f"the GPU ran work {busy:.0%} of the default's {step_s*1e3:.1f} ms step, "
+def _share(busy:float, step_s:float, of:str="the default's")->str: return f"the GPU ran work {busy:.0%} of {of} {step_s*1e3:.1f} ms step, "
 
 def _no_room(share:str, name:str, step_bytes:int, free:int)->str:
     return (f"no faster tier: {share}so CUDA graphs ({name}) would be faster, but their memory, {step_bytes/2**30:.1f} GB a step, "
@@ -349,6 +423,6 @@ def _took_over(run:TierRun, at:str)->str:
     return (f"tier {run.tier} took over at {at}: {run.why}{'; ' if run.why else ''}{how}; compiling it in the fit's path took "
             f"{run.warm:.1f}s; {_ab(run)}")
 
-def _no_time(left:int, rest_s:float, needed_s:float)->str:
-    return (f"no faster tier: the fit's {left} training batches left, about {rest_s:.0f}s with the default tier, are too few to "
-            f"pay back trying one (under {needed_s:.0f}s)")
+def _no_gain(name:str, saving_s:float, left:int, cost_s:float)->str:
+    return (f"no faster tier: {name} would save about {saving_s*1e3:.1f} ms a step over the {left} training batches left once it "
+            f"compiled, {left*saving_s:.1f}s in all, under the {cost_s:.0f}s trying it costs the fit")

@@ -170,15 +170,20 @@ def serve(
     "A worker process: start up, then compile each job whose path (and when it was sent) arrives on stdin; write how it went next to it"
     import importlib
     started = float(os.environ.get('FXC_WORKER_STARTED', time.time()))
+    marks = [time.time()] # The interpreter, torch and this library imported
     for m in filter(None, modules.split(',')):
         try: importlib.import_module(m)
         except Exception: pass # The job's unpickling says what is missing
+    marks.append(time.time())
     import_inductor()
+    marks.append(time.time())
     if torch.device(device).type == 'cuda': torch.empty(1, device=device)
     ready = time.time()
+    parts = dict(zip(('python', 'modules', 'inductor', 'cuda'), [b - a for a,b in zip([started, *marks], [*marks, ready])]))
+    if torch.device(device).type != 'cuda': del parts['cuda']
     for line in sys.stdin:
         path, sent = line.rstrip('\n').rsplit('\t', 1)
-        res = dict(ok=True, start_s=ready - started, waited_s=max(ready - float(sent), 0.)) # Start-up the job waited for
+        res = dict(ok=True, start_s=ready - started, start_parts=parts, waited_s=max(ready - float(sent), 0.)) # Start-up the job waited for
         try: res.update(compile_in_worker(path))
         except Exception as e: # This job fails alone: the next is compiled all the same
             traceback.print_exc()
@@ -195,6 +200,7 @@ class JobResult:
     oom:bool = False # The GPU ran out of memory
     start_s:float = 0. # The worker's start-up: the interpreter, torch, inductor, the model's modules, CUDA
     waited_s:float = 0. # The part of that start-up after the job was sent
+    start_parts:dict = field(default_factory=dict) # Its seconds by part: 'python' (the interpreter, torch, this library), 'modules', 'inductor', 'cuda'
     load_s:float = 0. # Reading the job: its models and inputs
     forward_s:float = 0. # Compiling the forward, on every device
     backward_s:float = 0. # Compiling the backward, alike

@@ -78,7 +78,7 @@ def segmentation_dls(path, n=24, size=32, bs=4):
                                                    codes=['background', 'square'], valid_pct=0.25, seed=0, bs=bs, num_workers=0)
 
 def two_conv_cnn(n_out=10):
-    "The issue's plain two-conv CNN for 1×8×8 images"
+    "A plain two-conv CNN for 1×8×8 images"
     return nn.Sequential(nn.Conv2d(1,16,3,padding=1), nn.ReLU(), nn.Conv2d(16,16,3,padding=1), nn.ReLU(),
                          nn.Flatten(), nn.Linear(16*8*8, n_out))
 

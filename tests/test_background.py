@@ -51,7 +51,8 @@ def test_compiled_code_takes_over_from_the_worker_and_trains_like_eager(cold_cac
     assert wait.worker_seen and cb.aside.worker.proc is None
     notes = cb.report.background
     assert len(notes) == 1 and "while 3 training batch(es) ran eagerly; the compiled code took over at epoch 0, batch 3" in notes[0], notes
-    assert re.search(r"\(its start-up took [\d.]+s, (done before the job was sent|[\d.]+s of it after the job was sent); loading the job "
+    assert re.search(r"\(its start-up took [\d.]+s \(Python, torch and this library [\d.]+s, the model's modules [\d.]+s, inductor [\d.]+s\), "
+                     r"(done before the job was sent|[\d.]+s of it after the job was sent); loading the job "
                      r"[\d.]+s, compiling the forward [\d.]+s and the backward [\d.]+s\); compiling it in the fit's path took [\d.]+s$", notes[0]), notes
     assert cb.report.graphs >= 1 and cb.report.batch_times # Compiled batches ran after the hand-over
     assert any(cold_cache.rglob('*')) # The worker filled the cache the fit compiled from
@@ -153,6 +154,33 @@ def test_a_state_compiled_before_compiles_at_once_without_a_worker(cold_cache, m
     assert len(notes) == 1 and re.fullmatch(r"compiled at once, in the fit's path at epoch 0, batch 0: inductor's cache has this model "
                                             r"state's code \([\d.]+s when last measured\); compiling it in the fit's path took [\d.]+s", notes[0]), notes
     assert_fit_close(eager.model, comp.model)
+
+_NEXT_PROCESS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import fastxtend_compile.background as bg
+from fastxtend_compile.worker import Worker
+from test_background import _fit
+bg.pays_back = lambda *a: True # However short this fit: the records, not the payoff, are what this process checks
+started = []
+Worker.start = lambda self, *a: started.append(a)
+learn = _fit(True)
+print(json.dumps(dict(notes=learn.compiler.report.background, started=len(started), graphs=learn.compiler.report.graphs)))
+"""
+
+def test_a_compile_in_the_fits_path_is_a_warm_start_for_the_background_in_a_new_process(cold_cache):
+    "A cache filled by `background=False` is a warm start: the next process compiles at once after its probe, with no worker"
+    _fit(True, background=False)
+    records = [json.loads(f.read_text()) for f in (cold_cache/WarmRecords.folder).glob('*.json')]
+    assert len(records) == 1 and set(records[0]) == {'path_s'} and records[0]['path_s'] > 0, records # The training state
+    env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': str(cold_cache), 'OMP_NUM_THREADS': '1'}
+    out = subprocess.run([sys.executable, '-c', _NEXT_PROCESS, os.path.dirname(__file__)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res['started'] == 0 and res['graphs'] >= 1, res
+    at = BackgroundCompile.probe_batches # Its first batches timed eagerly, then compiled, within the first 12
+    assert len(res['notes']) == 1 and re.fullmatch(rf"compiled at once, in the fit's path at epoch 0, batch {at}: inductor's cache has "
+        r"this model state's code \(compiled in a fit's path in [\d.]+s\); compiling it in the fit's path took [\d.]+s", res['notes'][0]), res
 
 @pytest.mark.parametrize('warm_s', [1e-4, 1e4])
 def test_a_warm_start_compiles_where_the_fits_rest_pays_it_back(cold_cache, monkeypatch, warm_s):

@@ -1,5 +1,6 @@
 "CUDA-only behaviour: CUDA graphs (`mode='reduce-overhead'`), mixed precision, matmul precision. Skipped without a GPU."
 from functools import partial
+import re
 import numpy as np, pytest, torch
 from fastai.learner import Learner
 from fastai.optimizer import OptimWrapper
@@ -135,4 +136,24 @@ def test_a_launch_bound_step_tries_cuda_graphs_and_trains_like_eager(tmp_path, m
     assert any(n.startswith(('tier reduce-overhead took over', 'tier reduce-overhead not kept')) for n in notes), notes
     assert np.allclose(losses(eager), losses(comp), rtol=5e-2, atol=5e-2), np.abs(losses(eager) - losses(comp)).max()
     assert abs(float(eager.recorder.values[-1][-1]) - float(comp.recorder.values[-1][-1])) <= 0.03
+    assert comp.compiler.aside.worker.proc is None
+
+def test_a_launch_bound_eager_step_has_cuda_graphs_compiled_first(tmp_path, monkeypatch):
+    "A small CNN's eager step waits on its kernel launches: the worker compiles CUDA graphs first, and they run from the hand-over"
+    from fastxtend_compile.background import BackgroundCompile
+    from fastxtend_compile.tiers import Tiers
+    from test_tiers import TierBatches # Waits for each job of the worker, so the hand-overs come within the fit
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 1e-9) # The eager step probed, and any fit worth a worker
+    monkeypatch.setattr(Tiers, 'try_cost_s', 0)
+    eager = fit(epochs=4)
+    seen = TierBatches()
+    comp = fit(dict(background=True), cbs=[seen], epochs=4)
+    notes = comp.compiler.report.background
+    print(*notes, sep='\n')
+    at = BackgroundCompile.probe_batches + 1 # Sent once the probe was timed, done before the next batch
+    assert f"the compiled code took over at epoch 0, batch {at}" in notes[0], notes
+    assert seen.ran[0][:3] == (0, True, at), seen.ran[:3] # CUDA graphs ran the hand-over's batch
+    assert any(re.match(r"tier reduce-overhead (took over at .*CUDA graphs, compiled first|not kept)", n) for n in notes), notes
+    assert np.allclose(losses(eager), losses(comp), rtol=5e-2, atol=5e-2), np.abs(losses(eager) - losses(comp)).max()
     assert comp.compiler.aside.worker.proc is None
