@@ -82,6 +82,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background.BackgroundCompile.send': ( 'background.html#backgroundcompile.send',
                                                                                                        'fastxtend_compile/background.py'),
+                                              'fastxtend_compile.background.BackgroundCompile.send_fallback': ( 'background.html#backgroundcompile.send_fallback',
+                                                                                                                'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background.BackgroundCompile.settle': ( 'background.html#backgroundcompile.settle',
                                                                                                          'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background.BackgroundCompile.start': ( 'background.html#backgroundcompile.start',

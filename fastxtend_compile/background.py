@@ -5,6 +5,7 @@
 # %% ../nbs/08_background.ipynb #88f64dd8
 from __future__ import annotations
 import hashlib, platform, time, warnings
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -210,10 +211,16 @@ class BackgroundCompile:
         model:nn.Module, # The model being compiled, in the state of this batch
         learn, # The `Learner` whose batch this is: its inputs are the job's
         settings:dict|None=None, # `torch.compile` settings: the model's (`None`), or a faster tier's
-    )->Job:
+        later:bool=False, # Only prepare the job: the callable returned sends it
+    )->Job|partial:
         "Send this batch's model state to the worker, to compile with `settings`, for each device the host trains on"
         payload = job_payload(model, learn.xb, self.settings if settings is None else settings, self.regional, self.ranks.devices())
-        return self.worker.submit(payload, model)
+        return partial(self.worker.submit, payload, model) if later else self.worker.submit(payload, model)
+
+    def send_fallback(self, st:ModelState)->Job:
+        "The job of `st`'s default code, where a faster tier compiled first: sent now if it was only prepared"
+        if callable(st.fallback): st.fallback = st.fallback()
+        return st.fallback
 
     def poll(self, job:Job)->JobResult|None: return self.worker.poll(job) # How `job` went; `None` while it compiles
 
@@ -221,7 +228,8 @@ class BackgroundCompile:
         "Have the worker compile `st` while the fit trains eagerly"
         try:
             st.job = self.submit(model, learn, None if st.first is None else st.first[0])
-            if st.first is not None: st.fallback = self.submit(model, learn) # The default's code next, for the A/B
+            # The default's code, for the A/B: sent once the tier runs, not to compile beside its hand-over's compile
+            if st.first is not None: st.fallback = self.submit(model, learn, later=True)
         except Exception as e:
             st.first = None # Compiled in the fit's path: the default's code
             why = f"the model could not be sent to a worker process ({type(e).__name__}: {e})"
@@ -235,7 +243,7 @@ class BackgroundCompile:
         if self.compiling is None or (res := self.poll(self.compiling.job)) is None: return
         st, self.compiling = self.compiling, None
         if not res.ok and st.fallback is not None: # The tier compiled first failed: the default's code, compiling next, serves
-            st.job, st.fallback, st.first, self.compiling = st.fallback, None, None, st
+            st.job, st.fallback, st.first, self.compiling = self.send_fallback(st), None, None, st
             return self.notes.append(_first_failed(res))
         st.result = res
         st.to(Stage.DONE)

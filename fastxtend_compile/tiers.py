@@ -184,7 +184,8 @@ class Tiers:
     ):
         "Choose the tier this training batch runs, and time it where its state's stage needs"
         if policy.tier_error is not None: self._raised(policy, model)
-        if self.aside is None or not learn.training or policy.one_off or (st := self.aside.states.get(key)) is None: return
+        # An epoch's last batch too: one of the state's shape runs its tier (a smaller one is a state of its own)
+        if self.aside is None or not learn.training or (st := self.aside.states.get(key)) is None: return
         if st.stage is Stage.PROBING: return self._probe(st, learn, model)
         if policy.eager or not self.aside.ready(key): return # The compiled code doesn't run it yet
         if st.tier is None: st.tier = TierRun()
@@ -322,7 +323,7 @@ class Tiers:
             try: st.fallback = self.aside.submit(model, learn)
             except Exception as e: return self._keep(run, learn, policy, f"it could not be sent to a worker process ({type(e).__name__}: {e})")
         if st.fallback is not None:
-            if (res := self.aside.poll(st.fallback)) is None: return self._run_tier(learn, policy, run, counted=True)
+            if (res := self.aside.poll(self.aside.send_fallback(st))) is None: return self._run_tier(learn, policy, run, counted=True)
             st.fallback = None
             if not res.ok: return self._keep(run, learn, policy, f"its compile in the worker process failed ({res.error})")
             self.aside.records.put(st.record, cold_s=res.compile_s)

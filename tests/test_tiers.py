@@ -62,7 +62,8 @@ def test_a_faster_tier_takes_over_after_its_ab_and_trains_like_eager(cpu_tiers):
                      r"fit's path took [\d.]+s; ([\d.]+) ms a step against ([\d.]+) ms for the default, alternating on the fit's batches$", took), notes
     tier_ms, base_ms = map(float, re.search(r"([\d.]+) ms a step against ([\d.]+) ms", took).groups())
     assert tier_ms < base_ms - 50 # Half the sleep the default's backend adds to each step's forward graph
-    assert ran and all(training and it < n - 1 for _,training,it,n in ran) # Training batches alone, never the last, smaller one
+    # Training batches alone, an epoch's last among them: fastai drops a smaller last training batch, so it has the state's shape
+    assert ran and all(training for _,training,_,_ in ran) and any(it == n - 1 for _,_,it,n in ran), ran
     assert re.search(r"^tier plain ran \d+ training batch\(es\), from epoch \d, batch \d+ on$", notes[-1]), notes
     assert_fit_close(eager.model, learn.model)
 
@@ -71,8 +72,8 @@ def test_a_faster_tier_takes_over_after_its_ab_and_trains_like_eager(cpu_tiers):
     seen.ran = []
     learn.fit(1, 3e-3)
     n_iter = len(learn.dls.train)
-    assert [it for _,_,it,_ in seen.ran] == list(range(n_iter - 1)), seen.ran # Each batch but the last, smaller one
-    assert learn.compiler.report.background[-1] == f"tier plain ran {n_iter - 1} training batch(es), from epoch 0, batch 0 on"
+    assert [it for _,_,it,_ in seen.ran] == list(range(n_iter)), seen.ran # Each batch
+    assert learn.compiler.report.background[-1] == f"tier plain ran {n_iter} training batch(es), from epoch 0, batch 0 on"
 
 def test_a_tier_that_fails_in_the_fits_path_is_dropped_and_the_default_trains_on(cpu_tiers):
     cpu_tiers('worker_only', dict(backend=worker_only))
