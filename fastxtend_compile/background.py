@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from fastai.torch_core import rank_distrib
+from fastai.torch_core import num_distrib
 
 from .core import model_fingerprint
 from .internals import inductor_cache_dir
@@ -187,7 +187,7 @@ class BackgroundCompile:
         seconds:float, # How long the batch compiled it
     ):
         "The batch compiled its model state in the fit's path: a state with no record gets one, so a later fit compiles it at once"
-        if rank_distrib(): return # Under DDP, rank 0's
+        if num_distrib() > 1: return # Under DDP the fit's path compiles DDP's graphs, split at its buckets: not the worker's
         key = self.records.key(model, state_key(model, learn.xb, learn.training))
         if self.records.get(key) is None: self.records.put(key, path_s=seconds)
 

@@ -127,6 +127,7 @@ class TierRun:
         self.epoch = None # The epoch its profile started in: one that runs into a validation starts over
         self.grads = False # Its parameters' gradients are memory of their own, for CUDA graphs, in this fit
         self.kept = kept is not None # The A/B kept the tier: it runs this state's training batches
+        self.first = False # The tier was compiled first, before the default's code
         self.batches, self.since = 0, '' # Training batches the tier ran in this fit, and where it started
 
     def to(self, stage:TierStage):
@@ -134,8 +135,12 @@ class TierRun:
         self.stage, self.n = stage, 0
 
     def next_fit(self)->TierRun|None:
-        "What the state's next fit starts from: its kept tier, or nothing (it is tried again)"
-        return TierRun(self.tier) if self.kept else None
+        "What the state's next fit starts from: its kept tier; a tier compiled first runs on until its A/B; else nothing (it is tried again)"
+        if self.kept: return TierRun(self.tier)
+        if not (self.first and self.stage in (TierStage.WARMUP, TierStage.WAIT)): return None
+        self.to(TierStage.WAIT) # The default's code, which the A/B needs, is compiled in the worker as the fit starts
+        self.grads, self.batches, self.since = False, 0, ''
+        return self
 
 # %% ../nbs/09_tiers.ipynb #04d59625
 class Tiers:
@@ -229,7 +234,7 @@ class Tiers:
         run.tier, run.records = name, self.records[name]
         run.record = run.records.key(model, st.key)
         run.why = "compiled first" if busy is None else _share(busy, step_s, 'the eager') + "so the host's launches bound it: CUDA graphs, compiled first"
-        st.first = (self._settings(name), run.record)
+        st.first, run.first = (self._settings(name), run.record), True
         run.to(TierStage.FIRST)
 
     def _on_probe(self, run, learn, policy, model, st):

@@ -171,6 +171,18 @@ def test_a_tier_compiled_first_starts_warm_in_a_later_fit(first_tiers, monkeypat
     assert ran[0][:3] == (0, True, at) and learn.compiler.aside.worker.jobs == 0, (ran[:3], notes)
     assert any(n.startswith('tier plain took over') for n in notes), notes # The A/B against the default's code, compiled at once too
 
+def test_a_tier_compiled_first_runs_on_in_the_next_fit_until_its_ab(first_tiers):
+    "A fit that ends before the default's code compiled for the A/B: the next fit of the state runs the tier from its first batch"
+    first_tiers('plain', dict(backend='aot_eager'))
+    learn, ran = _fit(epochs=1, wait=False, backend=slow_to_compile) # The default's code takes the worker a minute
+    ended = "and the fit ended before the default's code compiled for the A/B"
+    assert ran and ran[0][:3] == (0, True, BackgroundCompile.probe_batches + 1) and ended in learn.compiler.report.background[-1], ran
+    seen = learn.cbs.filter(lambda c: isinstance(c, TierBatches))[0]
+    seen.ran = []
+    learn.fit(1, 3e-3)
+    assert [it for _,_,it,_ in seen.ran] == list(range(len(learn.dls.train))), seen.ran # Never the default's code, uncompiled
+    assert learn.compiler.report.background[-1].startswith("tier plain ran") and ended in learn.compiler.report.background[-1]
+
 def test_a_tier_compiled_first_that_fails_in_the_worker_leaves_the_default_to_take_over(first_tiers):
     first_tiers('refused', dict(backend=refused))
     eager, _ = _fit(False, epochs=2)
