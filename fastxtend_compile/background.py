@@ -350,6 +350,7 @@ def _eval_eager()->str:
     return "ran eagerly, evaluation within the fit: under DDP the background compiles the training states alone"
 
 def _unfinished(st:ModelState)->str:
+    if not st.key.training: return f"the fit ended before the worker process finished compiling for evaluation, sent at {st.sent_at}"
     return (f"the fit ended before the worker process finished compiling: {st.eager_batches} training batch(es) ran eagerly "
             f"from {st.sent_at}")
 

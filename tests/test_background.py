@@ -120,7 +120,7 @@ def test_batches_of_ever_new_shapes_train_eagerly_and_say_so(tmp_path, monkeypat
         "in a row), so none is worth a graph of its own; batches of one size (padded to one length, `drop_last=True`) or "
         "`dynamic=True` let one graph serve them"]
 
-def test_a_fit_that_trains_eagerly_never_imports_inductor():
+def test_a_fit_that_trains_eagerly_never_imports_inductor(tmp_path):
     "`torch.compile` imports inductor (seconds on a GPU host): a fit that trains eagerly while it would compile elsewhere doesn't wait for it"
     import subprocess, sys, textwrap
     code = textwrap.dedent('''
@@ -133,7 +133,9 @@ def test_a_fit_that_trains_eagerly_never_imports_inductor():
         with learn.no_bar(), learn.no_logging(): learn.fit(1) # Too short to be worth a worker: it trains eagerly
         print(learn.compiler.report.graphs, 'torch._inductor.compile_fx' in sys.modules)
     ''')
-    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([os.path.dirname(__file__), os.environ.get('PYTHONPATH', '')])}
+    # An empty inductor cache: a state another test compiled, in any process, would compile at once (a warm start)
+    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([os.path.dirname(__file__), os.environ.get('PYTHONPATH', '')]),
+           'TORCHINDUCTOR_CACHE_DIR': str(tmp_path)}
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ['0', 'False'], out.stdout
@@ -334,3 +336,12 @@ def test_a_state_whose_worker_failed_is_tried_again_in_the_next_fit(cold_cache, 
     with learn.no_bar(): learn.fit(1, 3e-3)
     notes = learn.compiler.report.background
     assert "the compiled code took over at epoch 0, batch 1" in notes[-1] and learn.compiler.report.graphs >= 1, notes
+
+def test_an_unfinished_evaluation_compile_is_reported_as_one():
+    "A validation state still compiling when the fit ends ran no training batches eagerly: the report says it was for evaluation"
+    from fastxtend_compile.background import _unfinished
+    from fastxtend_compile.state import ModelState
+    model = nn.Linear(2, 2).eval()
+    with torch.no_grad(): st = ModelState(state_key(model, (torch.randn(1, 2),), False), 'record')
+    st.sent_at = 'epoch 0, batch 0'
+    assert _unfinished(st) == "the fit ended before the worker process finished compiling for evaluation, sent at epoch 0, batch 0"

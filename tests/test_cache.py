@@ -264,10 +264,12 @@ def test_warm_records_travel_with_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path/'here'))
     learn = _learner(tmp_path/'learner').compile(backend='inductor')
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
-    WarmRecords.root().mkdir(parents=True)
+    fitted = {f.name for f in WarmRecords.root().glob('*.json')} # The fit's compile in its path is a record too
+    assert fitted and all('path_s' in json.loads((WarmRecords.root()/n).read_text()) for n in fitted), fitted
     (WarmRecords.root()/'0123-4567.json').write_text('{"cold_s": 20.5, "warm_s": 2.5}')
     file = learn.save_compile_cache('records')
     with zipfile.ZipFile(file) as z: assert 'warm/0123-4567.json' in z.namelist()
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path/'there')) # Another machine's empty cache
     assert learn.load_compile_cache('records') is True
     assert json.loads((tmp_path/'there'/WarmRecords.folder/'0123-4567.json').read_text()) == {'cold_s': 20.5, 'warm_s': 2.5}
+    assert {f.name for f in (tmp_path/'there'/WarmRecords.folder).glob('*.json')} == fitted | {'0123-4567.json'}
