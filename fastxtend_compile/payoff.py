@@ -7,8 +7,8 @@ from __future__ import annotations
 from statistics import median
 
 # %% auto #0
-__all__ = ['SAVING', 'AUTOTUNE_SAVING', 'batches_left', 'pays_back', 'rest_needed', 'warm_cost', 'pick_tier', 'first_tier',
-           'tier_saving', 'cudagraphs_fit', 'faster']
+__all__ = ['SAVING', 'LAUNCH_BOUND', 'AUTOTUNE_SAVING', 'batches_left', 'pays_back', 'rest_needed', 'warm_cost', 'pick_tier',
+           'first_tier', 'tier_saving', 'cudagraphs_fit', 'faster']
 
 # %% ../nbs/14_payoff.ipynb #23d4101a
 SAVING = 0.2 # The share of a step a compiled one is expected to save, until a fit has measured it
@@ -41,9 +41,11 @@ def warm_cost(
     return rec.get('warm_s', min(rec.get('path_s', default_s), default_s))
 
 # %% ../nbs/14_payoff.ipynb #c2606ebc
+LAUNCH_BOUND = 0.7 # A step whose GPU is busy less than this share of it waits on the host's launches
+
 def pick_tier(
     busy:float|None, # The share of a compiled training step in which the GPU runs work; `None` where not measured
-    launch_bound:float=0.7, # A step whose GPU is busy less than this share of it waits on the host's launches
+    launch_bound:float=LAUNCH_BOUND, # A step whose GPU is busy less than this share of it waits on the host's launches
 )->str|None:
     "The tier likely faster than the default one for this step: CUDA graphs where launches bound it, autotuned kernels where the GPU does"
     if busy is None: return None
@@ -51,11 +53,11 @@ def pick_tier(
 
 def first_tier(
     busy:float|None, # The share of an eager training step in which the GPU runs work; `None` where not measured
-    launch_bound:float=0.7, # A step whose GPU is busy less than this share of it waits on the host's launches
+    launch_bound:float=LAUNCH_BOUND, # A step whose GPU is busy less than this share of it waits on the host's launches
 )->str|None:
     "The tier a worker compiles first, before the default: CUDA graphs, where the eager step already waits on the host's launches"
     # Compiled, such a step launches fewer kernels but keeps waiting on them; a GPU-bound one gets the default first
-    return 'reduce-overhead' if busy is not None and busy < launch_bound else None
+    return 'reduce-overhead' if pick_tier(busy, launch_bound) == 'reduce-overhead' else None
 
 AUTOTUNE_SAVING = 0.05 # The share of a GPU-bound step that autotuned kernels are expected to save
 

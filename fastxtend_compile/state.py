@@ -35,6 +35,11 @@ class StateKey:
     inputs:tuple # Each input tensor's shape and dtype
     autocast:torch.dtype|None # The dtype autocast runs in, `None` where it is off
 
+    # Hashed once: a batch looks its state up several times, and `trains` has an entry per parameter
+    def __post_init__(self): object.__setattr__(self, '_hash', hash((self.model, *self.durable)))
+    def __hash__(self): return self._hash
+    def __reduce__(self): return StateKey, (self.model, *self.durable) # Hashed afresh in the process that loads it
+
     @property
     def durable(self)->tuple:
         "The key without the model's token: the same for this state in every process"

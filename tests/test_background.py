@@ -322,6 +322,19 @@ def test_a_new_model_where_a_freed_one_lived_is_a_new_state():
     new = state_key(b, (x,), True)
     assert new != key and not aside.ready(new) and aside.state(new, b).stage is Stage.PROBING
 
+def test_a_state_key_is_one_dict_key_for_equal_states_and_survives_pickling():
+    "Equal states are one key, hashed once; a key loaded in another process is hashed there, not with the stored hash"
+    import pickle
+    model = nn.Linear(2, 2)
+    key = state_key(model, (torch.randn(3, 2),), True)
+    states = {key: 'a'}
+    assert states[state_key(model, (torch.randn(3, 2),), True)] == 'a'
+    assert state_key(model, (torch.randn(4, 2),), True) not in states # Another batch size
+    model.weight.requires_grad_(False)
+    assert state_key(model, (torch.randn(3, 2),), True) not in states # Another freeze state
+    loaded = pickle.loads(pickle.dumps(key))
+    assert loaded == key and hash(loaded) == hash(key) and loaded.durable == key.durable
+
 def test_a_state_whose_worker_failed_is_tried_again_in_the_next_fit(cold_cache, monkeypatch):
     "A failed compile leaves its state eager for the fit; the next fit sends it to a worker again (the GPU may have room now)"
     code = Worker.code
