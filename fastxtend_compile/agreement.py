@@ -131,7 +131,7 @@ class DDP(Local):
         if st.stage in (Stage.READY, Stage.FAILED, Stage.SHORT): return None
         if st.stage is Stage.DONE: worker = 'done' if st.result.ok else 'failed'
         elif aside.compiling is not None: worker = 'compiling'
-        elif aside.records.get(st.record) is not None: worker = 'warm' # Inductor's cache on this host has its code
+        elif aside.warm_starts.get(st.record) is not None: worker = 'warm' # Inductor's cache on this host has its code
         else: worker = 'none'
         failure = None if st.result is None or st.result.ok else (st.result.took_s, st.result.error, st.result.oom, self.host)
         return dict(key=st.record, worth=st.stage is not Stage.PROBING, worker=worker, leader=self.leader, failure=failure)
@@ -144,7 +144,7 @@ class DDP(Local):
         if decision == 'failed':
             took, error, oom, host = next(v['failure'] for v in views if v['leader'] and v['failure'])
             aside.settle(st, JobResult(False, f"{error}; on {host}", oom, took_s=took))
-        elif decision == 'warm': aside.warm(st, aside.records.get(st.record) or {}, learn, None)
+        elif decision == 'warm': aside.warm(st, aside.warm_starts.get(st.record) or {}, learn, None)
         elif decision == 'ready': aside.settle(st)
         elif decision == 'start' and self.leader and views[self.rank]['worker'] == 'none': aside.send(st, learn, model)
 

@@ -5,7 +5,6 @@
 # %% ../nbs/08_background.ipynb #88f64dd8
 from __future__ import annotations
 import hashlib, platform, time, warnings
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -63,7 +62,7 @@ class WarmRecords:
 
 # %% ../nbs/08_background.ipynb #c242d0a8
 class _Probes:
-    "Times each new model state's first eager batches, in a row; counts how often the states changed"
+    "Times each new model state's first eager batches, in a row; counts how often the states changed; judges what they pay back"
     def __init__(self): self.state, self.changes, self.fastest_s = None, 0, None
 
     def tick(self, st:ModelState, now:float)->int:
@@ -71,6 +70,17 @@ class _Probes:
         if self.state is not st: st.probe, self.state, self.changes = Probe(now), st, self.changes + 1
         st.probe.tick(now)
         return st.probe.seen - 1
+
+    def verdict(self,
+        st:ModelState, # A state whose probe is done
+        learn, # The `Learner` whose batch this is
+        cost_s:float, # Seconds compiling it costs the fit's path
+        warm:bool, # Its compile is a warm one, from inductor's cache
+    )->str|None:
+        "`None` where the fit's training batches left, at the eager step the probe timed, pay back `cost_s`; else why not"
+        left, step_s, self.fastest_s = batches_left(learn), st.probe.step_s, st.probe.fastest
+        if pays_back(left, SAVING*step_s, cost_s): return None
+        return _too_short(left, step_s*left, cost_s if warm else None, rest_needed(cost_s))
 
 class _WarmTimer:
     "Times a warm compile in the fit's path from its batch to a later one of the same epoch and phase"
@@ -84,6 +94,56 @@ class _WarmTimer:
         (record, start, note, (epoch, it, training)), self.timing = self.timing, None
         if (learn.epoch, learn.training) != (epoch, training) or learn.iter <= it: return None
         return record, note, max(now - start - (learn.iter - it)*(step_s or 0.), 0.)
+
+class WarmStarts:
+    "The one writer of warm records: what each compile of a fit took, kept in inductor's cache so later fits compile at once"
+    def __init__(self,
+        settings:dict, # The model's `torch.compile` settings, from `compile_settings`
+        regional:bool=False, # Only the model's repeated blocks are compiled
+    ):
+        self.settings, self.regional = settings, regional
+        self.records = WarmRecords(settings, regional) # The records, of any settings: a record's name says which
+        self.timer = _WarmTimer() # Times a hand-over's warm compile in the fit's path
+        self.times_warm = True # This process records warm compiles: under DDP, rank 0 alone, which timed the eager step
+
+    def __getstate__(self): return {**self.__dict__, 'timer': _WarmTimer()}
+
+    def key(self, model:nn.Module, state:StateKey, settings:dict|None=None)->str:
+        "The record of `state` compiled with `settings` (`None`: the model's own)"
+        return (self.records if settings is None else WarmRecords(settings, self.regional)).key(model, state)
+
+    def get(self, record:str)->dict|None: return self.records.get(record) # What was recorded, `None` where nothing was
+
+    def compiled(self, record:str, res:JobResult):
+        "A worker compiled `record` cold, or failed to"
+        if res.ok: self.records.put(record, cold_s=res.compile_s)
+
+    def in_path(self,
+        model:nn.Module, # The model compiled (not DDP's wrapper)
+        xb:tuple, # The batch's inputs
+        training:bool, # A training batch
+        seconds:float, # How long the batch compiled the model
+    ):
+        "A batch compiled its model state in the fit's path: a record where it has none, so a later fit compiles it at once"
+        if num_distrib() > 1: return # Under DDP the fit's path compiles DDP's graphs, split at its buckets: not the worker's
+        if self.get(record := self.key(model, state_key(model, xb, training))) is None: self.records.put(record, path_s=seconds)
+
+    def warmed(self, record:str, seconds:float):
+        "The fit's path compiled `record` from inductor's cache in `seconds`"
+        if self.times_warm: self.records.put(record, warm_s=seconds)
+
+    def time(self, record:str, now:float, note:int, learn):
+        "Time the warm compile of `record` that this batch runs, for the report's line `note`, until a later batch can tell"
+        self.timer.start(record, now, note, learn)
+
+    def timed(self, now:float, learn, step_s:float|None)->tuple|None:
+        "(note, seconds) of a warm compile timed, recorded, once this batch (`now`) can tell; each batch between counts as `step_s`"
+        if (t := self.timer.stop(now, learn, step_s)) is None: return None
+        record, note, seconds = t
+        self.warmed(record, seconds)
+        return note, seconds
+
+    def end_fit(self): self.timer = _WarmTimer() # A compile still timed is left out
 
 # %% ../nbs/08_background.ipynb #f47c974a
 class BackgroundCompile:
@@ -100,18 +160,16 @@ class BackgroundCompile:
         show=None, # Where the hand-over is announced (`CompilerCallback._show`)
     ):
         self.settings, self.regional, self.show = settings, regional, show
-        self.records = WarmRecords(settings, regional) # What compiled into inductor's cache before, in any process
+        self.warm_starts = WarmStarts(settings, regional) # What compiled into inductor's cache before, in any process
         self.worker = Worker() # Started for the first state worth a cold compile, kept for the fit's others
         self.ranks = Local() # How the fit's processes decide on a state: `DDP` under DDP
         self.states = {} # Each `StateKey` met, its `ModelState`: those `READY` stay for later fits
         self.compiling = None # The `ModelState` whose job the worker compiles
         self.probes = _Probes() # Times new states' eager batches
-        self.timer = _WarmTimer() # Times a hand-over's warm compile in the fit's path
         self.notes = [] # One line for the report per background compile of this fit
 
     def __getstate__(self): # A copy of the callback (`learn.export`) starts with no worker and nothing compiled
-        return {**self.__dict__, 'worker': Worker(), 'ranks': Local(), 'states': {}, 'compiling': None, 'probes': _Probes(),
-                'timer': _WarmTimer(), 'show': None}
+        return {**self.__dict__, 'worker': Worker(), 'ranks': Local(), 'states': {}, 'compiling': None, 'probes': _Probes(), 'show': None}
 
     def start(self,
         show=None, # Where the hand-over is announced (`CompilerCallback._show`)
@@ -122,10 +180,11 @@ class BackgroundCompile:
         self.show = show
         self.ranks = DDP() if ddp else Local()
         self.ranks.start(device)
+        self.warm_starts.times_warm = self.ranks.rank == 0
 
     def state(self, key:StateKey, model:nn.Module)->ModelState:
         "The `ModelState` of `key`, met now if new"
-        if (st := self.states.get(key)) is None: st = self.states[key] = ModelState(key, self.records.key(model, key))
+        if (st := self.states.get(key)) is None: st = self.states[key] = ModelState(key, self.warm_starts.key(model, key))
         return st
 
     def ready(self, key:StateKey)->bool:
@@ -139,7 +198,8 @@ class BackgroundCompile:
     )->bool:
         "Whether this batch runs eagerly: its model state's compiled code isn't ready; moves the state on"
         now = time.perf_counter()
-        self._time_handover(now, learn)
+        if (timed := self.warm_starts.timed(now, learn, self.probes.fastest_s)) is not None:
+            self.notes[timed[0]] += f"; compiling it in the fit's path took {timed[1]:.1f}s"
         self._collect()
         st = self.state(key, model)
         if st.stage is Stage.READY: return self._take_over(st, learn, now)
@@ -172,30 +232,18 @@ class BackgroundCompile:
             if n == 0 and self.probes.changes == 2*self.probe_batches and not any(s.stage is Stage.READY for s in self.states.values()):
                 self.notes.append(_shapes_change(self.probes.changes, self.probe_batches)) # Said once, if states change too often
             return False
-        left, step_s, self.probes.fastest_s = batches_left(learn), st.probe.step_s, st.probe.fastest
         rec = self.cached(st) # Once the probe is done: not at each of its batches
-        cost = self.cold_cost_s if rec is None else warm_cost(rec, self.warm_s)
-        if pays_back(left, SAVING*step_s, cost): return True
+        if (why := self.probes.verdict(st, learn, self.cold_cost_s if rec is None else warm_cost(rec, self.warm_s), rec is not None)) is None: return True
         st.to(Stage.SHORT) # Not worth it: eager for the rest of this fit
         self.worker.idle() # Not needed this fit, unless a job waits for it
-        self.notes.append(_too_short(left, step_s*left, None if rec is None else cost, rest_needed(cost)))
+        self.notes.append(why)
         return False
-
-    def compiled_in_path(self,
-        learn, # The `Learner` whose batch ends
-        model:nn.Module, # The model compiled (not DDP's wrapper)
-        seconds:float, # How long the batch compiled it
-    ):
-        "The batch compiled its model state in the fit's path: a state with no record gets one, so a later fit compiles it at once"
-        if num_distrib() > 1: return # Under DDP the fit's path compiles DDP's graphs, split at its buckets: not the worker's
-        key = self.records.key(model, state_key(model, learn.xb, learn.training))
-        if self.records.get(key) is None: self.records.put(key, path_s=seconds)
 
     def cached(self, st:ModelState)->dict|None:
         "The record of the code `st` hands over to, where inductor's cache has it: a faster tier's compiled first, else the default's"
-        if st.first is not None and (rec := self.records.get(st.first[1])) is not None: return rec
+        if st.first is not None and (rec := self.warm_starts.get(st.first[1])) is not None: return rec
         # Only the default's code cached: it compiles at once, and the faster tier waits its turn (`Tiers`)
-        if (rec := self.records.get(st.record)) is not None: st.first = None
+        if (rec := self.warm_starts.get(st.record)) is not None: st.first = None
         return rec
 
     def warm(self, st:ModelState, rec:dict, learn, now:float|None)->bool:
@@ -204,32 +252,28 @@ class BackgroundCompile:
         self.worker.idle() # Not needed this fit, unless a job waits for it
         self.notes.append(_warm(rec, st.key.training, where(learn, next_batch=now is None), self.ranks.together(False)))
         if now is None: st.handover = 'warm' # Timed from the next batch, which compiles
-        else: self.timer.start(st.compiled_record, now, len(self.notes) - 1, learn)
+        else: self.warm_starts.time(st.compiled_record, now, len(self.notes) - 1, learn)
         return False
 
     def submit(self,
         model:nn.Module, # The model being compiled, in the state of this batch
         learn, # The `Learner` whose batch this is: its inputs are the job's
         settings:dict|None=None, # `torch.compile` settings: the model's (`None`), or a faster tier's
-        later:bool=False, # Only prepare the job: the callable returned sends it
-    )->Job|partial:
+        held:bool=False, # Only prepare the job: `release` sends it
+    )->Job:
         "Send this batch's model state to the worker, to compile with `settings`, for each device the host trains on"
         payload = job_payload(model, learn.xb, self.settings if settings is None else settings, self.regional, self.ranks.devices())
-        return partial(self.worker.submit, payload, model) if later else self.worker.submit(payload, model)
+        return self.worker.submit(payload, model, held=held)
 
-    def send_fallback(self, st:ModelState)->Job:
-        "The job of `st`'s default code, where a faster tier compiled first: sent now if it was only prepared"
-        if callable(st.fallback): st.fallback = st.fallback()
-        return st.fallback
-
-    def poll(self, job:Job)->JobResult|None: return self.worker.poll(job) # How `job` went; `None` while it compiles
+    def release(self, job:Job)->Job: return self.worker.release(job) # Send `job`, where it was held
+    def poll(self, job:Job)->JobResult|None: return self.worker.poll(job) # How `job` went; `None` while it compiles, or is held
 
     def send(self, st:ModelState, learn, model:nn.Module)->bool:
         "Have the worker compile `st` while the fit trains eagerly"
         try:
             st.job = self.submit(model, learn, None if st.first is None else st.first[0])
             # The default's code, for the A/B: sent once the tier runs, not to compile beside its hand-over's compile
-            if st.first is not None: st.fallback = self.submit(model, learn, later=True)
+            if st.first is not None: st.fallback = self.submit(model, learn, held=True)
         except Exception as e:
             st.first = None # Compiled in the fit's path: the default's code
             why = f"the model could not be sent to a worker process ({type(e).__name__}: {e})"
@@ -243,11 +287,11 @@ class BackgroundCompile:
         if self.compiling is None or (res := self.poll(self.compiling.job)) is None: return
         st, self.compiling = self.compiling, None
         if not res.ok and st.fallback is not None: # The tier compiled first failed: the default's code, compiling next, serves
-            st.job, st.fallback, st.first, self.compiling = self.send_fallback(st), None, None, st
+            st.job, st.fallback, st.first, self.compiling = self.release(st.fallback), None, None, st
             return self.notes.append(_first_failed(res))
         st.result = res
         st.to(Stage.DONE)
-        if res.ok: self.records.put(st.compiled_record, cold_s=res.compile_s)
+        self.warm_starts.compiled(st.compiled_record, res)
         self.ranks.done(self, st)
 
     def settle(self,
@@ -262,22 +306,15 @@ class BackgroundCompile:
     def _take_over(self, st:ModelState, learn, now:float)->bool:
         "The compiled code runs from this batch on; the first after its compile elsewhere compiles warm, timed"
         handover, st.handover = st.handover, None
-        if handover == 'warm': # A warm compile the ranks agreed on: this batch compiles
-            self.timer.start(st.compiled_record, now, _last(self.notes, 'compiled'), learn)
-        elif handover == 'worker':
+        if handover is None: return False
+        # A warm compile the ranks agreed on was announced as they agreed; a worker's hand-over is announced now
+        self.warm_starts.time(st.compiled_record, now, _last(self.notes, 'compiled') if handover == 'warm' else len(self.notes), learn)
+        if handover == 'worker':
             at = where(learn)
-            self.timer.start(st.compiled_record, now, len(self.notes), learn)
             self.notes.append(_took_over(st, at, self.ranks.together(True)))
             if self.show is not None:
                 self.show(f"torch.compile: the compiled model takes over at {at}, after {st.result.took_s:.1f}s compiling in a worker process")
         return False
-
-    def _time_handover(self, now:float, learn):
-        "Record how long a hand-over's warm compile in the fit's path took, for later fits, once a later batch can tell"
-        if (timed := self.timer.stop(now, learn, self.probes.fastest_s)) is None: return
-        record, i, warm = timed
-        if self.ranks.rank == 0: self.records.put(record, warm_s=warm) # Under DDP, rank 0's: the one that timed the eager step
-        self.notes[i] += f"; compiling it in the fit's path took {warm:.1f}s"
 
     def _failed(self, st:ModelState, res:JobResult):
         "The worker failed: this state trains eagerly, with one warning (under DDP, on rank 0) that says why in the user's terms"
@@ -290,7 +327,8 @@ class BackgroundCompile:
         if (st := self.compiling) is not None: self.notes.append(_unfinished(st))
         self.worker.end()
         self.ranks.end()
-        self.ranks, self.compiling, self.probes, self.timer = Local(), None, _Probes(), _WarmTimer()
+        self.ranks, self.compiling, self.probes = Local(), None, _Probes()
+        self.warm_starts.end_fit()
         self.states = {k: s for k,s in self.states.items() if s.stage is Stage.READY}
         for s in self.states.values(): s.end_fit() # Its code compiles at its next batch, unannounced
 

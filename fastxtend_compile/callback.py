@@ -321,7 +321,7 @@ class CompilerCallback(Callback):
         rec, p, model = self.compile_recorder, self.policy, get_model(self.learn.model)
         key = None if p.aside is None else state_key(model, self.learn.xb, self.training) # Once a batch, for every part that asks
         p.start_batch(self.learn, key, measure=rec.wants_eager_step(getattr(self.learn, 'n_iter', 0)), whole_backward=self.ddp.in_backward)
-        self.tiers.before_batch(self.learn, p, key, model)
+        self.tiers.before_batch(self.learn, p.eager, key, model)
         if p.timed: rec.batch_start(self.training, self.learn.xb, p.measuring, p.valid_eager)
 
     def _own_grads(self):
@@ -341,9 +341,9 @@ class CompilerCallback(Callback):
 
     def after_batch(self):
         if not self.active: return
-        self.tiers.after_batch()
+        tier = self.tiers.after_batch() # A batch that ran a faster tier compiled the tier, not the model's own code
         if self.policy.timed: self.compile_recorder.batch_done()
-        if (s := self.compile_recorder.take_compiled()) and self.policy.tier is None: self.aside.compiled_in_path(self.learn, get_model(self.learn.model), s)
+        if (s := self.compile_recorder.take_compiled()) and not tier: self.aside.warm_starts.in_path(get_model(self.learn.model), self.learn.xb, self.training, s)
         self.policy.end_batch(self.training)
 
     def after_fit(self):
@@ -365,7 +365,7 @@ class CompilerCallback(Callback):
         # purpose: it runs inside DDP's forward, where TorchDynamo sees DDP
         model = self.learn.model
         inner = get_model(model)
-        compiled = compile_model(inner, self.regional, on_refused=self._refused, policy=self.policy, **self.settings)
+        compiled = compile_model(inner, self.regional, on_refused=self._refused, policy=self.policy, switch=self.tiers.switch, **self.settings)
         if inner is model: self.learn.model = compiled
         elif compiled is not inner: model.module = compiled # `inner` was an `OptimizedModule`
         self.compiled_model = weakref.ref(compiled)

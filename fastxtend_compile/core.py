@@ -235,8 +235,6 @@ class EagerPolicy:
         self.waiting = False # This batch runs eagerly while its compiled code is made outside the fit's path
         self.evaluating = False # This batch of an evaluation outside a fit or of `lr_find` runs eagerly: its graph wouldn't pay back
         self.one_off = False # This batch is a one-off, not worth a graph of its own: the last, often smaller, one
-        self.tier = None # (name, settings over the model's) of the faster tier that runs this training batch (`Tiers`); `None`: the model's own
-        self.tier_error = None # (name, error) of a tier that raised where the model's own compiled code runs, until `Tiers` drops it
         self.pays = None # `pays(batches)`: whether that many batches are expected to pay back a graph's compile (the report's)
         self.unpaid = None # Whether this evaluation outside a fit, or `lr_find`, runs eagerly: decided at its first batch
         self.eager_eval = 0 # Batches of this evaluation outside a fit run eagerly, their graph not compiled and not worth it
@@ -331,18 +329,7 @@ class EagerPolicy:
         "The batch ended: what comes next is decided afresh"
         self.trained |= training
         self.measuring = self.valid_eager = self.waiting = self.evaluating = self.one_off = False
-        self.tier = None
         if training: self.validation = None # The next validation is judged afresh, with fewer batches left
-
-    def tier_failed(self,
-        name:str, # The tier whose compiled function raised
-        error:Exception, # What it raised
-    )->bool:
-        "Whether the call that raised `error` runs again without tier `name`: the batch goes on without it, and `Tiers` drops it"
-        # A model's own bug, found as TorchDynamo traces it, is raised as eager raises it, whatever compiles the model
-        if isinstance(error, traced_op_error()): return False
-        self.tier, self.tier_error = None, (name, error)
-        return True
 
     @property
     def timed(self)->bool:
@@ -352,7 +339,7 @@ class EagerPolicy:
     def stop(self):
         "The fit ended or raised: calls outside a fit run as their shapes say"
         self.end_batch(False)
-        self.aside, self.pays, self.unpaid, self.validation, self.tier_error = None, None, None, None, None
+        self.aside, self.pays, self.unpaid, self.validation = None, None, None, None
 
     def runs_eagerly(self,
         call:CompiledCall, # The compiled call asking, with its input shapes compiled for and run eagerly, by phase
@@ -419,9 +406,10 @@ class CompiledCall:
         entries:dict|None=None, # `compiled_entry`s by freeze state, to share with modules of the same class (regional compilation)
         on_refused:Callable|None=None, # Called when a `fullgraph=True` compile is refused
         policy:EagerPolicy|None=None, # Decides which calls run eagerly (`CompilerCallback`'s); one of its own if `None`
+        switch=None, # Which faster tier runs a training batch's calls (`Tiers.switch`); `None`: the model's own settings always
         **settings # `torch.compile` settings, from `compile_settings`
     ):
-        self.module, self.on_refused, self.settings = module, on_refused, settings
+        self.module, self.on_refused, self.settings, self.switch = module, on_refused, settings, switch
         self.policy = EagerPolicy() if policy is None else policy
         # CUDA graphs overwrite their outputs at the next replay, and fastai keeps outputs around (Recorder, metrics, preds)
         self.cudagraphs = uses_cudagraphs(settings)
@@ -480,8 +468,8 @@ class CompiledCall:
         return self.dynamic_entry
 
     def _tier(self)->tuple|None:
-        "The tier (name, settings) that runs this call: one its policy chose for a training batch, for the training phase alone"
-        tier = self.policy.tier
+        "The tier (name, settings) that runs this call: one its switch chose for a training batch, for the training phase alone"
+        tier = None if self.switch is None else self.switch.tier
         return tier if tier is not None and self.module.training and torch.is_grad_enabled() else None
 
     def _tier_entry(self, name:str, settings:dict)->Callable:
@@ -543,7 +531,7 @@ class CompiledCall:
             if tier is None: raise
             failed = e # The tier's compiler failed: the model's own code runs the call, out of this handler
         else: failed = None
-        if failed is not None and tier is not None and self.policy.tier_failed(tier[0], failed):
+        if failed is not None and tier is not None and self.switch.failed(tier[0], failed):
             args, kwargs = tree_unflatten(leaves, spec)
             return self(*args, **kwargs)
         if failed is not None: self._raise_as_eager(failed, *tree_unflatten(leaves, spec), held)
@@ -664,6 +652,7 @@ def compile_model(
     regional:bool=False, # Compile only its repeated blocks, each reusing its twins' compiled code
     on_refused:Callable|None=None, # Called when a `fullgraph=True` compile is refused
     policy:EagerPolicy|None=None, # Decides which calls run eagerly, shared by the compiled blocks (`CompilerCallback`'s)
+    switch=None, # Which faster tier runs a training batch's calls, shared alike (`Tiers.switch`); `None`: the model's settings always
     **settings # `torch.compile` settings: `fullgraph`, `dynamic`, `backend`, `mode`, `options`
 )->nn.Module:
     "Compile `model` in place with `torch.compile` `settings`, unwrapping an `OptimizedModule` first; a recurrent one around its RNNs"
@@ -674,7 +663,7 @@ def compile_model(
         parts = _rnn_free_parts(model)
         rnns = '' if parts is None else ', '.join(dict.fromkeys(type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)))
         for m in [model] if parts is None else parts:
-            set_compiled_call(m, call := CompiledCall(m, on_refused=on_refused, policy=policy, **settings))
+            set_compiled_call(m, call := CompiledCall(m, on_refused=on_refused, policy=policy, switch=switch, **settings))
             call.around = rnns
         return model
     blocks = repeated_blocks(model)
@@ -684,7 +673,7 @@ def compile_model(
     entries, policy = {}, EagerPolicy() if policy is None else policy
     for b in blocks:
         twins = entries.setdefault((type(b), tuple(p.shape for p in b.parameters())), {})
-        set_compiled_call(b, CompiledCall(b, twins, on_refused=on_refused, policy=policy, **settings))
+        set_compiled_call(b, CompiledCall(b, twins, on_refused=on_refused, policy=policy, switch=switch, **settings))
     if len(entries) == len(blocks):
         warnings.warn(f"regional=True, but none of the {len(blocks)} repeated blocks of {type(model).__name__} has a twin with "
                       "parameters of the same shapes, so each compiles alone: compiling the whole model (regional=False) "

@@ -95,7 +95,7 @@ class ModelState:
         self.handover = None # 'worker' or 'warm': how its compiled code takes over, at its next batch
         self.tier = None # The faster tier's way with this state (`Tiers`): from its probe, where the step is profiled
         self.first = None # (settings, record) of a faster tier the worker compiles first, before the default's code
-        self.fallback = None # The default's `Job` where a faster tier compiles first (for the A/B), or the callable that sends it
+        self.fallback = None # The default's `Job` where a faster tier compiles first (for the A/B): held until the tier runs
 
     def to(self, stage:Stage):
         "Move on to `stage`"

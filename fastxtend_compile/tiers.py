@@ -12,14 +12,14 @@ import torch
 from torch import nn
 
 from .core import uses_cudagraphs, compiled_call, CompiledCall
-from .internals import gpu_busy_seconds
+from .internals import gpu_busy_seconds, traced_op_error
 from .worker import error_text
 from .state import StateKey, Stage
 from .payoff import batches_left, pays_back, pick_tier, first_tier, tier_saving, cudagraphs_fit, faster
-from .background import BackgroundCompile, WarmRecords, profile_text, where
+from .background import BackgroundCompile, profile_text, where
 
 # %% auto #0
-__all__ = ['TIERS', 'why_no_tiers', 'own_grads', 'TierStage', 'TierRun', 'Tiers']
+__all__ = ['TIERS', 'why_no_tiers', 'own_grads', 'TierStage', 'TierRun', 'FirstTier', 'Tiers', 'TierStages']
 
 # %% ../nbs/09_tiers.ipynb #fd24c3e4
 TIERS = { # A tier's `torch.compile` settings, over the model's
@@ -47,6 +47,31 @@ def own_grads(
         if p.requires_grad and p.grad is None: p.grad = torch.zeros_like(p)
 
 # %% ../nbs/09_tiers.ipynb #2225c322
+class TierSwitch:
+    "Which faster tier runs a training batch's compiled calls, set by `Tiers` a batch at a time; and a tier that raised in them"
+    def __init__(self):
+        self.tier = None # (name, settings over the model's) of the tier this batch runs; `None`: the model's own
+        self.error = None # (name, error) of a tier that raised in the fit's path, until `Tiers` drops it
+
+    def run(self, name:str): self.tier = (name, TIERS[name]) # This batch runs tier `name`
+    def end_batch(self): self.tier = None # The next batch runs the model's own code unless set again
+    def reset(self): self.tier = self.error = None # The fit ended
+
+    def failed(self,
+        name:str, # The tier whose compiled function raised
+        error:Exception, # What it raised
+    )->bool:
+        "Whether the call that raised `error` runs again without tier `name`: the batch goes on without it, and `Tiers` drops it"
+        # A model's own bug, found as TorchDynamo traces it, is raised as eager raises it, whatever compiles the model
+        if isinstance(error, traced_op_error()): return False
+        self.tier, self.error = None, (name, error)
+        return True
+
+    def take_error(self)->tuple|None:
+        "The (name, error) of a tier that raised since the last call"
+        error, self.error = self.error, None
+        return error
+
 class _BusyMeter:
     "How much of a few training steps the GPU runs work, from a profile of their kernels"
     def __init__(self): self.prof, self.start_bytes = None, 0
@@ -96,6 +121,24 @@ class _StepTimer:
         self.times.append(time.perf_counter() - self.t0)
         self.times = None
 
+class _Profile:
+    "Profiles `batches` training batches in a row, within one epoch (a validation's work isn't the step's)"
+    def __init__(self, batches:int): self.batches, self.meter, self.n, self.epoch = batches, None, 0, None
+
+    def batch(self, learn, device:torch.device)->tuple|bool|None:
+        "Count this batch: (GPU seconds a step, bytes at its peak) once done, `False` where nothing can be profiled, else `None`"
+        if self.meter is not None and learn.epoch != self.epoch: self.end() # Started over
+        if self.meter is None:
+            self.meter, self.n, self.epoch = _BusyMeter(), 0, learn.epoch
+            if not self.meter.start(device): return False
+        self.n += 1
+        return self.meter.stop(device, self.batches) if self.n > self.batches else None
+
+    def end(self):
+        "Stop profiling, unfinished"
+        if self.meter is not None: self.meter.end()
+        self.meter = None
+
 # %% ../nbs/09_tiers.ipynb #9aa13951
 class TierStage(Enum):
     "Where a model state is on its way through the tiers"
@@ -120,11 +163,10 @@ class TierRun:
         self.n = 0 # Batches of this stage so far
         self.base, self.ab_base, self.tier_times = [], [], [] # Seconds of the default's steps, timed alone before and in the A/B, and the tier's
         self.tier, self.why = kept, '' # The tier's name, and why it was picked
-        self.records, self.record = None, None # The tier's `WarmRecords`, and this state's name in them
+        self.record = None # This state's warm record, compiled with the tier
         self.job, self.res = None, None # Its `Job` in the worker, and the worker's `JobResult`
-        self.meter = None # The `_BusyMeter` of its profile
+        self.profile = None # The `_Profile` of its step, eager or compiled
         self.warm = 0. # Seconds its compile took in the fit's path
-        self.epoch = None # The epoch its profile started in: one that runs into a validation starts over
         self.grads = False # Its parameters' gradients are memory of their own, for CUDA graphs, in this fit
         self.kept = kept is not None # The A/B kept the tier: it runs this state's training batches
         self.first = False # The tier was compiled first, before the default's code
@@ -133,6 +175,8 @@ class TierRun:
     def to(self, stage:TierStage):
         "Move on to `stage`, from its first batch"
         self.stage, self.n = stage, 0
+        if self.profile is not None: self.profile.end()
+        self.profile = None
 
     def next_fit(self)->TierRun|None:
         "What the state's next fit starts from: its kept tier; a tier compiled first runs on until its A/B; else nothing (it is tried again)"
@@ -143,6 +187,35 @@ class TierRun:
         return self
 
 # %% ../nbs/09_tiers.ipynb #04d59625
+class FirstTier:
+    "Profile a new state's eager step while the background compile probes it: where the GPU idles for much of it, CUDA graphs compile first"
+    skip, batches = 2, 3 # The probe's eager batches before the profile (a fit's first are slow), and those profiled
+    choose = staticmethod(first_tier) # The policy that picks the tier compiled first, from the eager step
+    def __init__(self, tiers:Tiers): self.tiers, self.state, self.n = tiers, None, 0 # The fit's `Tiers`; the state probed, its batches
+
+    def batch(self, st, learn, model:nn.Module):
+        "A training batch of `st`'s eager probe: profiled from its `skip`-th on; once done, the tier to compile first, if any"
+        if st.probe is None: return # Not probed: compiled at once
+        if self.state is not st: self.state, self.n = st, 0 # A probe of its own, counted afresh
+        run = st.tier = st.tier or TierRun(stage=TierStage.PROBE)
+        self.n += 1
+        if run.stage is not TierStage.PROBE or self.n <= self.skip: return
+        run.profile = run.profile or _Profile(self.batches)
+        if (done := run.profile.batch(learn, self.tiers.device)) is None: return
+        run.to(TierStage.SETTLE) # The default goes first, unless the profile picks a tier
+        if done: self._pick(run, learn, model, st, *done)
+
+    def _pick(self, run, learn, model, st, gpu_s:float|None, step_bytes:int):
+        "Have the worker compile the tier the eager step needs first, where it pays and its memory fits"
+        t, step_s = self.tiers, st.probe.fastest
+        busy = None if gpu_s is None else min(gpu_s / step_s, 1.)
+        if (name := self.choose(busy)) is None or not pays_back(batches_left(learn), tier_saving(name, busy, step_s), t.try_cost_s): return
+        if t.graphs(name) and not cudagraphs_fit(torch.cuda.mem_get_info(t.device)[0], step_bytes): return
+        run.tier, run.record, run.first = name, t.record(model, st, name), True
+        run.why = "compiled first" if busy is None else _share(busy, step_s, 'the eager') + "so the host's launches bound it: CUDA graphs, compiled first"
+        st.first = (t.settings_of(name), run.record)
+        run.to(TierStage.FIRST)
+
 class Tiers:
     "Once the compiled code runs a state's training batches, a faster tier compiled in the worker, kept where an A/B on the fit's batches says so"
     default_on = ('cuda',) # Device types where a fit that compiles in the background tries tiers
@@ -151,10 +224,9 @@ class Tiers:
     settle_batches, time_batches, profile_batches, warmup_batches, ab_batches = 4, 8, 3, 3, 8
     # Seconds trying a tier costs the fit's path (its warm compile and A/B), and a compile in the worker is taken to take
     # until one is recorded: a tier is tried where the saving it is expected to bring over the batches left once it
-    # compiled pays back `try_cost_s`. Eager batches of the probe before its profile
-    try_cost_s, compile_guess_s, probe_from = 6., 20., 2
+    # compiled pays back `try_cost_s`
+    try_cost_s, compile_guess_s = 6., 20.
     pick = staticmethod(pick_tier) # The policy that picks a state's tier from its measured step
-    first = staticmethod(first_tier) # The policy that picks the tier compiled first, from the eager step
     def __init__(self,
         settings:dict, # The model's `torch.compile` settings, from `compile_settings`
         regional:bool=False, # Only the model's repeated blocks are compiled
@@ -162,7 +234,9 @@ class Tiers:
         self.settings, self.regional = settings, regional
         self.aside = None # The fit's background compile, whose worker compiles the tiers; `None` while tiers are off
         self.device = None # The device the fit trains on
-        self.records = {n: WarmRecords(self._settings(n), regional) for n in TIERS} # What each tier compiled before
+        self.switch = TierSwitch() # Which tier this batch's compiled calls run: the model's compiled calls read it
+        self.first = FirstTier(self) # Profiles new states' eager probes, for a tier compiled first
+        self.stages = TierStages(self) # What each stage of a state's way through the tiers does with its batches
         self.timer = _StepTimer() # Times a batch alone, where its state's stage needs
         self.notes = [] # The report's lines about the tiers of this fit
 
@@ -183,213 +257,59 @@ class Tiers:
 
     def before_batch(self,
         learn, # The `Learner` whose batch starts
-        policy, # The callback's `EagerPolicy`, which has decided how this batch runs
+        eager:bool, # The batch runs eagerly, as the callback's `EagerPolicy` decided
         key:StateKey|None, # The batch's model state
         model:nn.Module, # The model being compiled (not DDP's wrapper)
     ):
         "Choose the tier this training batch runs, and time it where its state's stage needs"
-        if policy.tier_error is not None: self._raised(policy, model)
+        if (raised := self.switch.take_error()) is not None: self._raised(*raised, model)
         # An epoch's last batch too: one of the state's shape runs its tier (a smaller one is a state of its own)
         if self.aside is None or not learn.training or (st := self.aside.states.get(key)) is None: return
-        if st.stage is Stage.PROBING: return self._probe(st, learn, model)
-        if policy.eager or not self.aside.ready(key): return # The compiled code doesn't run it yet
+        if st.stage is Stage.PROBING: return self.first.batch(st, learn, model)
+        if eager or not self.aside.ready(key): return # The compiled code doesn't run it yet
         if st.tier is None: st.tier = TierRun()
-        self.on[st.tier.stage](self, st.tier, learn, policy, model, st)
+        self.stages.batch(st.tier, learn, model, st)
 
-    def after_batch(self): self.timer.stop() # The batch ended: its time, where it was timed alone
+    def after_batch(self)->bool:
+        "The batch ended: its time, where it was timed alone; whether it ran a tier (the next runs the model's own code unless chosen again)"
+        self.timer.stop()
+        ran = self.switch.tier is not None
+        self.switch.end_batch()
+        return ran
 
-    def _settings(self, name:str)->dict: return {**self.settings, **TIERS[name]} # Tier `name`'s `torch.compile` settings
-    def _graphs(self, name:str)->bool: return self.device.type == 'cuda' and uses_cudagraphs(self._settings(name))
+    def settings_of(self, name:str)->dict: return {**self.settings, **TIERS[name]} # Tier `name`'s `torch.compile` settings
+    def graphs(self, name:str)->bool: return self.device.type == 'cuda' and uses_cudagraphs(self.settings_of(name)) # It runs CUDA graphs
+    def record(self, model, st, name:str)->str: return self.aside.warm_starts.key(model, st.key, self.settings_of(name)) # Its warm record
 
-    def _run_tier(self, learn, policy, run:TierRun, counted:bool=False):
+    def run_tier(self, learn, run:TierRun, counted:bool=False):
         "This batch runs the tier's compiled code; `counted` among the batches it runs once kept"
-        policy.tier = (run.tier, TIERS[run.tier])
-        if not run.grads and self._graphs(run.tier): own_grads(learn.opt)
+        self.switch.run(run.tier)
+        if not run.grads and self.graphs(run.tier): own_grads(learn.opt)
         run.grads = True # fastai's `zero_grad` zeroes gradients in place: they stay the parameters' own
         if counted: run.batches, run.since = run.batches + 1, run.since or where(learn)
 
-    def _probe(self, st, learn, model):
-        "Profile a new state's eager probe: where the GPU idles for much of its step, the worker compiles CUDA graphs first"
-        if st.probe is None: return # Not probed: compiled at once
-        run = st.tier = st.tier or TierRun(stage=TierStage.PROBE)
-        seen = st.probe.seen # This batch's place in the probe, from 1
-        if run.stage is not TierStage.PROBE: return
-        if seen <= self.probe_from and run.meter is not None: # Probed afresh (another state's batches came between): start over
-            run.meter.end()
-            run.meter = None
-        if seen == self.probe_from + 1:
-            run.meter, run.epoch = _BusyMeter(), learn.epoch
-            if not run.meter.start(self.device): return run.to(TierStage.SETTLE) # Nothing to profile: the default goes first
-        if seen != self.probe_from + 1 + self.profile_batches or run.meter is None or run.meter.prof is None: return
-        gpu_s, step_bytes = run.meter.stop(self.device, self.profile_batches)
-        run.to(TierStage.SETTLE)
-        if learn.epoch == run.epoch: self._first(run, learn, model, st, gpu_s, step_bytes) # No validation between
-
-    def _first(self, run, learn, model, st, gpu_s:float|None, step_bytes:int):
-        "Have the worker compile the tier the eager step needs first, where it pays and its memory fits"
-        step_s = st.probe.fastest
-        busy = None if gpu_s is None else min(gpu_s / step_s, 1.)
-        if (name := self.first(busy)) is None or not pays_back(batches_left(learn), tier_saving(name, busy, step_s), self.try_cost_s): return
-        if self._graphs(name) and not cudagraphs_fit(torch.cuda.mem_get_info(self.device)[0], step_bytes): return
-        run.tier, run.records = name, self.records[name]
-        run.record = run.records.key(model, st.key)
-        run.why = "compiled first" if busy is None else _share(busy, step_s, 'the eager') + "so the host's launches bound it: CUDA graphs, compiled first"
-        st.first, run.first = (self._settings(name), run.record), True
-        run.to(TierStage.FIRST)
-
-    def _on_probe(self, run, learn, policy, model, st):
-        "The state's code runs before its probe was profiled: the default goes first"
-        if run.meter is not None: run.meter.end()
-        run.to(TierStage.SETTLE)
-        self._on_settle(run, learn, policy, model, st)
-
-    def _on_first(self, run, learn, policy, model, st):
-        "The tier compiled first takes over, compiled warm at this batch; where the default's code was cached instead, it waits its turn"
-        if st.first is None:
-            st.tier = TierRun()
-            return self._on_settle(st.tier, learn, policy, model, st)
-        run.res = st.result # `None` where inductor's cache had its code
-        self._switch(run, learn, policy)
-
-    def _on_settle(self, run, learn, policy, model, st):
-        run.n += 1
-        if run.n >= self.settle_batches: run.to(TierStage.TIME)
-
-    def _on_time(self, run, learn, policy, model, st):
-        if len(run.base) < self.time_batches: return self.timer.start(run.base)
-        run.to(TierStage.PROFILE)
-        self._on_profile(run, learn, policy, model, st)
-
-    def _on_profile(self, run, learn, policy, model, st):
-        if run.n == 0:
-            run.meter = _BusyMeter()
-            if not run.meter.start(self.device): return self._decide(run, learn, policy, model, st, None, None)
-            run.epoch = learn.epoch
-        run.n += 1
-        if run.n <= self.profile_batches: return
-        if learn.epoch != run.epoch: # A validation ran between: its work isn't the step's
-            run.meter.end()
-            run.n = 0
-            return self._on_profile(run, learn, policy, model, st)
-        gpu_s, step_bytes = run.meter.stop(self.device, self.profile_batches)
-        self._decide(run, learn, policy, model, st, None if gpu_s is None else min(gpu_s / median(run.base), 1.), step_bytes)
-
-    def _decide(self, run, learn, policy, model, st, busy:float|None, step_bytes:int|None):
-        "Pick the tier the measured step needs, and have the worker compile it, or compile it at once where its code is cached"
-        run.to(TierStage.DONE)
-        if (name := self.pick(busy)) is None: return self.notes.append("no faster tier: the GPU's share of the step was not measured here")
-        share = '' if busy is None else _share(busy, median(run.base))
-        graphs = self._graphs(name)
-        if graphs and step_bytes is not None and not cudagraphs_fit(free := torch.cuda.mem_get_info(self.device)[0], step_bytes):
-            return self.notes.append(_no_room(share, name, step_bytes, free))
-        run.records = self.records[name]
-        run.record = run.records.key(model, st.key)
-        cached, step_s = run.records.get(run.record) is not None, median(run.base)
-        # Uncached, it compiles in the worker about as long as the default did
-        wait_s = 0. if cached else (self.aside.records.get(st.record) or {}).get('cold_s', self.compile_guess_s)
-        left = max(batches_left(learn) - int(wait_s / step_s), 0) # The batches it would run
-        if not pays_back(left, saving := tier_saving(name, busy, step_s), self.try_cost_s):
-            return self.notes.append(_no_gain(name, saving, left, self.try_cost_s))
-        run.tier = name
-        if share: run.why = share + ("so the host's launches bound it: CUDA graphs" if graphs else "so the GPU bounds it: autotuned kernels")
-        if cached: return self._switch(run, learn, policy) # Inductor's cache has its code
-        try: run.job = self.aside.submit(model, learn, self._settings(name))
-        except Exception as e: return self.notes.append(_unsent(name, e))
-        run.to(TierStage.COMPILE)
-
-    def _on_compile(self, run, learn, policy, model, st):
-        "Wait for the worker: the tier's code, or why it failed"
-        if (res := self.aside.poll(run.job)) is None: return
-        if not res.ok:
-            run.to(TierStage.DONE)
-            return self.notes.append(_worker_failed(run.tier, res))
-        run.res = res
-        run.records.put(run.record, cold_s=res.compile_s)
-        self._switch(run, learn, policy)
-
-    def _switch(self, run, learn, policy):
-        "This batch compiles the tier in the fit's path, from inductor's cache, timed"
-        run.to(TierStage.WARMUP)
-        self._run_tier(learn, policy, run)
-        self.timer.start(run.tier_times)
-
-    def _on_warmup(self, run, learn, policy, model, st):
-        if run.n == 0: # The switch batch's time, less a step: the warm compile
-            run.warm = max(run.tier_times.pop() - min(run.base, default=0.), 0.)
-            run.records.put(run.record, warm_s=run.warm)
-        run.n += 1
-        if run.n <= self.warmup_batches: return self._run_tier(learn, policy, run)
-        run.to(TierStage.AB if st.first is None else TierStage.WAIT) # Compiled first: the A/B waits for the default's code
-        self.on[run.stage](self, run, learn, policy, model, st)
-
-    def _on_wait(self, run, learn, policy, model, st):
-        "The tier compiled first runs while the default's code, which the A/B needs, compiles in the worker"
-        if st.fallback is None and self.aside.records.get(st.record) is None: # A warm start of the tier alone
-            try: st.fallback = self.aside.submit(model, learn)
-            except Exception as e: return self._keep(run, learn, policy, f"it could not be sent to a worker process ({type(e).__name__}: {e})")
-        if st.fallback is not None:
-            if (res := self.aside.poll(self.aside.send_fallback(st))) is None: return self._run_tier(learn, policy, run, counted=True)
-            st.fallback = None
-            if not res.ok: return self._keep(run, learn, policy, f"its compile in the worker process failed ({res.error})")
-            self.aside.records.put(st.record, cold_s=res.compile_s)
-        run.to(TierStage.AB)
-        self._on_ab(run, learn, policy, model, st)
-
-    def _keep(self, run, learn, policy, why:str):
-        "Keep the tier compiled first without an A/B: the default's code, `why`, isn't there to compare"
-        run.to(TierStage.DONE)
-        run.kept = True
-        self._run_tier(learn, policy, run, counted=True)
-        self.notes.append(f"tier {run.tier} kept without an A/B: the default's code, which it would be timed against, is missing: {why}")
-
-    def _on_ab(self, run, learn, policy, model, st):
-        "Alternate the tier and the default, a batch each, each timed alone; then keep the faster"
-        if run.n == 2*self.ab_batches: return self._verdict(run, learn, policy, model)
-        on = run.n % 2 == 0
-        if on: self._run_tier(learn, policy, run)
-        self.timer.start(run.tier_times if on else run.ab_base)
-        run.n += 1
-
-    def _verdict(self, run, learn, policy, model):
-        "Keep the faster tier for the rest of the fit; drop the slower one's graphs"
-        run.to(TierStage.DONE)
-        if faster(run.tier_times, run.ab_base):
-            run.kept = True
-            self._run_tier(learn, policy, run, counted=True)
-            return self.notes.append(_took_over(run, where(learn)))
-        self._drop(run.tier, model)
-        self.notes.append(f"tier {run.tier} not kept: {_ab(run)}; its graphs were dropped")
-
-    def _drop(self, name:str, model:nn.Module):
+    def drop(self, name:str, model:nn.Module):
         "Drop tier `name`'s compiled functions, with the memory their graphs held"
         for c in _calls(model): c.drop_tier(name)
         if self.device.type == 'cuda': torch.cuda.empty_cache()
 
     def _runs(self)->list: return [] if self.aside is None else [s.tier for s in self.aside.states.values() if s.tier is not None]
 
-    def _raised(self, policy, model:nn.Module):
+    def _raised(self, name:str, error:Exception, model:nn.Module):
         "A tier raised in the fit's path, where the worker had compiled it: the default tier trains on, the tier's graphs dropped"
-        (name, error), policy.tier_error = policy.tier_error, None
         for run in self._runs():
             if run.tier != name: continue
             run.to(TierStage.DONE)
             run.kept = False
-        self._drop(name, model)
+        self.drop(name, model)
         self.notes.append(f"tier {name} failed in the fit's path ({error_text(error)}); the default tier trains on")
-
-    def _on_done(self, run, learn, policy, model, st):
-        if run.kept: self._run_tier(learn, policy, run, counted=True)
-
-    on = {TierStage.PROBE: _on_probe, TierStage.FIRST: _on_first, TierStage.SETTLE: _on_settle, TierStage.TIME: _on_time,
-          TierStage.PROFILE: _on_profile, TierStage.COMPILE: _on_compile, TierStage.WARMUP: _on_warmup, TierStage.WAIT: _on_wait,
-          TierStage.AB: _on_ab, TierStage.DONE: _on_done} # What each stage does with a batch
 
     def stop(self):
         "The fit ended or raised: what each state's tier did, for the report; a tier compiling is abandoned with the worker"
-        self.timer = _StepTimer()
-        for st in [] if self.aside is None else self.aside.states.values():
-            if (r := st.tier) is None: continue
-            if r.meter is not None: r.meter.end()
+        self.timer, self.first.state = _StepTimer(), None
+        self.switch.reset() # Kept: the model's compiled calls read it
+        for r in self._runs():
+            if r.profile is not None: r.profile.end()
             if r.stage is TierStage.COMPILE: self.notes.append(f"the fit ended before tier {r.tier} compiled in the worker process")
             if r.stage is TierStage.WAIT and r.batches: self.notes.append(f"tier {r.tier} ran {r.batches} training batch(es) from {r.since} on, and the fit "
                                                             "ended before the default's code compiled for the A/B")
@@ -400,6 +320,134 @@ class Tiers:
         "The report's lines about this fit's tiers, emptied for the next"
         notes, self.notes = self.notes, []
         return notes
+
+class TierStages:
+    "What each `TierStage` does with a training batch of a state whose compiled code runs: one method a stage, moving it on"
+    def __init__(self, tiers:Tiers): self.tiers = tiers # The fit's `Tiers`: their settings, device, worker, timer and notes
+
+    def batch(self, run:TierRun, learn, model:nn.Module, st):
+        "This training batch of `st`, at its tier's stage"
+        self.on[run.stage](self, run, learn, model, st)
+
+    def _on_probe(self, run, learn, model, st):
+        "The state's code runs before its probe was profiled: the default goes first"
+        run.to(TierStage.SETTLE)
+        self._on_settle(run, learn, model, st)
+
+    def _on_first(self, run, learn, model, st):
+        "The tier compiled first takes over, compiled warm at this batch; where the default's code was cached instead, it waits its turn"
+        if st.first is None:
+            st.tier = TierRun()
+            return self._on_settle(st.tier, learn, model, st)
+        run.res = st.result # `None` where inductor's cache had its code
+        self._switch(run, learn)
+
+    def _on_settle(self, run, learn, model, st):
+        run.n += 1
+        if run.n >= self.tiers.settle_batches: run.to(TierStage.TIME)
+
+    def _on_time(self, run, learn, model, st):
+        if len(run.base) < self.tiers.time_batches: return self.tiers.timer.start(run.base)
+        run.to(TierStage.PROFILE)
+        self._on_profile(run, learn, model, st)
+
+    def _on_profile(self, run, learn, model, st):
+        run.profile = run.profile or _Profile(self.tiers.profile_batches)
+        if (done := run.profile.batch(learn, self.tiers.device)) is None: return
+        gpu_s, step_bytes = done or (None, None)
+        run.to(TierStage.DONE)
+        why = self._decide(run, learn, model, st, None if gpu_s is None else min(gpu_s / median(run.base), 1.), step_bytes)
+        if why: self.tiers.notes.append(why)
+
+    def _decide(self, run, learn, model, st, busy:float|None, step_bytes:int|None)->str|None:
+        "Pick the tier the measured step needs, and have the worker compile it, or compile it at once where its code is cached; else why not"
+        if (name := self.tiers.pick(busy)) is None: return "no faster tier: the GPU's share of the step was not measured here"
+        share, step_s = '' if busy is None else _share(busy, median(run.base)), median(run.base)
+        if self.tiers.graphs(name) and step_bytes is not None and not cudagraphs_fit(free := torch.cuda.mem_get_info(self.tiers.device)[0], step_bytes):
+            return _no_room(share, name, step_bytes, free)
+        run.record = self.tiers.record(model, st, name)
+        cached = self.tiers.aside.warm_starts.get(run.record) is not None
+        # Uncached, it compiles in the worker about as long as the default did
+        wait_s = 0. if cached else (self.tiers.aside.warm_starts.get(st.record) or {}).get('cold_s', self.tiers.compile_guess_s)
+        left = max(batches_left(learn) - int(wait_s / step_s), 0) # The batches it would run
+        if not pays_back(left, saving := tier_saving(name, busy, step_s), self.tiers.try_cost_s): return _no_gain(name, saving, left, self.tiers.try_cost_s)
+        run.tier = name
+        if share: run.why = share + ("so the host's launches bound it: CUDA graphs" if self.tiers.graphs(name) else "so the GPU bounds it: autotuned kernels")
+        if cached: return self._switch(run, learn) # Inductor's cache has its code
+        try: run.job = self.tiers.aside.submit(model, learn, self.tiers.settings_of(name))
+        except Exception as e: return _unsent(name, e)
+        run.to(TierStage.COMPILE)
+
+    def _on_compile(self, run, learn, model, st):
+        "Wait for the worker: the tier's code, or why it failed"
+        if (res := self.tiers.aside.poll(run.job)) is None: return
+        self.tiers.aside.warm_starts.compiled(run.record, res)
+        if not res.ok:
+            run.to(TierStage.DONE)
+            return self.tiers.notes.append(_worker_failed(run.tier, res))
+        run.res = res
+        self._switch(run, learn)
+
+    def _switch(self, run, learn):
+        "This batch compiles the tier in the fit's path, from inductor's cache, timed"
+        run.to(TierStage.WARMUP)
+        self.tiers.run_tier(learn, run)
+        self.tiers.timer.start(run.tier_times)
+
+    def _on_warmup(self, run, learn, model, st):
+        if run.n == 0: # The switch batch's time, less a step: the warm compile
+            run.warm = max(run.tier_times.pop() - min(run.base, default=0.), 0.)
+            self.tiers.aside.warm_starts.warmed(run.record, run.warm)
+        run.n += 1
+        if run.n <= self.tiers.warmup_batches: return self.tiers.run_tier(learn, run)
+        run.to(TierStage.AB if st.first is None else TierStage.WAIT) # Compiled first: the A/B waits for the default's code
+        self.on[run.stage](self, run, learn, model, st)
+
+    def _on_wait(self, run, learn, model, st):
+        "The tier compiled first runs while the default's code, which the A/B needs, compiles in the worker"
+        if st.fallback is None and self.tiers.aside.warm_starts.get(st.record) is None: # A warm start of the tier alone
+            try: st.fallback = self.tiers.aside.submit(model, learn)
+            except Exception as e: return self._keep(run, learn, f"it could not be sent to a worker process ({type(e).__name__}: {e})")
+        if st.fallback is not None:
+            if (res := self.tiers.aside.poll(self.tiers.aside.release(st.fallback))) is None: return self.tiers.run_tier(learn, run, counted=True)
+            st.fallback = None
+            self.tiers.aside.warm_starts.compiled(st.record, res)
+            if not res.ok: return self._keep(run, learn, f"its compile in the worker process failed ({res.error})")
+        run.to(TierStage.AB)
+        self._on_ab(run, learn, model, st)
+
+    def _keep(self, run, learn, why:str):
+        "Keep the tier compiled first without an A/B: the default's code, `why`, isn't there to compare"
+        run.to(TierStage.DONE)
+        run.kept = True
+        self.tiers.run_tier(learn, run, counted=True)
+        self.tiers.notes.append(f"tier {run.tier} kept without an A/B: the default's code, which it would be timed against, is missing: {why}")
+
+    def _on_ab(self, run, learn, model, st):
+        "Alternate the tier and the default, a batch each, each timed alone; then keep the faster"
+        if run.n == 2*self.tiers.ab_batches: return self._verdict(run, learn, model)
+        on = run.n % 2 == 0
+        if on: self.tiers.run_tier(learn, run)
+        self.tiers.timer.start(run.tier_times if on else run.ab_base)
+        run.n += 1
+
+    def _verdict(self, run, learn, model):
+        "Keep the faster tier for the rest of the fit; drop the slower one's graphs"
+        run.to(TierStage.DONE)
+        if faster(run.tier_times, run.ab_base):
+            run.kept = True
+            self.tiers.run_tier(learn, run, counted=True)
+            return self.tiers.notes.append(_took_over(run, where(learn)))
+        self.tiers.drop(run.tier, model)
+        self.tiers.notes.append(f"tier {run.tier} not kept: {_ab(run)}; its graphs were dropped")
+
+    def _on_done(self, run, learn, model, st):
+        if run.kept: self.tiers.run_tier(learn, run, counted=True)
+
+    on = {TierStage.PROBE: _on_probe, TierStage.FIRST: _on_first, TierStage.SETTLE: _on_settle, TierStage.TIME: _on_time,
+          TierStage.PROFILE: _on_profile, TierStage.COMPILE: _on_compile, TierStage.WARMUP: _on_warmup, TierStage.WAIT: _on_wait,
+          TierStage.AB: _on_ab, TierStage.DONE: _on_done} # What each stage does with a batch
+
 
 def _calls(model:nn.Module)->list:
     "The compiled calls of `model` and its blocks"

@@ -263,14 +263,15 @@ def test_the_hand_overs_compile_is_timed_within_its_epoch_and_phase(tmp_path, mo
     from types import SimpleNamespace
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
     at = lambda epoch, it, training=True: SimpleNamespace(epoch=epoch, iter=it, training=training)
-    aside = BackgroundCompile({'backend': 'eager'})
-    aside.probes.fastest_s, aside.notes = 0.5, ['compiled']
-    aside.timer.timing = ('state', 10., 0, (0, 5, True)) # Batch 5 compiled warm; batch 6 ran eagerly to measure the eager step
-    aside._time_handover(14., at(0, 7))
-    assert aside.records.get('state') == {'warm_s': 3.} and aside.notes == ["compiled; compiling it in the fit's path took 3.0s"]
-    aside.timer.timing = ('other', 10., 0, (0, 5, True))
-    aside._time_handover(99., at(0, 0, training=False)) # The epoch's validation came first
-    assert aside.records.get('other') is None and aside.timer.timing is None
+    warm = BackgroundCompile({'backend': 'eager'}).warm_starts
+    warm.time('state', 10., 0, at(0, 5)) # Batch 5 compiled warm, for the report's first line; batch 6 ran eagerly in 0.5s
+    assert warm.timed(14., at(0, 7), 0.5) == (0, 3.) and warm.get('state') == {'warm_s': 3.}
+    warm.time('other', 10., 0, at(0, 5))
+    assert warm.timed(99., at(0, 0, training=False), 0.5) is None # The epoch's validation came first
+    assert warm.get('other') is None and warm.timer.timing is None
+    warm.times_warm = False # Under DDP, a rank other than 0: timed, not recorded
+    warm.time('third', 10., 0, at(0, 5))
+    assert warm.timed(14., at(0, 7), 0.5) == (0, 3.) and warm.get('third') is None
 
 def test_the_probe_times_the_fastest_eager_step_for_the_hand_overs_timing(tmp_path, monkeypatch):
     "A fit's slow first batch (its loader starting) weighs on the probe's mean, not on what the hand-over's timing takes off"
@@ -283,9 +284,10 @@ def test_the_probe_times_the_fastest_eager_step_for_the_hand_overs_timing(tmp_pa
     worth = [aside._judge(st, learn, t) for t in times]
     assert worth == [False]*8 + [True] # After 8 batches timed, thousands left: a cold compile pays
     assert st.probe.step_s == pytest.approx((5. + 7*0.25)/8) and aside.probes.fastest_s == pytest.approx(0.25)
-    aside.notes, aside.timer.timing = ['compiled'], ('state', 10., 0, (0, 9, True))
-    aside._time_handover(12.25, SimpleNamespace(epoch=0, iter=10, training=True)) # Batch 9 compiled in 2s, then ran in 0.25s
-    assert aside.records.get('state') == {'warm_s': pytest.approx(2.)}
+    aside.warm_starts.time(st.record, 10., 0, SimpleNamespace(epoch=0, iter=9, training=True))
+    # Batch 9 compiled in 2s, then ran in 0.25s: the probe's fastest step, not its mean, is taken off
+    assert aside.warm_starts.timed(12.25, SimpleNamespace(epoch=0, iter=10, training=True), aside.probes.fastest_s) == (0, pytest.approx(2.))
+    assert aside.warm_starts.get(st.record) == {'warm_s': pytest.approx(2.)}
 
 def test_the_next_training_batch_after_an_epochs_last_is_the_next_epochs_first():
     from types import SimpleNamespace
@@ -306,6 +308,21 @@ def test_a_failed_job_fails_alone_and_the_worker_compiles_the_next(cold_cache):
             res.append(r)
         assert [r.ok for r in res] == [False, True] and 'UnpicklingError' in res[0].error, res
         assert jobs[0].proc is jobs[1].proc and w.proc.poll() is None # One process served both, and still runs
+    finally: w.end()
+
+def test_a_held_job_is_sent_when_released_even_after_its_process_ended(cold_cache):
+    "A job prepared and held starts no process and has no result; released, it compiles, in a new process if the first ended"
+    from fastxtend_compile.worker import job_payload
+    w, m, x = Worker(), nn.Linear(3, 2), torch.randn(4, 3)
+    try:
+        held = w.submit(job_payload(m, (x,), dict(backend='eager')), m, held=True)
+        assert w.proc is None and w.poll(held) is None and w.jobs == 0
+        first = w.submit(job_payload(m, (x,), dict(backend='eager')), m)
+        w.end() # The fit's other job ended the process
+        assert w.release(held) is held and held.held is None and held.proc is w.proc is not None and w.jobs == 2
+        while (r := w.poll(held)) is None: time.sleep(0.05)
+        assert r.ok, r.error
+        assert w.poll(first).error == 'the worker process was ended' # The job the ended process had is gone, and says so
     finally: w.end()
 
 def test_a_new_model_where_a_freed_one_lived_is_a_new_state():

@@ -22,7 +22,7 @@ class TierBatches(Callback):
     order = 20 # After `CompilerCallback`
     def __init__(self, wait=True): self.ran, self.wait = [], wait # `wait=False`: for the default's job alone
     def before_batch(self):
-        if self.learn.compiler.policy.tier is not None: self.ran.append((self.epoch, self.training, self.iter, self.n_iter))
+        if self.learn.compiler.tiers.switch.tier is not None: self.ran.append((self.epoch, self.training, self.iter, self.n_iter))
     def after_batch(self):
         aside = self.learn.compiler.aside
         jobs = aside.worker.waiting if self.wait else [aside.compiling.job] if aside.compiling else [] # The default's job, then the tier's
@@ -139,7 +139,7 @@ def first_tiers(cpu_tiers, monkeypatch):
     monkeypatch.setattr(tiers, '_BusyMeter', _IdleMeter)
     def use(name, settings):
         cpu_tiers(name, settings)
-        monkeypatch.setattr(Tiers, 'first', staticmethod(lambda busy: name if busy == 0 else None))
+        monkeypatch.setattr(tiers.FirstTier, 'choose', staticmethod(lambda busy: name if busy == 0 else None))
     return use
 
 def _handover(notes:list)->tuple:
@@ -214,18 +214,19 @@ def test_the_tier_policy_follows_the_measured_step():
     assert faster([9., 9.5, 9.], [10., 10., 10.]) and not faster([9.8, 9.9, 9.8], [10., 10., 10.])
 
 def test_a_tier_runs_training_calls_alone_and_drops_whole():
-    "The policy's tier runs calls with gradients in training mode; evaluation keeps the model's own compiled function"
+    "The switch's tier runs calls with gradients in training mode; evaluation keeps the model's own compiled function"
     from torch import nn
-    from fastxtend_compile.core import EagerPolicy, compile_model
+    from fastxtend_compile.core import compile_model
+    from fastxtend_compile.tiers import TierSwitch
     set_seed(0)
     graphs = [] # The graphs the tier's backend compiled, by whether the model trained
     def tier_backend(gm, example_inputs):
         graphs.append(model.training)
         return gm
-    model, policy = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), EagerPolicy()
-    compile_model(model, policy=policy, backend='aot_eager')
+    model, switch = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), TierSwitch()
+    compile_model(model, switch=switch, backend='aot_eager')
     call, x = compiled_call(model), torch.randn(3, 4)
-    policy.tier = ('plain', dict(backend=tier_backend))
+    switch.tier = ('plain', dict(backend=tier_backend))
     out = model(x)
     model.eval()
     with torch.no_grad(): ev = model(x)
