@@ -36,12 +36,12 @@ class Local:
 
     def judged(self, aside, st:ModelState, learn, model, now:float)->bool:
         "`st` is worth compiling: at once where inductor's cache has its code, else in the worker. Whether this batch runs eagerly"
-        if (rec := aside.cached(st)) is not None: return aside.warm(st, rec, learn, now)
+        if (rec := aside.cached(st)) is not None: return aside.handover.warm(st, rec, learn, now)
         return aside.send(st, learn, model)
 
     def done(self, aside, st:ModelState):
         "The worker finished `st`: its code takes over, or it trains eagerly"
-        aside.settle(st, st.result)
+        aside.handover.settle(st, st.result)
 
     def unsent(self, aside, st:ModelState, why:str)->bool:
         "`st` could not be sent to the worker: it compiles in the fit's path, at this batch"
@@ -143,9 +143,9 @@ class DDP(Local):
         decision = decide(views)
         if decision == 'failed':
             took, error, oom, host = next(v['failure'] for v in views if v['leader'] and v['failure'])
-            aside.settle(st, JobResult(False, f"{error}; on {host}", oom, took_s=took))
-        elif decision == 'warm': aside.warm(st, aside.warm_starts.get(st.record) or {}, learn, None)
-        elif decision == 'ready': aside.settle(st)
+            aside.handover.settle(st, JobResult(False, f"{error}; on {host}", oom, took_s=took))
+        elif decision == 'warm': aside.handover.warm(st, aside.warm_starts.get(st.record) or {}, learn, None)
+        elif decision == 'ready': aside.handover.settle(st)
         elif decision == 'start' and self.leader and views[self.rank]['worker'] == 'none': aside.send(st, learn, model)
 
     def together(self, worker:bool)->str:

@@ -167,6 +167,7 @@ class BackgroundCompile:
         self.compiling = None # The `ModelState` whose job the worker compiles
         self.probes = _Probes() # Times new states' eager batches
         self.notes = [] # One line for the report per background compile of this fit
+        self.handover = Handover(self) # How each state's compiled code takes over
 
     def __getstate__(self): # A copy of the callback (`learn.export`) starts with no worker and nothing compiled
         return {**self.__dict__, 'worker': Worker(), 'ranks': Local(), 'states': {}, 'compiling': None, 'probes': _Probes(), 'show': None}
@@ -198,11 +199,10 @@ class BackgroundCompile:
     )->bool:
         "Whether this batch runs eagerly: its model state's compiled code isn't ready; moves the state on"
         now = time.perf_counter()
-        if (timed := self.warm_starts.timed(now, learn, self.probes.fastest_s)) is not None:
-            self.notes[timed[0]] += f"; compiling it in the fit's path took {timed[1]:.1f}s"
+        self.handover.timed(now, learn)
         self._collect()
         st = self.state(key, model)
-        if st.stage is Stage.READY: return self._take_over(st, learn, now)
+        if st.stage is Stage.READY: return self.handover.take_over(st, learn, now)
         if st.stage in (Stage.FAILED, Stage.SHORT): return True
         if self.compiling is not None: # The worker compiles a state: the others wait their turn
             self.compiling.eager_batches += key.training
@@ -246,15 +246,6 @@ class BackgroundCompile:
         if (rec := self.warm_starts.get(st.record)) is not None: st.first = None
         return rec
 
-    def warm(self, st:ModelState, rec:dict, learn, now:float|None)->bool:
-        "Compile `st` in the fit's path, from inductor's cache: this batch (`now`), or the next"
-        st.to(Stage.READY)
-        self.worker.idle() # Not needed this fit, unless a job waits for it
-        self.notes.append(_warm(rec, st.key.training, where(learn, next_batch=now is None), self.ranks.together(False)))
-        if now is None: st.handover = 'warm' # Timed from the next batch, which compiles
-        else: self.warm_starts.time(st.compiled_record, now, len(self.notes) - 1, learn)
-        return False
-
     def submit(self,
         model:nn.Module, # The model being compiled, in the state of this batch
         learn, # The `Learner` whose batch this is: its inputs are the job's
@@ -294,34 +285,6 @@ class BackgroundCompile:
         self.warm_starts.compiled(st.compiled_record, res)
         self.ranks.done(self, st)
 
-    def settle(self,
-        st:ModelState, # A state the worker finished, or that the ranks agreed on
-        res:JobResult|None=None, # Why it failed, where it did
-    ):
-        "`st`'s compiled code takes over at its next batch, or it trains eagerly where its compile failed"
-        if res is not None and not res.ok: return self._failed(st, res)
-        st.to(Stage.READY)
-        if st.result is not None: st.handover = 'worker' # Announced at its first compiled batch
-
-    def _take_over(self, st:ModelState, learn, now:float)->bool:
-        "The compiled code runs from this batch on; the first after its compile elsewhere compiles warm, timed"
-        handover, st.handover = st.handover, None
-        if handover is None: return False
-        # A warm compile the ranks agreed on was announced as they agreed; a worker's hand-over is announced now
-        self.warm_starts.time(st.compiled_record, now, _last(self.notes, 'compiled') if handover == 'warm' else len(self.notes), learn)
-        if handover == 'worker':
-            at = where(learn)
-            self.notes.append(_took_over(st, at, self.ranks.together(True)))
-            if self.show is not None:
-                self.show(f"torch.compile: the compiled model takes over at {at}, after {st.result.took_s:.1f}s compiling in a worker process")
-        return False
-
-    def _failed(self, st:ModelState, res:JobResult):
-        "The worker failed: this state trains eagerly, with one warning (under DDP, on rank 0) that says why in the user's terms"
-        st.to(Stage.FAILED)
-        self.notes.append(_failed_note(res))
-        if self.ranks.rank == 0: warnings.warn(_failed_warning(res))
-
     def stop(self):
         "End the worker (the fit ended, or raised) and remove its files; keep the states whose code runs"
         if (st := self.compiling) is not None: self.notes.append(_unfinished(st))
@@ -336,6 +299,54 @@ class BackgroundCompile:
         "The report's lines about this fit, emptied for the next"
         notes, self.notes = self.notes, []
         return notes
+
+class Handover:
+    "How a state's compiled code takes over from eager, at once from inductor's cache or from the worker's job: announced, its warm compile timed"
+    def __init__(self, aside:BackgroundCompile): self.aside = aside # The fit's background compile: its notes, ranks and warm records
+
+    def timed(self, now:float, learn):
+        "A hand-over's warm compile in the fit's path, timed once this batch can tell: its note says how long it took"
+        a = self.aside
+        if (timed := a.warm_starts.timed(now, learn, a.probes.fastest_s)) is not None:
+            a.notes[timed[0]] += f"; compiling it in the fit's path took {timed[1]:.1f}s"
+
+    def warm(self, st:ModelState, rec:dict, learn, now:float|None)->bool:
+        "Compile `st` in the fit's path, from inductor's cache: this batch (`now`), or the next"
+        a = self.aside
+        st.to(Stage.READY)
+        a.worker.idle() # Not needed this fit, unless a job waits for it
+        a.notes.append(_warm(rec, st.key.training, where(learn, next_batch=now is None), a.ranks.together(False)))
+        if now is None: st.handover = 'warm' # Timed from the next batch, which compiles
+        else: a.warm_starts.time(st.compiled_record, now, len(a.notes) - 1, learn)
+        return False
+
+    def settle(self,
+        st:ModelState, # A state the worker finished, or that the ranks agreed on
+        res:JobResult|None=None, # Why it failed, where it did
+    ):
+        "`st`'s compiled code takes over at its next batch, or it trains eagerly where its compile failed"
+        if res is not None and not res.ok: return self._failed(st, res)
+        st.to(Stage.READY)
+        if st.result is not None: st.handover = 'worker' # Announced at its first compiled batch
+
+    def take_over(self, st:ModelState, learn, now:float)->bool:
+        "The compiled code runs from this batch on; the first after its compile elsewhere compiles warm, timed"
+        a, (handover, st.handover) = self.aside, (st.handover, None)
+        if handover is None: return False
+        # A warm compile the ranks agreed on was announced as they agreed; a worker's hand-over is announced now
+        a.warm_starts.time(st.compiled_record, now, _last(a.notes, 'compiled') if handover == 'warm' else len(a.notes), learn)
+        if handover == 'worker':
+            at = where(learn)
+            a.notes.append(_took_over(st, at, a.ranks.together(True)))
+            if a.show is not None:
+                a.show(f"torch.compile: the compiled model takes over at {at}, after {st.result.took_s:.1f}s compiling in a worker process")
+        return False
+
+    def _failed(self, st:ModelState, res:JobResult):
+        "The worker failed: this state trains eagerly, with one warning (under DDP, on rank 0) that says why in the user's terms"
+        st.to(Stage.FAILED)
+        self.aside.notes.append(_failed_note(res))
+        if self.aside.ranks.rank == 0: warnings.warn(_failed_warning(res))
 
 # %% ../nbs/08_background.ipynb #b6d2a962
 def where(learn, next_batch:bool=False)->str:
