@@ -302,7 +302,10 @@ class BackgroundCompile:
 
 class Handover:
     "How a state's compiled code takes over from eager, at once from inductor's cache or from the worker's job: announced, its warm compile timed"
-    def __init__(self, aside:BackgroundCompile): self.aside = aside # The fit's background compile: its notes, ranks and warm records
+    def __init__(self,
+        aside:BackgroundCompile, # The fit's background compile: its notes, ranks and warm records
+    ):
+        self.aside = aside
 
     def timed(self, now:float, learn):
         "A hand-over's warm compile in the fit's path, timed once this batch can tell: its note says how long it took"

@@ -191,7 +191,11 @@ class FirstTier:
     "Profile a new state's eager step while the background compile probes it: where the GPU idles for much of it, CUDA graphs compile first"
     skip, batches = 2, 3 # The probe's eager batches before the profile (a fit's first are slow), and those profiled
     choose = staticmethod(first_tier) # The policy that picks the tier compiled first, from the eager step
-    def __init__(self, tiers:Tiers): self.tiers, self.state, self.n = tiers, None, 0 # The fit's `Tiers`; the state probed, its batches
+    def __init__(self,
+        tiers:Tiers, # The fit's `Tiers`: their device, settings and worker
+    ):
+        self.tiers = tiers
+        self.state, self.n = None, 0 # The state probed, and its batches so far
 
     def batch(self, st, learn, model:nn.Module):
         "A training batch of `st`'s eager probe: profiled from its `skip`-th on; once done, the tier to compile first, if any"
@@ -277,9 +281,17 @@ class Tiers:
         self.switch.end_batch()
         return ran
 
-    def settings_of(self, name:str)->dict: return {**self.settings, **TIERS[name]} # Tier `name`'s `torch.compile` settings
-    def graphs(self, name:str)->bool: return self.device.type == 'cuda' and uses_cudagraphs(self.settings_of(name)) # It runs CUDA graphs
-    def record(self, model, st, name:str)->str: return self.aside.warm_starts.key(model, st.key, self.settings_of(name)) # Its warm record
+    def settings_of(self, name:str)->dict:
+        "Tier `name`'s `torch.compile` settings: the model's, with the tier's over them"
+        return {**self.settings, **TIERS[name]}
+
+    def graphs(self, name:str)->bool:
+        "Whether tier `name` runs CUDA graphs on the fit's device"
+        return self.device.type == 'cuda' and uses_cudagraphs(self.settings_of(name))
+
+    def record(self, model:nn.Module, st, name:str)->str:
+        "The warm record of `st` compiled with tier `name`"
+        return self.aside.warm_starts.key(model, st.key, self.settings_of(name))
 
     def run_tier(self, learn, run:TierRun, counted:bool=False):
         "This batch runs the tier's compiled code; `counted` among the batches it runs once kept"
@@ -323,7 +335,10 @@ class Tiers:
 
 class TierStages:
     "What each `TierStage` does with a training batch of a state whose compiled code runs: one method a stage, moving it on"
-    def __init__(self, tiers:Tiers): self.tiers = tiers # The fit's `Tiers`: their settings, device, worker, timer and notes
+    def __init__(self,
+        tiers:Tiers, # The fit's `Tiers`: their settings, device, worker, timer and notes
+    ):
+        self.tiers = tiers
 
     def batch(self, run:TierRun, learn, model:nn.Module, st):
         "This training batch of `st`, at its tier's stage"

@@ -4,8 +4,10 @@ The test starts it once per rank with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTE
 `torchrun --nproc_per_node=2 tests/ddp_worker.py OUT` would; without them it runs the same fit in one process, without
 DDP, on the same global batches. It writes what the test checks to `OUT/rank{RANK}.pt`.
 """
-import argparse, os, time
+import argparse, faulthandler, os, time
 os.environ.setdefault('OMP_NUM_THREADS', '1') # Before torch loads; else accelerate sets the thread count and warns
+# Where the launch will time out, each process prints its stacks first: the log then says where a stuck rank waits
+if (_dump := os.environ.get('FXC_TEST_DUMP_AFTER')): faulthandler.dump_traceback_later(float(_dump), exit=False)
 
 import torch
 from torch import nn
@@ -61,7 +63,11 @@ def dls(world):
         it,iv = global_order(N_TRAIN, BS), global_order(N_VALID, BS)
         xt,yt,xv,yv = xt[it],yt[it],xv[iv],yv[iv]
     bs = BS*2 if world == 1 else BS
-    return DataLoaders(*(TfmdDL(TensorDS(x,y), bs=bs, shuffle=False, device='cpu') for x,y in ((xt,yt), (xv,yv))), device='cpu')
+    # `num_workers=0`, as tests/ddp_background.py and tests/ddp_ragged.py: batches made in the rank's own process. fastai's
+    # default (one worker per core) forks worker processes every epoch from ranks that run gloo's and the TCPStore's threads,
+    # 3 processes' workers on a 2-core machine
+    return DataLoaders(*(TfmdDL(TensorDS(x,y), bs=bs, shuffle=False, num_workers=0, device='cpu') for x,y in ((xt,yt), (xv,yv))),
+                       device='cpu')
 
 class MLP(nn.Module):
     "The same layers as a class with its own `forward`"

@@ -3,7 +3,7 @@
 One run starts three processes at once: the two ranks of a DDP fit and, for reference, the same fit in one process on
 the same global batches. tests/ddp_worker.py is what each runs; the checks read what they wrote.
 """
-import os, socket, subprocess, sys
+import os, socket, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
 
@@ -27,6 +27,8 @@ def launch(out:Path, *args):
     base = {k:v for k,v in os.environ.items() if k not in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE')}
     base['CUDA_VISIBLE_DEVICES'] = '' # A CPU test, on a machine with GPUs too
     base['PYTHONPATH'] = os.pathsep.join(filter(None, [os.environ.get('PYTHONPATH'), root]))
+    # A cache and temporary folder of its own, as `launch_ranks`: not the machine's, shared with other test runs
+    base.update(TORCHINDUCTOR_CACHE_DIR=str(out/'inductor'), TMPDIR=str(out), FXC_TEST_DUMP_AFTER=str(TIMEOUT - 20))
     runs = {'rank0': dict(RANK='0', LOCAL_RANK='0'), 'rank1': dict(RANK='1', LOCAL_RANK='1'), 'single': {}}
     procs = {}
     for name,env in runs.items():
@@ -37,10 +39,14 @@ def launch(out:Path, *args):
         procs[name] = (subprocess.Popen([sys.executable, str(WORKER), str(d), *args], env={**base, **env},
                                         stdout=log, stderr=subprocess.STDOUT), log)
     try:
+        deadline = time.monotonic() + TIMEOUT # One deadline for all: a rank waiting on another fails with both logs
         for name,(p,_) in procs.items():
-            try: p.wait(timeout=TIMEOUT)
+            try: p.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
-                pytest.fail(f"{name} still running after {TIMEOUT}s (a rank hangs?):\n{_tail(out/f'{name}.log')}")
+                still = [n for n,(q,_) in procs.items() if q.poll() is None]
+                pytest.fail(f"{', '.join(still)} still running after {TIMEOUT}s (a rank hangs?):\n" +
+                            '\n'.join(f"--- {n} ({'exit code ' + str(q.returncode) if q.poll() is not None else 'running'}):\n"
+                                      f"{_tail(out/f'{n}.log', 150)}" for n,(q,_) in procs.items()))
     finally:
         for p,log in procs.values():
             if p.poll() is None: p.kill(); p.wait()
