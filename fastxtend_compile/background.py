@@ -62,14 +62,20 @@ class WarmRecords:
 
 # %% ../nbs/08_background.ipynb #c242d0a8
 class _Probes:
-    "Times each new model state's first eager batches, in a row; counts how often the states changed; judges what they pay back"
-    def __init__(self): self.state, self.changes, self.fastest_s = None, 0, None
+    "Each new model state's first eager batches, in a row; counts how often the states changed; judges what they pay back"
+    def __init__(self):
+        self.state, self.changes, self.fastest_s = None, 0, None # The state probed last, how often it changed, its fastest batch
+        self.timing = None # The state whose probe times the batch running
 
-    def tick(self, st:ModelState, now:float)->int:
-        "Time this batch of `st`, a new probe where the last batch was another state's: the batches timed so far"
-        if self.state is not st: st.probe, self.state, self.changes = Probe(now), st, self.changes + 1
-        st.probe.tick(now)
-        return st.probe.seen - 1
+    def tick(self, st:ModelState)->int:
+        "This batch of `st` may join its probe, a new one where the last batch was another state's: the batches timed so far"
+        if self.state is not st: st.probe, self.state, self.changes = Probe(), st, self.changes + 1
+        return st.probe.seen
+
+    def timed(self, seconds:float):
+        "The batch running, timed alone by the report's recorder, ended in `seconds`: its probe's, if it was timed for one"
+        if self.timing is not None: self.timing.probe.add(seconds)
+        self.timing = None
 
     def verdict(self,
         st:ModelState, # A state whose probe is done
@@ -208,8 +214,15 @@ class BackgroundCompile:
             self.compiling.eager_batches += key.training
             return True
         if st.stage is not Stage.PROBING or not self.ranks.judges(key.training): return self._waits(key.training)
-        if key.training and not self._judge(st, learn, now): return True
+        if key.training and not self._judge(st, learn): return True
         return self.ranks.judged(self, st, learn, model, now)
+
+    @property
+    def probing(self)->bool:
+        "Whether the batch running is an eager batch of a new state's probe, for the report's recorder to time alone"
+        return self.probes.timing is not None
+
+    def probed(self, seconds:float): self.probes.timed(seconds) # The batch running ended, in `seconds`, timed alone
 
     def agree(self,
         learn, # The `Learner` whose training batch this is, the same batch on every rank
@@ -225,12 +238,13 @@ class BackgroundCompile:
         if not training and not self.ranks.evaluates and (n := _eval_eager()) not in self.notes: self.notes.append(n)
         return True
 
-    def _judge(self, st:ModelState, learn, now:float)->bool:
+    def _judge(self, st:ModelState, learn)->bool:
         "Whether the fit's eager rest, timed over its first `probe_batches` batches of this state, pays back its compile"
         if self.cold_cost_s <= 0: return True
-        if (n := self.probes.tick(st, now)) < self.probe_batches:
+        if (n := self.probes.tick(st)) < self.probe_batches:
             if n == 0 and self.probes.changes == 2*self.probe_batches and not any(s.stage is Stage.READY for s in self.states.values()):
                 self.notes.append(_shapes_change(self.probes.changes, self.probe_batches)) # Said once, if states change too often
+            self.probes.timing = st # The recorder times this batch alone, as the eager step
             return False
         rec = self.cached(st) # Once the probe is done: not at each of its batches
         if (why := self.probes.verdict(st, learn, self.cold_cost_s if rec is None else warm_cost(rec, self.warm_s), rec is not None)) is None: return True

@@ -322,7 +322,7 @@ class CompilerCallback(Callback):
         key = None if p.aside is None else state_key(model, self.learn.xb, self.training) # Once a batch, for every part that asks
         p.start_batch(self.learn, key, measure=rec.wants_eager_step(getattr(self.learn, 'n_iter', 0)), whole_backward=self.ddp.in_backward)
         self.tiers.before_batch(self.learn, p.eager, key, model)
-        if p.timed: rec.batch_start(self.training, self.learn.xb, p.measuring, p.valid_eager)
+        if p.timed: rec.batch_start(self.training, self.learn.xb, p.measuring or p.probing, p.valid_eager)
 
     def _own_grads(self):
         "With CUDA graphs, give each parameter that trains a zero gradient of its own if it has none"
@@ -342,9 +342,9 @@ class CompilerCallback(Callback):
     def after_batch(self):
         if not self.active: return
         tier = self.tiers.after_batch() # A batch that ran a faster tier compiled the tier, not the model's own code
-        if self.policy.timed: self.compile_recorder.batch_done()
+        took = self.compile_recorder.batch_done() if self.policy.timed else None
         if (s := self.compile_recorder.take_compiled()) and not tier: self.aside.warm_starts.in_path(get_model(self.learn.model), self.learn.xb, self.training, s)
-        self.policy.end_batch(self.training)
+        self.policy.end_batch(self.training, took)
 
     def after_fit(self):
         self.fits -= 1

@@ -233,6 +233,7 @@ class EagerPolicy:
         self.valid_eager = False # This validation batch of a training fit runs eagerly: its batches left in the fit wouldn't pay back its graph
         self.validation = None # How this validation of a training fit runs: 'eager', 'compiled' (its graph exists) or 'compile'
         self.waiting = False # This batch runs eagerly while its compiled code is made outside the fit's path
+        self.probing = False # This training batch, run eagerly, is timed alone for a new model state's probe: the eager step
         self.evaluating = False # This batch of an evaluation outside a fit or of `lr_find` runs eagerly: its graph wouldn't pay back
         self.one_off = False # This batch is a one-off, not worth a graph of its own: the last, often smaller, one
         self.pays = None # `pays(batches)`: whether that many batches are expected to pay back a graph's compile (the report's)
@@ -256,7 +257,7 @@ class EagerPolicy:
     def compiled_calls(self)->list: return [c for r in self.calls if (c := r()) is not None]
 
     def start_fit(self,
-        aside=None, # A compile outside the fit's path, with `runs_eagerly(learn, key, model)` and `agree(learn, key, model)`; `None` compiles in it
+        aside=None, # A compile outside the fit's path (`runs_eagerly`, `agree`, `probing`, `probed`, as `BackgroundCompile`); `None` compiles in it
         pays:Callable|None=None, # `pays(batches)`: whether that many batches pay back compiling their graph; `None`: never judged to
     ):
         "A fit starts: it has trained no batch yet"
@@ -282,6 +283,7 @@ class EagerPolicy:
         asks = (self.aside is not None and not (self.evaluating or self.measuring or (self.one_off and not training))
                 and validation in (None, 'compile'))
         self.waiting = asks and self.aside.runs_eagerly(learn, key, get_model(learn.model))
+        self.probing = self.waiting and training and self.aside.probing
         if self.aside is not None and training: self.aside.agree(learn, key, get_model(learn.model)) # Under DDP, at every rank's same batches
         if self.evaluating and training: self.eager_lr_find += 1
         elif self.evaluating: self.eager_eval += 1
@@ -325,16 +327,18 @@ class EagerPolicy:
 
     def end_batch(self,
         training:bool, # The batch trained
+        took:float|None=None, # Seconds the batch took, timed alone by the report's recorder, where it was
     ):
         "The batch ended: what comes next is decided afresh"
+        if self.probing and took is not None: self.aside.probed(took)
         self.trained |= training
-        self.measuring = self.valid_eager = self.waiting = self.evaluating = self.one_off = False
+        self.measuring = self.valid_eager = self.waiting = self.evaluating = self.one_off = self.probing = False
         if training: self.validation = None # The next validation is judged afresh, with fewer batches left
 
     @property
     def timed(self)->bool:
-        "Whether the report times this batch as compiled: not one left eager while its code compiles elsewhere or isn't worth it"
-        return not (self.waiting or self.evaluating)
+        "Whether the report times this batch: as compiled, not one left eager while its code compiles elsewhere or isn't worth it; or as eager, a probe's"
+        return self.probing or not (self.waiting or self.evaluating)
 
     def stop(self):
         "The fit ended or raised: calls outside a fit run as their shapes say"

@@ -455,10 +455,10 @@ class CompileRecorder:
         self.batch_t, self.compiling, self.training, self.shapes, self.eager, self.batch_end = now, False, training, _shapes(xb), eager, None
         self.part = ''
 
-    def batch_done(self):
-        "Record what was compiled during the batch `batch_start` began, and its time if it trained"
+    def batch_done(self)->float|None:
+        "Record what was compiled during the batch `batch_start` began, and its time if it trained: the seconds it took"
         if self.compiling: self.collect(self.during) # Before the batch is counted, so it is named as it ran
-        if not self.training: return
+        if not self.training: return None
         # Where the device works asynchronously, wait for it at the end of one batch in 16 (and of each eager one): the
         # time from there to the next batch is the device waiting for the DataLoader, not for queued work
         sample = self.sync is None or self.eager or len(self.report.batch_times) % 16 == 0
@@ -467,3 +467,4 @@ class CompileRecorder:
         if self.eager: self.report.eager_times.append(took)
         else: self.report.batch_times.append((took, self.compiling))
         if sample: self.batch_end = time.perf_counter()
+        return took

@@ -67,18 +67,23 @@ class Stage(Enum):
     FAILED = 'failed' # Its compile failed
 
 class Probe:
-    "The timing of a model state's first eager batches"
-    def __init__(self, now:float): self.start, self.seen, self.last, self.fastest = now, 0, now, float('inf')
+    "A model state's first eager batches, each timed alone by the report's recorder: the fit's one measure of the eager step"
+    def __init__(self): self.times = [] # Seconds of each batch timed
 
-    def tick(self, now:float):
-        "A batch starts at `now`: the one before it took until now"
-        if self.seen: self.fastest = min(self.fastest, now - self.last)
-        self.seen, self.last = self.seen + 1, now
+    def add(self, seconds:float): self.times.append(seconds) # A batch of the probe ended, in `seconds`
+
+    @property
+    def seen(self)->int: return len(self.times) # Batches timed
+
+    @property
+    def fastest(self)->float:
+        "The fastest batch timed: a busy machine only ever slows a batch down"
+        return min(self.times, default=float('inf'))
 
     @property
     def step_s(self)->float:
         "The mean of the batches timed"
-        return (self.last - self.start) / max(self.seen - 1, 1)
+        return sum(self.times) / max(self.seen, 1)
 
 # %% ../nbs/15_state.ipynb #b8765e07
 class ModelState:
@@ -88,7 +93,7 @@ class ModelState:
         record:str, # Its name in `WarmRecords`: the same in every process
     ):
         self.key, self.record, self.stage = key, record, Stage.PROBING
-        self.probe = None # Its `Probe`, while its eager batches are timed
+        self.probe = None # Its `Probe`: its first eager batches, timed
         self.job, self.result = None, None # Its `Job` in the worker, and the worker's `JobResult`
         self.eager_batches = 0 # Training batches run eagerly while its job compiled
         self.sent_at = '' # Where in the fit its job was sent

@@ -43,6 +43,25 @@ def cold_cache(tmp_path, monkeypatch):
     yield tmp_path/'inductor'
     assert _leftovers() == [], "a worker's temporary folder outlived the fit"
 
+class MeasuredEagerly(Callback):
+    "Which training batches the policy ran eagerly to measure the eager step, and which it timed for a probe"
+    order = 20 # After `CompilerCallback` decided
+    def __init__(self): self.measured, self.probed = [], []
+    def before_batch(self):
+        p = self.learn.compiler.policy
+        if self.training and p.measuring: self.measured.append(self.iter)
+        if self.training and p.probing: self.probed.append(self.iter)
+
+def test_the_probes_eager_batches_are_the_reports_eager_step(cold_cache, monkeypatch):
+    "A new state's probe times its eager batches alone once, for the background's verdict and the report: no eager batch after the hand-over"
+    monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 1e-9) # The probe runs, and any fit pays back the compile
+    spy, n = MeasuredEagerly(), BackgroundCompile.probe_batches
+    comp = _fit(True, cbs=[spy, WaitForWorker(at=n)], epochs=1)
+    r = comp.compiler.report
+    assert spy.probed == list(range(n)) and spy.measured == [] # The probe's batches, and none after it
+    assert len(r.eager_times) == n and r.batch_times, (r.eager_times, r.batch_times)
+    assert r.eager_step == sorted(r.eager_times[1:])[(n - 1)//2] and re.search(r"compiled step [\d.]+ ms against [\d.]+ ms eager", r.payoff()), r.payoff()
+
 def test_compiled_code_takes_over_from_the_worker_and_trains_like_eager(cold_cache):
     eager = _fit(False)
     wait = WaitForWorker(at=2)
@@ -280,8 +299,11 @@ def test_the_probe_times_the_fastest_eager_step_for_the_hand_overs_timing(tmp_pa
     learn = SimpleNamespace(n_epoch=1, n_iter=10_000, epoch=0, iter=0, training=True)
     aside, model = BackgroundCompile({'backend': 'eager'}), nn.Linear(2, 2)
     st = aside.state(state_key(model, (torch.randn(1, 2),), True), model)
-    times = [0., 5.] + [5. + 0.25*i for i in range(1, 8)] # The first batch takes 5s, the others 0.25s
-    worth = [aside._judge(st, learn, t) for t in times]
+    worth = []
+    for took in [5.] + [0.25]*7 + [None]: # The first batch takes 5s, the others 0.25s, each timed alone by the recorder
+        worth.append(aside._judge(st, learn))
+        assert aside.probing == (took is not None) # Each of the probe's batches is timed, not the one judged after them
+        if took is not None: aside.probed(took)
     assert worth == [False]*8 + [True] # After 8 batches timed, thousands left: a cold compile pays
     assert st.probe.step_s == pytest.approx((5. + 7*0.25)/8) and aside.probes.fastest_s == pytest.approx(0.25)
     aside.warm_starts.time(st.record, 10., 0, SimpleNamespace(epoch=0, iter=9, training=True))

@@ -13,11 +13,13 @@ def batch(training=True, iter=0, n_iter=10, model=None, epoch=0, n_epoch=1):
 
 class Aside:
     "A compile outside the fit's path whose code is ready once `ready` is set; evaluation waits for it too with `evaluation`"
-    def __init__(self, evaluation=False): self.ready, self.evaluation, self.asked = False, evaluation, []
+    def __init__(self, evaluation=False, probing=False):
+        self.ready, self.evaluation, self.asked, self.probing, self.probes = False, evaluation, [], probing, []
     def runs_eagerly(self, learn, key, model):
         self.asked.append(learn.training)
         return (learn.training or self.evaluation) and not self.ready
     def agree(self, learn, key, model): pass # One process: no ranks to agree with
+    def probed(self, seconds): self.probes.append(seconds)
 
 def validation(p, n_iter=4, **kwargs):
     "Run a training batch, then a validation of `n_iter` batches; `p`'s eager and timed decision for each validation batch"
@@ -91,6 +93,20 @@ def test_a_fits_validation_worth_compiling_waits_for_the_compile_outside_the_fit
         assert validation(p) == runs and aside.asked == asked
         aside.ready = True
         assert validation(p) == (eager if runs == eager else [(False, False, True)]*4)
+
+def test_a_probes_eager_batch_is_timed_and_its_time_goes_to_the_probe():
+    "An eager batch the compile outside the fit's path probes is the report's eager step: timed, its seconds handed back"
+    p, aside = EagerPolicy(), Aside(probing=True)
+    p.start_fit(aside)
+    p.start_batch(batch())
+    assert p.waiting and p.probing and p.timed
+    p.end_batch(True, 0.25)
+    assert aside.probes == [0.25] and not p.probing
+    aside.probing = False # The probe is done: the batches that wait for the worker are not timed
+    p.start_batch(batch())
+    assert p.waiting and not p.probing and not p.timed
+    p.end_batch(True, None)
+    assert aside.probes == [0.25]
 
 def test_the_last_batch_is_a_one_off_and_events_called_alone_are_not():
     p = EagerPolicy()
