@@ -36,7 +36,7 @@ class Local:
 
     def judged(self, aside, st:ModelState, learn, model, now:float)->bool:
         "`st` is worth compiling: at once where inductor's cache has its code, else in the worker. Whether this batch runs eagerly"
-        if (rec := aside.cached(st)) is not None: return aside.handover.warm(st, rec, learn, now)
+        if (rec := aside.warm_starts.cached(st)) is not None: return aside.handover.warm(st, rec, learn, now)
         return aside.send(st, learn, model)
 
     def done(self, aside, st:ModelState):

@@ -62,31 +62,37 @@ class WarmRecords:
 
 # %% ../nbs/08_background.ipynb #c242d0a8
 class _Probes:
-    "Each new model state's first eager batches, in a row; counts how often the states changed; judges what they pay back"
+    "Each new model state's first eager batches, in a row, timed alone; whether the fit's rest pays back compiling the state"
     def __init__(self):
         self.state, self.changes, self.fastest_s = None, 0, None # The state probed last, how often it changed, its fastest batch
         self.timing = None # The state whose probe times the batch running
 
-    def tick(self, st:ModelState)->int:
-        "This batch of `st` may join its probe, a new one where the last batch was another state's: the batches timed so far"
-        if self.state is not st: st.probe, self.state, self.changes = Probe(), st, self.changes + 1
-        return st.probe.seen
+    def judge(self,
+        aside:BackgroundCompile, # The fit's background compile: its settings, states, records and notes
+        st:ModelState, # The state of this training batch
+        learn, # The `Learner` whose batch this is
+    )->bool:
+        "Whether the fit's eager rest, timed over the state's first `probe_batches` batches, pays back its compile; `False` while it is timed"
+        if aside.cold_cost_s <= 0: return True
+        if self.state is not st: st.probe, self.state, self.changes = Probe(), st, self.changes + 1 # A probe of its own
+        if (n := st.probe.seen) < aside.probe_batches:
+            if n == 0 and self.changes == 2*aside.probe_batches and not any(s.stage is Stage.READY for s in aside.states.values()):
+                aside.notes.append(_shapes_change(self.changes, aside.probe_batches)) # Said once, if states change too often
+            self.timing = st # The recorder times this batch alone, as the eager step
+            return False
+        rec = aside.warm_starts.cached(st) # Once the probe is done: not at each of its batches
+        cost = aside.cold_cost_s if rec is None else warm_cost(rec, aside.warm_s)
+        left, step_s, self.fastest_s = batches_left(learn), st.probe.step_s, st.probe.fastest
+        if pays_back(left, SAVING*step_s, cost): return True
+        st.to(Stage.SHORT) # Not worth it: eager for the rest of this fit
+        aside.worker.idle() # Not needed this fit, unless a job waits for it
+        aside.notes.append(_too_short(left, step_s*left, None if rec is None else cost, rest_needed(cost)))
+        return False
 
     def timed(self, seconds:float):
         "The batch running, timed alone by the report's recorder, ended in `seconds`: its probe's, if it was timed for one"
         if self.timing is not None: self.timing.probe.add(seconds)
         self.timing = None
-
-    def verdict(self,
-        st:ModelState, # A state whose probe is done
-        learn, # The `Learner` whose batch this is
-        cost_s:float, # Seconds compiling it costs the fit's path
-        warm:bool, # Its compile is a warm one, from inductor's cache
-    )->str|None:
-        "`None` where the fit's training batches left, at the eager step the probe timed, pay back `cost_s`; else why not"
-        left, step_s, self.fastest_s = batches_left(learn), st.probe.step_s, st.probe.fastest
-        if pays_back(left, SAVING*step_s, cost_s): return None
-        return _too_short(left, step_s*left, cost_s if warm else None, rest_needed(cost_s))
 
 class _WarmTimer:
     "Times a warm compile in the fit's path from its batch to a later one of the same epoch and phase"
@@ -118,7 +124,16 @@ class WarmStarts:
         "The record of `state` compiled with `settings` (`None`: the model's own)"
         return (self.records if settings is None else WarmRecords(settings, self.regional)).key(model, state)
 
-    def get(self, record:str)->dict|None: return self.records.get(record) # What was recorded, `None` where nothing was
+    def get(self, record:str)->dict|None:
+        "What was recorded of `record`; `None` where nothing was"
+        return self.records.get(record)
+
+    def cached(self, st:ModelState)->dict|None:
+        "The record of the code `st` hands over to, where inductor's cache has it: a faster tier's compiled first, else the default's"
+        if st.first is not None and (rec := self.get(st.first[1])) is not None: return rec
+        # Only the default's code cached: it compiles at once, and the faster tier waits its turn (`Tiers`)
+        if (rec := self.get(st.record)) is not None: st.first = None
+        return rec
 
     def compiled(self, record:str, res:JobResult):
         "A worker compiled `record` cold, or failed to"
@@ -149,7 +164,9 @@ class WarmStarts:
         self.warmed(record, seconds)
         return note, seconds
 
-    def end_fit(self): self.timer = _WarmTimer() # A compile still timed is left out
+    def end_fit(self):
+        "The fit ended: a warm compile still timed is left out"
+        self.timer = _WarmTimer()
 
 # %% ../nbs/08_background.ipynb #f47c974a
 class BackgroundCompile:
@@ -214,7 +231,7 @@ class BackgroundCompile:
             self.compiling.eager_batches += key.training
             return True
         if st.stage is not Stage.PROBING or not self.ranks.judges(key.training): return self._waits(key.training)
-        if key.training and not self._judge(st, learn): return True
+        if key.training and not self.probes.judge(self, st, learn): return True
         return self.ranks.judged(self, st, learn, model, now)
 
     @property
@@ -222,7 +239,9 @@ class BackgroundCompile:
         "Whether the batch running is an eager batch of a new state's probe, for the report's recorder to time alone"
         return self.probes.timing is not None
 
-    def probed(self, seconds:float): self.probes.timed(seconds) # The batch running ended, in `seconds`, timed alone
+    def probed(self, seconds:float):
+        "The batch running ended in `seconds`, timed alone: its probe's time, where it was a probe's batch"
+        self.probes.timed(seconds)
 
     def agree(self,
         learn, # The `Learner` whose training batch this is, the same batch on every rank
@@ -238,28 +257,6 @@ class BackgroundCompile:
         if not training and not self.ranks.evaluates and (n := _eval_eager()) not in self.notes: self.notes.append(n)
         return True
 
-    def _judge(self, st:ModelState, learn)->bool:
-        "Whether the fit's eager rest, timed over its first `probe_batches` batches of this state, pays back its compile"
-        if self.cold_cost_s <= 0: return True
-        if (n := self.probes.tick(st)) < self.probe_batches:
-            if n == 0 and self.probes.changes == 2*self.probe_batches and not any(s.stage is Stage.READY for s in self.states.values()):
-                self.notes.append(_shapes_change(self.probes.changes, self.probe_batches)) # Said once, if states change too often
-            self.probes.timing = st # The recorder times this batch alone, as the eager step
-            return False
-        rec = self.cached(st) # Once the probe is done: not at each of its batches
-        if (why := self.probes.verdict(st, learn, self.cold_cost_s if rec is None else warm_cost(rec, self.warm_s), rec is not None)) is None: return True
-        st.to(Stage.SHORT) # Not worth it: eager for the rest of this fit
-        self.worker.idle() # Not needed this fit, unless a job waits for it
-        self.notes.append(why)
-        return False
-
-    def cached(self, st:ModelState)->dict|None:
-        "The record of the code `st` hands over to, where inductor's cache has it: a faster tier's compiled first, else the default's"
-        if st.first is not None and (rec := self.warm_starts.get(st.first[1])) is not None: return rec
-        # Only the default's code cached: it compiles at once, and the faster tier waits its turn (`Tiers`)
-        if (rec := self.warm_starts.get(st.record)) is not None: st.first = None
-        return rec
-
     def submit(self,
         model:nn.Module, # The model being compiled, in the state of this batch
         learn, # The `Learner` whose batch this is: its inputs are the job's
@@ -270,8 +267,13 @@ class BackgroundCompile:
         payload = job_payload(model, learn.xb, self.settings if settings is None else settings, self.regional, self.ranks.devices())
         return self.worker.submit(payload, model, held=held)
 
-    def release(self, job:Job)->Job: return self.worker.release(job) # Send `job`, where it was held
-    def poll(self, job:Job)->JobResult|None: return self.worker.poll(job) # How `job` went; `None` while it compiles, or is held
+    def release(self, job:Job)->Job:
+        "Send `job` to the worker, where it was held"
+        return self.worker.release(job)
+
+    def poll(self, job:Job)->JobResult|None:
+        "How `job` went; `None` while it compiles, or is held"
+        return self.worker.poll(job)
 
     def send(self, st:ModelState, learn, model:nn.Module)->bool:
         "Have the worker compile `st` while the fit trains eagerly"

@@ -70,10 +70,14 @@ class Probe:
     "A model state's first eager batches, each timed alone by the report's recorder: the fit's one measure of the eager step"
     def __init__(self): self.times = [] # Seconds of each batch timed
 
-    def add(self, seconds:float): self.times.append(seconds) # A batch of the probe ended, in `seconds`
+    def add(self, seconds:float):
+        "A batch of the probe ended, in `seconds`"
+        self.times.append(seconds)
 
     @property
-    def seen(self)->int: return len(self.times) # Batches timed
+    def seen(self)->int:
+        "The batches timed"
+        return len(self.times)
 
     @property
     def fastest(self)->float:

@@ -53,9 +53,17 @@ class TierSwitch:
         self.tier = None # (name, settings over the model's) of the tier this batch runs; `None`: the model's own
         self.error = None # (name, error) of a tier that raised in the fit's path, until `Tiers` drops it
 
-    def run(self, name:str): self.tier = (name, TIERS[name]) # This batch runs tier `name`
-    def end_batch(self): self.tier = None # The next batch runs the model's own code unless set again
-    def reset(self): self.tier = self.error = None # The fit ended
+    def run(self, name:str):
+        "This batch runs tier `name`"
+        self.tier = (name, TIERS[name])
+
+    def end_batch(self):
+        "The batch ended: the next runs the model's own code, unless a tier is chosen for it"
+        self.tier = None
+
+    def reset(self):
+        "The fit ended: no tier runs, and none raised"
+        self.tier = self.error = None
 
     def failed(self,
         name:str, # The tier whose compiled function raised

@@ -301,7 +301,7 @@ def test_the_probe_times_the_fastest_eager_step_for_the_hand_overs_timing(tmp_pa
     st = aside.state(state_key(model, (torch.randn(1, 2),), True), model)
     worth = []
     for took in [5.] + [0.25]*7 + [None]: # The first batch takes 5s, the others 0.25s, each timed alone by the recorder
-        worth.append(aside._judge(st, learn))
+        worth.append(aside.probes.judge(aside, st, learn))
         assert aside.probing == (took is not None) # Each of the probe's batches is timed, not the one judged after them
         if took is not None: aside.probed(took)
     assert worth == [False]*8 + [True] # After 8 batches timed, thousands left: a cold compile pays
