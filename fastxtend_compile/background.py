@@ -132,12 +132,16 @@ class WarmStarts:
         "The record of the code `st` hands over to, where inductor's cache has it: a faster tier's compiled first, else the default's"
         if st.first is not None and (rec := self.get(st.first[1])) is not None: return rec
         # Only the default's code cached: it compiles at once, and the faster tier waits its turn (`Tiers`)
-        if (rec := self.get(st.record)) is not None: st.first = None
+        if (rec := self.get(st.record)) is not None: st.first, st.path = None, False
         return rec
 
     def compiled(self, record:str, res:JobResult):
         "A worker compiled `record` cold, or failed to"
         if res.ok: self.records.put(record, cold_s=res.compile_s)
+
+    def path(self, record:str, seconds:float):
+        "The fit's path compiled `record` in `seconds`, where nothing was recorded of it: a later fit compiles it at once"
+        if self.get(record) is None: self.records.put(record, path_s=seconds)
 
     def in_path(self,
         model:nn.Module, # The model compiled (not DDP's wrapper)
@@ -147,7 +151,7 @@ class WarmStarts:
     ):
         "A batch compiled its model state in the fit's path: a record where it has none, so a later fit compiles it at once"
         if num_distrib() > 1: return # Under DDP the fit's path compiles DDP's graphs, split at its buckets: not the worker's
-        if self.get(record := self.key(model, state_key(model, xb, training))) is None: self.records.put(record, path_s=seconds)
+        self.path(self.key(model, state_key(model, xb, training)), seconds)
 
     def warmed(self, record:str, seconds:float):
         "The fit's path compiled `record` from inductor's cache in `seconds`"
@@ -339,6 +343,13 @@ class Handover:
         else: a.warm_starts.time(st.compiled_record, now, len(a.notes) - 1, learn)
         return False
 
+    def in_path(self, st:ModelState, learn)->bool:
+        "Compile `st` in the fit's path from this batch, with the faster tier compiled first: its eager step's launches bound it"
+        st.to(Stage.READY)
+        self.aside.worker.idle() # Not needed for this state
+        self.aside.notes.append(_in_path(st.key.training, where(learn)))
+        return False
+
     def settle(self,
         st:ModelState, # A state the worker finished, or that the ranks agreed on
         res:JobResult|None=None, # Why it failed, where it did
@@ -405,6 +416,10 @@ def _warm(rec:dict, training:bool, where:str, together:str)->str:
             f"compiled in a fit's path in {rec['path_s']:.1f}s" if 'path_s' in rec else f"compiled cold in {rec.get('cold_s', 0):.1f}s")
     return (f"compiled{_phase(training)} at once, in the fit's path at {where}{together}: inductor's cache has this model "
             f"state's code ({last})")
+
+def _in_path(training:bool, where:str)->str:
+    return (f"compiled{_phase(training)} in the fit's path at {where}, the faster tier first: the host's launches bound the eager "
+            "step, so a worker compiling beside it would slow it more than the compile costs here")
 
 def _took_over(st:ModelState, where:str, together:str)->str:
     return (f"compiled{_phase(st.key.training)} in a worker process in {st.result.took_s:.1f}s while {st.eager_batches} training "

@@ -7,8 +7,9 @@ from __future__ import annotations
 from statistics import median
 
 # %% auto #0
-__all__ = ['SAVING', 'LAUNCH_BOUND', 'AUTOTUNE_SAVING', 'batches_left', 'pays_back', 'rest_needed', 'warm_cost', 'pick_tier',
-           'first_tier', 'tier_saving', 'cudagraphs_fit', 'faster']
+__all__ = ['SAVING', 'LAUNCH_BOUND', 'WORKER_HANDOVER_S', 'WORKER_SLOWDOWN', 'AUTOTUNE_SAVING', 'batches_left', 'pays_back',
+           'rest_needed', 'warm_cost', 'pick_tier', 'first_tier', 'first_in_path', 'tier_saving', 'cudagraphs_fit',
+           'faster']
 
 # %% ../nbs/14_payoff.ipynb #23d4101a
 SAVING = 0.2 # The share of a step a compiled one is expected to save, until a fit has measured it
@@ -58,6 +59,24 @@ def first_tier(
     "The tier a worker compiles first, before the default: CUDA graphs, where the eager step already waits on the host's launches"
     # Compiled, such a step launches fewer kernels but keeps waiting on them; a GPU-bound one gets the default first
     return 'reduce-overhead' if pick_tier(busy, launch_bound) == 'reduce-overhead' else None
+
+# A cold worker's hand-over (start-up 11-17s, then a compile beside the fit) came 32-41s after its job was sent, and the
+# launch-bound eager steps beside it ran 20-40% slower: an H100 and an H200, torch 2.11, a transformer fit
+WORKER_HANDOVER_S, WORKER_SLOWDOWN = 35., 1.3
+
+def first_in_path(
+    busy:float|None, # The share of an eager training step in which the GPU runs work; `None` where not measured
+    compile_s:float, # Seconds the tier is expected to take compiling cold in the fit's path
+    warm_s:float, # Seconds a hand-over from a worker takes compiling warm in the fit's path
+    handover_s:float=WORKER_HANDOVER_S, # Seconds a cold worker takes from its job to its hand-over
+    slowdown:float=WORKER_SLOWDOWN, # How much slower an eager step runs beside the worker compiling
+)->bool:
+    "Whether CUDA graphs compiled first cost the fit less compiled in its path than in a worker beside it"
+    # In its path the fit stands still for the compile. Beside a worker it runs slowed eager steps where CUDA graphs would
+    # have run steps of the GPU's busy time, then compiles warm at the hand-over: the more launches bound the step, the more
+    # that wait costs
+    if busy is None: return False
+    return compile_s < handover_s * (1 - busy / slowdown) + warm_s
 
 AUTOTUNE_SAVING = 0.05 # The share of a GPU-bound step that autotuned kernels are expected to save
 

@@ -103,7 +103,8 @@ class ModelState:
         self.sent_at = '' # Where in the fit its job was sent
         self.handover = None # 'worker' or 'warm': how its compiled code takes over, at its next batch
         self.tier = None # The faster tier's way with this state (`Tiers`): from its probe, where the step is profiled
-        self.first = None # (settings, record) of a faster tier the worker compiles first, before the default's code
+        self.first = None # (settings, record) of a faster tier compiled first, before the default's code
+        self.path = False # That tier compiles in the fit's path, not the worker: a worker beside the eager step costs the fit more
         self.fallback = None # The default's `Job` where a faster tier compiles first (for the A/B): held until the tier runs
 
     def to(self, stage:Stage):

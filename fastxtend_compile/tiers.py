@@ -15,7 +15,7 @@ from .core import uses_cudagraphs, compiled_call, CompiledCall
 from .internals import gpu_busy_seconds, traced_op_error
 from .worker import error_text
 from .state import StateKey, Stage
-from .payoff import batches_left, pays_back, pick_tier, first_tier, tier_saving, cudagraphs_fit, faster
+from .payoff import batches_left, pays_back, pick_tier, first_tier, first_in_path, tier_saving, cudagraphs_fit, faster
 from .background import BackgroundCompile, profile_text, where
 
 # %% auto #0
@@ -178,6 +178,7 @@ class TierRun:
         self.grads = False # Its parameters' gradients are memory of their own, for CUDA graphs, in this fit
         self.kept = kept is not None # The A/B kept the tier: it runs this state's training batches
         self.first = False # The tier was compiled first, before the default's code
+        self.path = False # It compiled cold in the fit's path, not in the worker
         self.batches, self.since = 0, '' # Training batches the tier ran in this fit, and where it started
 
     def to(self, stage:TierStage):
@@ -199,6 +200,7 @@ class FirstTier:
     "Profile a new state's eager step while the background compile probes it: where the GPU idles for much of it, CUDA graphs compile first"
     skip, batches = 2, 3 # The probe's eager batches before the profile (a fit's first are slow), and those profiled
     choose = staticmethod(first_tier) # The policy that picks the tier compiled first, from the eager step
+    in_path = staticmethod(first_in_path) # The policy that compiles it in the fit's path rather than the worker
     def __init__(self,
         tiers:Tiers, # The fit's `Tiers`: their device, settings and worker
     ):
@@ -219,12 +221,15 @@ class FirstTier:
 
     def _pick(self, run, learn, model, st, gpu_s:float|None, step_bytes:int):
         "Have the worker compile the tier the eager step needs first, where it pays and its memory fits"
-        t, step_s = self.tiers, st.probe.fastest
+        t, step_s, left = self.tiers, st.probe.fastest, batches_left(learn)
         busy = None if gpu_s is None else min(gpu_s / step_s, 1.)
-        if (name := self.choose(busy)) is None or not pays_back(batches_left(learn), tier_saving(name, busy, step_s), t.try_cost_s): return
+        if (name := self.choose(busy)) is None or not pays_back(left, saving := tier_saving(name, busy, step_s), t.try_cost_s): return
         if t.graphs(name) and not cudagraphs_fit(torch.cuda.mem_get_info(t.device)[0], step_bytes): return
         run.tier, run.record, run.first = name, t.record(model, st, name), True
         run.why = "compiled first" if busy is None else _share(busy, step_s, 'the eager') + "so the host's launches bound it: CUDA graphs, compiled first"
+        # Cold, in the fit's path where the fit's rest pays back standing still for it, and a worker would cost more
+        run.path = st.path = (self.in_path(busy, t.compile_guess_s, t.aside.warm_s) and pays_back(left, saving, t.compile_guess_s)
+                              and t.aside.warm_starts.get(run.record) is None)
         st.first = (t.settings_of(name), run.record)
         run.to(TierStage.FIRST)
 
@@ -234,9 +239,9 @@ class Tiers:
     # Compiled batches the default runs before its step is timed (its caches warm), timed alone, profiled; tier batches
     # run before the A/B (CUDA graphs record at their first runs); batches of each tier in the A/B, alternating
     settle_batches, time_batches, profile_batches, warmup_batches, ab_batches = 4, 8, 3, 3, 8
-    # Seconds trying a tier costs the fit's path (its warm compile and A/B), and a compile in the worker is taken to take
-    # until one is recorded: a tier is tried where the saving it is expected to bring over the batches left once it
-    # compiled pays back `try_cost_s`
+    # Seconds trying a tier costs the fit's path (its warm compile and A/B), and a cold compile, in the worker or the fit's
+    # path, is taken to take until one is recorded (13-25s for a transformer on an H100 or H200, torch 2.11): a tier is
+    # tried where the saving it is expected to bring over the batches left once it compiled pays back `try_cost_s`
     try_cost_s, compile_guess_s = 6., 20.
     pick = staticmethod(pick_tier) # The policy that picks a state's tier from its measured step
     def __init__(self,
@@ -418,9 +423,10 @@ class TierStages:
         self.tiers.timer.start(run.tier_times)
 
     def _on_warmup(self, run, learn, model, st):
-        if run.n == 0: # The switch batch's time, less a step: the warm compile
+        if run.n == 0: # The switch batch's time, less a step: its compile, warm or, first in the fit's path, cold
             run.warm = max(run.tier_times.pop() - min(run.base, default=0.), 0.)
-            self.tiers.aside.warm_starts.warmed(run.record, run.warm)
+            ws = self.tiers.aside.warm_starts
+            ws.path(run.record, run.warm) if run.path else ws.warmed(run.record, run.warm)
         run.n += 1
         if run.n <= self.tiers.warmup_batches: return self.tiers.run_tier(learn, run)
         run.to(TierStage.AB if st.first is None else TierStage.WAIT) # Compiled first: the A/B waits for the default's code
@@ -496,9 +502,9 @@ def _ab(run:TierRun)->str:
             "on the fit's batches")
 
 def _took_over(run:TierRun, at:str)->str:
-    how = f"compiled in a worker process in {run.res.took_s:.1f}s ({profile_text(run.res)})" if run.res else "its code was in inductor's cache"
-    return (f"tier {run.tier} took over at {at}: {run.why}{'; ' if run.why else ''}{how}; compiling it in the fit's path took "
-            f"{run.warm:.1f}s; {_ab(run)}")
+    how = (f"compiled in a worker process in {run.res.took_s:.1f}s ({profile_text(run.res)}); compiling it in the fit's path took "
+           if run.res else "compiled cold in the fit's path in " if run.path else "its code was in inductor's cache; compiling it in the fit's path took ")
+    return f"tier {run.tier} took over at {at}: {run.why}{'; ' if run.why else ''}{how}{run.warm:.1f}s; {_ab(run)}"
 
 def _no_gain(name:str, saving_s:float, left:int, cost_s:float)->str:
     return (f"no faster tier: {name} would save about {saving_s*1e3:.1f} ms a step over the {left} training batches left once it "

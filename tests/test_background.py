@@ -266,6 +266,23 @@ def test_a_killed_processes_worker_folder_is_removed_by_the_next_start(cold_cach
         w.end()
         shutil.rmtree(alive)
 
+@pytest.mark.skipif(not hasattr(os, 'getpriority'), reason="no process priorities to read")
+def test_the_worker_and_its_compile_processes_run_below_the_fits_priority(cold_cache):
+    w = Worker("import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(60)'])")
+    try:
+        w.start(torch.device('cpu'))
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, w.proc.pid) == min(own + Worker.nice, 19)
+        deadline = time.time() + 30
+        while not (kids := _children(w.proc.pid)) and time.time() < deadline: time.sleep(0.05)
+        assert kids and all(os.getpriority(os.PRIO_PROCESS, k) == min(own + Worker.nice, 19) for k in kids), kids
+    finally: w.end()
+
+def _children(pid:int)->list:
+    "The processes `pid` started, from /proc"
+    try: return [int(c) for c in open(f'/proc/{pid}/task/{pid}/children').read().split()]
+    except OSError: return []
+
 def test_a_worker_that_ended_at_once_fails_its_job_quietly(cold_cache):
     "A worker gone before its job (it couldn't start) fails that job with its last words; ending it raises nothing"
     w = Worker("raise SystemExit('no compiler here')")

@@ -7,7 +7,7 @@ from fastai.torch_core import set_seed
 from fastxtend_compile import *
 from fastxtend_compile import tiers, background
 from fastxtend_compile.tiers import Tiers, why_no_tiers
-from fastxtend_compile.payoff import pick_tier, cudagraphs_fit, faster
+from fastxtend_compile.payoff import pick_tier, cudagraphs_fit, faster, first_in_path
 from fastxtend_compile.background import BackgroundCompile
 from fastxtend_compile.internals import compiled_call
 from conftest import two_conv_cnn, digits_dls, EAGER_PRECISION, assert_fit_close
@@ -140,6 +140,7 @@ def first_tiers(cpu_tiers, monkeypatch):
     def use(name, settings):
         cpu_tiers(name, settings)
         monkeypatch.setattr(tiers.FirstTier, 'choose', staticmethod(lambda busy: name if busy == 0 else None))
+        monkeypatch.setattr(tiers.FirstTier, 'in_path', staticmethod(lambda busy, compile_s, warm_s: False)) # In the worker
     return use
 
 def _handover(notes:list)->tuple:
@@ -159,6 +160,28 @@ def test_a_launch_bound_eager_step_has_its_tier_compiled_first_and_run_from_the_
                      r"it: CUDA graphs, compiled first; compiled in a worker process in [\d.]+s \(.+\); "
                      r"compiling it in the fit's path took [\d.]+s; [\d.]+ ms a step against [\d.]+ ms for the default", took), notes
     assert_fit_close(eager.model, learn.model)
+
+def test_a_launch_bound_eager_step_compiles_its_tier_first_in_the_fits_path_where_a_worker_costs_more(first_tiers, monkeypatch):
+    "A launch-bound step that a worker beside it would slow: the tier compiles cold at the probe's end, and the worker compiles the default's code for the A/B"
+    first_tiers('plain', dict(backend='aot_eager'))
+    monkeypatch.setattr(tiers.FirstTier, 'in_path', staticmethod(first_in_path)) # The library's policy: busy 0 compiles in the path
+    monkeypatch.setattr(Tiers, 'compile_guess_s', 1e-3) # Paid back by a digits fit on the CPU
+    eager, _ = _fit(False)
+    learn, ran = _fit(backend=sleepy)
+    notes, at = learn.compiler.report.background, BackgroundCompile.probe_batches
+    assert notes[0] == (f"compiled in the fit's path at epoch 0, batch {at}, the faster tier first: the host's launches bound the "
+                        "eager step, so a worker compiling beside it would slow it more than the compile costs here"), notes
+    assert ran[0][:3] == (0, True, at) and learn.compiler.aside.worker.jobs == 1, (ran[:3], notes) # The default's code alone, for the A/B
+    took = next(n for n in notes if n.startswith('tier plain took over'))
+    assert re.search(r"; compiled cold in the fit's path in [\d.]+s; [\d.]+ ms a step against [\d.]+ ms for the default", took), notes
+    assert_fit_close(eager.model, learn.model)
+    # Recorded as a compile in a fit's path: a new Learner of the model runs the tier at once from its probe's end
+    monkeypatch.setattr(background, 'warm_cost', lambda rec, default_s: 1e-9) # Any fit pays back a warm compile
+    learn, ran = _fit(epochs=1, backend=sleepy)
+    notes = learn.compiler.report.background
+    assert re.match(rf"compiled at once, in the fit's path at epoch 0, batch {at}: inductor's cache has this model state's code "
+                    r"\(compiled in a fit's path in [\d.]+s\)", notes[0]), notes
+    assert ran[0][:3] == (0, True, at), (ran[:3], notes)
 
 def test_a_tier_compiled_first_starts_warm_in_a_later_fit(first_tiers, monkeypatch):
     "A new Learner of the same model (a notebook run again) runs the tier from its probe's end, compiled at once, with no worker"
@@ -212,6 +235,11 @@ def test_the_tier_policy_follows_the_measured_step():
     assert pick_tier(None) is None
     assert cudagraphs_fit(3 << 30, 2 << 30) and not cudagraphs_fit(2 << 30, 2 << 30)
     assert faster([9., 9.5, 9.], [10., 10., 10.]) and not faster([9.8, 9.9, 9.8], [10., 10., 10.])
+    # A worker's 35 s to its hand-over beside steps 1.3x slower, against standing still for the compile: the more launches
+    # bound the step, the more the wait for the worker costs
+    assert first_in_path(0.1, compile_s=20., warm_s=5.) and first_in_path(0.6, compile_s=20., warm_s=5.)
+    assert not first_in_path(0.9, compile_s=20., warm_s=5.) and not first_in_path(0.1, compile_s=45., warm_s=5.)
+    assert not first_in_path(None, compile_s=1., warm_s=5.) # Unmeasured: the worker, which never stops the fit
 
 def test_a_tier_runs_training_calls_alone_and_drops_whole():
     "The switch's tier runs calls with gradients in training mode; evaluation keeps the model's own compiled function"
