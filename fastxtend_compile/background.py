@@ -83,7 +83,8 @@ class _Probes:
         rec = aside.warm_starts.cached(st) # Once the probe is done: not at each of its batches
         cost = aside.cold_cost_s if rec is None else warm_cost(rec, aside.warm_s)
         left, step_s, self.fastest_s = batches_left(learn), st.probe.step_s, st.probe.fastest
-        if pays_back(left, SAVING*step_s, cost): return True
+        # A tier compiled first in the fit's path was found to pay back its compile there, by the tier's own saving
+        if (rec is None and st.path) or pays_back(left, SAVING*step_s, cost): return True
         st.to(Stage.SHORT) # Not worth it: eager for the rest of this fit
         aside.worker.idle() # Not needed this fit, unless a job waits for it
         aside.notes.append(_too_short(left, step_s*left, None if rec is None else cost, rest_needed(cost)))

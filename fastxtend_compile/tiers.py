@@ -157,6 +157,7 @@ class TierStage(Enum):
     PROFILE = 'profile' # Its GPU work profiled
     COMPILE = 'compile' # The tier compiles in the worker
     WARMUP = 'warmup' # The tier runs its first batches
+    CHECK = 'check' # The tier compiled first in the fit's path: its steps timed against the eager step its probe timed
     WAIT = 'wait' # The tier compiled first runs while the default's code compiles, for the A/B
     AB = 'ab' # The tier and the default alternate, each timed alone
     DONE = 'done' # Decided: the kept tier runs, or the default
@@ -190,7 +191,7 @@ class TierRun:
     def next_fit(self)->TierRun|None:
         "What the state's next fit starts from: its kept tier; a tier compiled first runs on until its A/B; else nothing (it is tried again)"
         if self.kept: return TierRun(self.tier)
-        if not (self.first and self.stage in (TierStage.WARMUP, TierStage.WAIT)): return None
+        if not (self.first and self.stage in (TierStage.WARMUP, TierStage.CHECK, TierStage.WAIT)): return None
         self.to(TierStage.WAIT) # The default's code, which the A/B needs, is compiled in the worker as the fit starts
         self.grads, self.batches, self.since = False, 0, ''
         return self
@@ -338,6 +339,8 @@ class Tiers:
             if r.stage is TierStage.COMPILE: self.notes.append(f"the fit ended before tier {r.tier} compiled in the worker process")
             if r.stage is TierStage.WAIT and r.batches: self.notes.append(f"tier {r.tier} ran {r.batches} training batch(es) from {r.since} on, and the fit "
                                                             "ended before the default's code compiled for the A/B")
+            if r.stage is TierStage.CHECK and r.batches: self.notes.append(f"tier {r.tier} ran {r.batches} training batch(es) from {r.since} on, and the "
+                                                             "fit ended before its steps were timed against the eager step")
             if r.kept and r.batches: self.notes.append(f"tier {r.tier} ran {r.batches} training batch(es), from {r.since} on")
         self.aside = None
 
@@ -429,8 +432,22 @@ class TierStages:
             ws.path(run.record, run.warm) if run.path else ws.warmed(run.record, run.warm)
         run.n += 1
         if run.n <= self.tiers.warmup_batches: return self.tiers.run_tier(learn, run)
-        run.to(TierStage.AB if st.first is None else TierStage.WAIT) # Compiled first: the A/B waits for the default's code
+        # Compiled first: in the fit's path, timed against the eager step; else the A/B waits for the default's code
+        run.to(TierStage.AB if st.first is None else TierStage.CHECK if run.path else TierStage.WAIT)
         self.on[run.stage](self, run, learn, model, st)
+
+    def _on_check(self, run, learn, model, st):
+        "The tier compiled first in the fit's path, timed alone: kept where it beats the eager step its probe timed, with no worker; else the A/B decides"
+        if len(run.tier_times) < self.tiers.time_batches:
+            self.tiers.run_tier(learn, run, counted=True)
+            return self.tiers.timer.start(run.tier_times)
+        if st.probe is not None and st.probe.seen and faster(run.tier_times, st.probe.times):
+            run.to(TierStage.DONE)
+            run.kept = True
+            self.tiers.run_tier(learn, run, counted=True)
+            return self.tiers.notes.append(_took_over(run, where(learn), _vs_eager(run, st.probe.times)))
+        run.to(TierStage.WAIT) # Not faster than eager, or the eager step unmeasured in this fit: the default's code decides
+        self._on_wait(run, learn, model, st)
 
     def _on_wait(self, run, learn, model, st):
         "The tier compiled first runs while the default's code, which the A/B needs, compiles in the worker"
@@ -466,7 +483,7 @@ class TierStages:
         if faster(run.tier_times, run.ab_base):
             run.kept = True
             self.tiers.run_tier(learn, run, counted=True)
-            return self.tiers.notes.append(_took_over(run, where(learn)))
+            return self.tiers.notes.append(_took_over(run, where(learn), _ab(run)))
         self.tiers.drop(run.tier, model)
         self.tiers.notes.append(f"tier {run.tier} not kept: {_ab(run)}; its graphs were dropped")
 
@@ -474,7 +491,8 @@ class TierStages:
         if run.kept: self.tiers.run_tier(learn, run, counted=True)
 
     on = {TierStage.PROBE: _on_probe, TierStage.FIRST: _on_first, TierStage.SETTLE: _on_settle, TierStage.TIME: _on_time,
-          TierStage.PROFILE: _on_profile, TierStage.COMPILE: _on_compile, TierStage.WARMUP: _on_warmup, TierStage.WAIT: _on_wait,
+          TierStage.PROFILE: _on_profile, TierStage.COMPILE: _on_compile, TierStage.WARMUP: _on_warmup, TierStage.CHECK: _on_check,
+          TierStage.WAIT: _on_wait,
           TierStage.AB: _on_ab, TierStage.DONE: _on_done} # What each stage does with a batch
 
 
@@ -501,10 +519,13 @@ def _ab(run:TierRun)->str:
     return (f"{median(run.tier_times)*1e3:.1f} ms a step against {median(run.ab_base)*1e3:.1f} ms for the default, alternating "
             "on the fit's batches")
 
-def _took_over(run:TierRun, at:str)->str:
+def _vs_eager(run:TierRun, eager:list)->str:
+    return f"{median(run.tier_times)*1e3:.1f} ms a step against {median(eager)*1e3:.1f} ms for the eager step, each timed alone"
+
+def _took_over(run:TierRun, at:str, against:str)->str:
     how = (f"compiled in a worker process in {run.res.took_s:.1f}s ({profile_text(run.res)}); compiling it in the fit's path took "
            if run.res else "compiled cold in the fit's path in " if run.path else "its code was in inductor's cache; compiling it in the fit's path took ")
-    return f"tier {run.tier} took over at {at}: {run.why}{'; ' if run.why else ''}{how}{run.warm:.1f}s; {_ab(run)}"
+    return f"tier {run.tier} took over at {at}: {run.why}{'; ' if run.why else ''}{how}{run.warm:.1f}s; {against}"
 
 def _no_gain(name:str, saving_s:float, left:int, cost_s:float)->str:
     return (f"no faster tier: {name} would save about {saving_s*1e3:.1f} ms a step over the {left} training batches left once it "
