@@ -26,8 +26,7 @@ __all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'precompile_guard_log
            'without_dynamo_marks', 'fused_kernel_devices', 'fused_adam_kernel', 'dynamo_supported', 'inductor_cxx',
            'inductor_options', 'guarded_code', 'explain', 'explained_break', 'inductor_fallback_random',
            'inductor_cache_dir', 'import_inductor', 'cpp_kernel_files', 'precompile_supported', 'caching_precompile',
-           'set_caching_precompile', 'precompiled_loads', 'dropped_guard', 'mark_dynamic', 'gpu_busy_seconds',
-           'backend_error']
+           'set_caching_precompile', 'precompiled_loads', 'dropped_guard', 'mark_dynamic', 'gpu_sleep', 'backend_error']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
 def own_function(
@@ -410,15 +409,23 @@ def mark_dynamic(t:torch.Tensor, dim:int):
     torch._dynamo.maybe_mark_dynamic(t, dim)
 
 # %% ../nbs/06_internals.ipynb #b3f0a9d2
-def gpu_busy_seconds(
-    prof:torch.profiler.profile, # A profile that recorded CUDA activity, ended
-)->float:
-    "Seconds in which the GPU ran work (kernels, copies, fills) in `prof`: the union of its device events' time ranges"
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    busy, end = 0., float('-inf')
-    for s,e in spans: # Kernels of several streams overlap: count each moment once
-        if e > end: busy, end = busy + e - max(s, end), e
-    return busy / 1e6 # The profiler's times are microseconds
+_sleep_cycles = {} # GPU clock cycles a second, by device, as `torch.cuda._sleep` spins them
+
+def gpu_sleep(
+    seconds:float, # How long the GPU is held
+    device:torch.device, # The GPU, its current stream
+):
+    "Queue one kernel that spins `device` for about `seconds`: the work queued behind it waits, then runs back to back"
+    if (d := str(device)) not in _sleep_cycles: # Measured once: the cycles `_sleep` spins take the GPU's clock
+        with torch.cuda.device(device):
+            start, end, n = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 1 << 22
+            torch.cuda._sleep(n) # Its first run loads the kernel
+            start.record()
+            torch.cuda._sleep(n)
+            end.record()
+            end.synchronize()
+        _sleep_cycles[d] = n / (start.elapsed_time(end) / 1e3)
+    with torch.cuda.device(device): torch.cuda._sleep(max(int(seconds * _sleep_cycles[d]), 1))
 
 def backend_error(
     e:BaseException, # An error `torch.compile` raised

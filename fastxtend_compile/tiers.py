@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .core import uses_cudagraphs, compiled_call, CompiledCall
-from .internals import gpu_busy_seconds, traced_op_error
+from .internals import gpu_sleep, traced_op_error
 from .worker import error_text
 from .state import StateKey, Stage
 from .payoff import batches_left, pays_back, pick_tier, first_tier, first_in_path, tier_saving, cudagraphs_fit, faster
@@ -81,33 +81,32 @@ class TierSwitch:
         return error
 
 class _BusyMeter:
-    "How much of a few training steps the GPU runs work, from a profile of their kernels"
-    def __init__(self): self.prof, self.start_bytes = None, 0
+    "How much of a training step the GPU runs work: its kernels, queued behind a GPU sleep that outlasts the host's launches, run back to back, timed by CUDA events"
+    def __init__(self): self.marks, self.start_bytes = None, None
 
-    def start(self, device:torch.device)->bool:
-        "Profile from here, on a GPU: `False` where there is nothing to profile, or the profiler can't (a user's own runs)"
+    def start(self, device:torch.device, hold_s:float)->bool:
+        "Hold the GPU `hold_s` (longer than the host takes to queue the step), then time the work the step queues: `False` off a GPU"
+        # No profiler: starting one takes seconds in the fit's path (6.2s on an H100, torch 2.11)
         if device.type != 'cuda': return False
         torch.cuda.synchronize(device)
-        self.start_bytes = torch.cuda.memory_allocated(device)
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-        try: prof.__enter__()
-        except RuntimeError: return False
-        self.prof = prof
+        if self.start_bytes is None: self.start_bytes = torch.cuda.memory_allocated(device)
+        gpu_sleep(hold_s, device)
+        self.marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.device(device): self.marks[0].record()
         return True
 
-    def stop(self, device:torch.device, steps:int)->tuple:
-        "The seconds of GPU work a step ran (`None` where the profiler saw none: no CUPTI), and at most the bytes it allocated at its peak beyond its start"
-        # The fit's peak so far, not reset (a user's own `max_memory_allocated` stays theirs): a step's peak, or more
-        prof, self.prof = self.prof, None
-        torch.cuda.synchronize(device)
-        prof.__exit__(None, None, None)
-        busy = gpu_busy_seconds(prof)
-        return busy / steps if busy else None, torch.cuda.max_memory_allocated(device) - self.start_bytes
+    def stop(self, device:torch.device)->float|None:
+        "Seconds of GPU work the step queued since `start`; `None` where nothing was started"
+        if self.marks is None: return None
+        (start, end), self.marks = self.marks, None
+        with torch.cuda.device(device): end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
-    def end(self):
-        "Stop profiling, the fit ended"
-        if self.prof is not None: self.prof.__exit__(None, None, None)
-        self.prof = None
+    def peak_bytes(self, device:torch.device)->int:
+        "At most the bytes the steps allocated at their peak beyond the first's start"
+        # The fit's peak so far, not reset (a user's own `max_memory_allocated` stays theirs): a step's peak, or more
+        return torch.cuda.max_memory_allocated(device) - self.start_bytes
 
 # %% ../nbs/09_tiers.ipynb #19c121f7
 class _StepTimer:
@@ -130,21 +129,25 @@ class _StepTimer:
         self.times = None
 
 class _Profile:
-    "Profiles `batches` training batches in a row, within one epoch (a validation's work isn't the step's)"
-    def __init__(self, batches:int): self.batches, self.meter, self.n, self.epoch = batches, None, 0, None
+    "Measures the GPU work of `batches` training batches in a row, within one epoch (a validation's work isn't the step's)"
+    hold, hold_spare_s = 1.5, 2e-3 # The GPU is held 1.5 steps and 2 ms: the host queues a step in less than the step takes
+    def __init__(self, batches:int): self.batches, self.meter, self.busy, self.epoch = batches, None, [], None
 
-    def batch(self, learn, device:torch.device)->tuple|bool|None:
-        "Count this batch: (GPU seconds a step, bytes at its peak) once done, `False` where nothing can be profiled, else `None`"
+    def batch(self, learn, device:torch.device, step_s:float)->tuple|bool|None:
+        "Measure this batch, whose step takes about `step_s`: once done, (GPU seconds a step, bytes at its peak); `False` where the GPU can't be measured; else `None`"
         if self.meter is not None and learn.epoch != self.epoch: self.end() # Started over
-        if self.meter is None:
-            self.meter, self.n, self.epoch = _BusyMeter(), 0, learn.epoch
-            if not self.meter.start(device): return False
-        self.n += 1
-        return self.meter.stop(device, self.batches) if self.n > self.batches else None
+        if self.meter is None: self.meter, self.busy, self.epoch = _BusyMeter(), [], learn.epoch
+        # The least of the steps: a host slower than the hold, or a sync within the step, only ever adds idle time
+        if len(self.busy) >= self.batches: return min(self.busy), self.meter.peak_bytes(device)
+        hold_s = self.hold * (step_s if step_s < 1. else 1.) + self.hold_spare_s
+        return None if self.meter.start(device, hold_s) else False
+
+    def batch_end(self, device:torch.device):
+        "The batch measured ended"
+        if self.meter is not None and (s := self.meter.stop(device)) is not None: self.busy.append(s)
 
     def end(self):
-        "Stop profiling, unfinished"
-        if self.meter is not None: self.meter.end()
+        "Stop measuring, unfinished"
         self.meter = None
 
 # %% ../nbs/09_tiers.ipynb #9aa13951
@@ -154,7 +157,7 @@ class TierStage(Enum):
     FIRST = 'first' # Compiled first in the worker: it runs from the hand-over
     SETTLE = 'settle' # The default tier's first compiled batches
     TIME = 'time' # Its step timed alone
-    PROFILE = 'profile' # Its GPU work profiled
+    PROFILE = 'profile' # Its GPU work measured
     COMPILE = 'compile' # The tier compiles in the worker
     WARMUP = 'warmup' # The tier runs its first batches
     CHECK = 'check' # The tier compiled first in the fit's path: its steps timed against the eager step its probe timed
@@ -216,7 +219,7 @@ class FirstTier:
         self.n += 1
         if run.stage is not TierStage.PROBE or self.n <= self.skip: return
         run.profile = run.profile or _Profile(self.batches)
-        if (done := run.profile.batch(learn, self.tiers.device)) is None: return
+        if (done := self.tiers.measure(run.profile, learn, st.probe.fastest)) is None: return
         run.to(TierStage.SETTLE) # The default goes first, unless the profile picks a tier
         if done: self._pick(run, learn, model, st, *done)
 
@@ -256,9 +259,10 @@ class Tiers:
         self.first = FirstTier(self) # Profiles new states' eager probes, for a tier compiled first
         self.stages = TierStages(self) # What each stage of a state's way through the tiers does with its batches
         self.timer = _StepTimer() # Times a batch alone, where its state's stage needs
+        self.measuring = None # The `_Profile` measuring the GPU work of the batch running
         self.notes = [] # The report's lines about the tiers of this fit
 
-    def __getstate__(self): return {**self.__dict__, 'aside': None, 'timer': _StepTimer()}
+    def __getstate__(self): return {**self.__dict__, 'aside': None, 'timer': _StepTimer(), 'measuring': None}
 
     def start(self,
         aside:BackgroundCompile|None, # The fit's background compile; `None` compiles in the fit's path, without tiers
@@ -288,8 +292,15 @@ class Tiers:
         if st.tier is None: st.tier = TierRun()
         self.stages.batch(st.tier, learn, model, st)
 
+    def measure(self, profile:_Profile, learn, step_s:float)->tuple|bool|None:
+        "Measure this batch's GPU work with `profile`, where it isn't done: `_Profile.batch`"
+        if (done := profile.batch(learn, self.device, step_s)) is None: self.measuring = profile
+        return done
+
     def after_batch(self)->bool:
-        "The batch ended: its time, where it was timed alone; whether it ran a tier (the next runs the model's own code unless chosen again)"
+        "The batch ended: its GPU work and time, where they were measured; whether it ran a tier (the next runs the model's own code unless chosen again)"
+        if self.measuring is not None: self.measuring.batch_end(self.device)
+        self.measuring = None
         self.timer.stop()
         ran = self.switch.tier is not None
         self.switch.end_batch()
@@ -332,7 +343,7 @@ class Tiers:
 
     def stop(self):
         "The fit ended or raised: what each state's tier did, for the report; a tier compiling is abandoned with the worker"
-        self.timer, self.first.state = _StepTimer(), None
+        self.timer, self.first.state, self.measuring = _StepTimer(), None, None
         self.switch.reset() # Kept: the model's compiled calls read it
         for r in self._runs():
             if r.profile is not None: r.profile.end()
@@ -384,7 +395,7 @@ class TierStages:
 
     def _on_profile(self, run, learn, model, st):
         run.profile = run.profile or _Profile(self.tiers.profile_batches)
-        if (done := run.profile.batch(learn, self.tiers.device)) is None: return
+        if (done := self.tiers.measure(run.profile, learn, median(run.base))) is None: return
         gpu_s, step_bytes = done or (None, None)
         run.to(TierStage.DONE)
         why = self._decide(run, learn, model, st, None if gpu_s is None else min(gpu_s / median(run.base), 1.), step_bytes)

@@ -107,19 +107,40 @@ def test_unet_compiles_on_the_gpu(tmp_path, mode):
     assert type(out) is type(eager) is TensorBase
     torch.testing.assert_close(out.float(), eager.float(), rtol=5e-2, atol=5e-2) # bf16, other kernels
 
-def test_gpu_busy_seconds_is_the_time_the_gpu_ran_work():
-    from torch.profiler import profile, ProfilerActivity
-    from fastxtend_compile.internals import gpu_busy_seconds
+def test_gpu_sleep_holds_the_gpu_for_about_the_time_asked():
+    from fastxtend_compile.internals import gpu_sleep
+    dev = torch.device('cuda')
+    gpu_sleep(0.01, dev) # Measures the GPU's clock, once
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    gpu_sleep(0.05, dev)
+    end.record()
+    end.synchronize()
+    assert 0.035 <= start.elapsed_time(end) / 1e3 <= 0.08
+
+def test_the_busy_meter_tells_a_launch_bound_step_from_a_gpu_bound_one():
     import time
-    x = torch.randn(2048, 2048, device='cuda')
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    from fastxtend_compile.tiers import _BusyMeter
+    dev = torch.device('cuda')
+    small, big = torch.randn(64, 64, device=dev), torch.randn(4096, 4096, device=dev)
+    def launch_bound():
+        for _ in range(300): small.mul_(1.0001)
+    def gpu_bound():
+        for _ in range(10): big.copy_((big @ big).tanh())
+    for step, most in ((launch_bound, 0.5), (gpu_bound, None)):
+        step(); step() # Warm
+        torch.cuda.synchronize()
         t = time.perf_counter()
-        for _ in range(20): x = (x @ x).tanh()
+        step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
-    busy = gpu_busy_seconds(prof)
-    assert 0 < busy <= wall * 1.05 # Kernels of one stream, back to back: most of the wall time, never more
+        meter = _BusyMeter()
+        assert meter.start(dev, hold_s=2*wall + 2e-3)
+        step()
+        busy = meter.stop(dev)
+        print(step.__name__, f'busy {busy*1e3:.2f} ms of a {wall*1e3:.2f} ms step')
+        if most: assert 0 < busy < most * wall # The GPU idles most of the step, waiting on launches
+        else: assert 0.8 * wall <= busy <= 1.1 * wall # Busy throughout
 
 def test_a_launch_bound_step_tries_cuda_graphs_and_trains_like_eager(tmp_path, monkeypatch):
     "A small CNN's step waits on its kernel launches: once the default mode's code runs, the worker compiles CUDA graphs for the A/B"

@@ -2,6 +2,7 @@
 import logging, operator, pickle, pytest, torch
 from torch import nn
 from fastxtend_compile.internals import *
+from fastxtend_compile import internals
 from fastxtend_compile.core import compiled_entry, graph_break_reason
 from fastxtend_compile.internals import FrameCompile, tree_map_only, tree_flatten, tree_unflatten, tree_leaves
 
@@ -397,15 +398,10 @@ def test_import_inductor():
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split() == ['True'], out.stderr[-2000:]
 
-def test_gpu_busy_seconds_counts_device_work_alone():
-    "A profile of CPU work alone has no GPU time; the profiler's events name their device as `gpu_busy_seconds` reads them"
-    from torch.profiler import profile, ProfilerActivity
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(3): torch.randn(64, 64) @ torch.randn(64, 64)
-    events = prof.events()
-    assert len(events) and all(isinstance(e.device_type, torch.autograd.DeviceType) for e in events)
-    assert all(e.time_range.end >= e.time_range.start for e in events)
-    assert gpu_busy_seconds(prof) == 0.
+def test_gpu_sleep_holds_the_gpu_with_torchs_spinning_kernel():
+    "`gpu_sleep` queues `torch.cuda._sleep`, which every build has (CUDA's run on the CPU too); tests/test_gpu.py times it"
+    assert callable(torch.cuda._sleep)
+    assert 'gpu_sleep' in internals.__all__
 
 def test_backend_error_is_the_backends_own():
     "TorchDynamo wraps a backend's error in `BackendCompilerFailed`, without it as the cause: `backend_error` finds it"

@@ -134,11 +134,11 @@ def test_a_short_fit_tries_no_tier(cpu_tiers, monkeypatch):
     assert ran == [] and learn.compiler.aside.worker.jobs == 1 # The default's job alone: no tier was sent to the worker
 
 class _IdleMeter:
-    "A busy meter for the CPU: the profiled eager steps found the device idle throughout"
-    def __init__(self): self.prof = None
-    def start(self, device): self.prof = True; return True
-    def stop(self, device, steps): self.prof = None; return 0., 0
-    def end(self): self.prof = None
+    "A busy meter for the CPU: the measured eager steps found the device idle throughout"
+    def __init__(self): self.started = False
+    def start(self, device, hold_s): self.started = True; return True
+    def stop(self, device): return 0. if self.started else None
+    def peak_bytes(self, device): return 0
 
 @pytest.fixture
 def first_tiers(cpu_tiers, monkeypatch):
