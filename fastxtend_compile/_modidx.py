@@ -937,6 +937,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                          'fastxtend_compile.tiers._BusyMeter': ('tiers.html#_busymeter', 'fastxtend_compile/tiers.py'),
                                          'fastxtend_compile.tiers._BusyMeter.__init__': ( 'tiers.html#_busymeter.__init__',
                                                                                           'fastxtend_compile/tiers.py'),
+                                         'fastxtend_compile.tiers._BusyMeter.measures': ( 'tiers.html#_busymeter.measures',
+                                                                                          'fastxtend_compile/tiers.py'),
                                          'fastxtend_compile.tiers._BusyMeter.peak_bytes': ( 'tiers.html#_busymeter.peak_bytes',
                                                                                             'fastxtend_compile/tiers.py'),
                                          'fastxtend_compile.tiers._BusyMeter.start': ( 'tiers.html#_busymeter.start',

@@ -80,6 +80,7 @@ class _Probes:
                 aside.notes.append(_shapes_change(self.changes, aside.probe_batches)) # Said once, if states change too often
             self.timing = st # The recorder times this batch alone, as the eager step
             return False
+        if st.held: return False # Eager, untimed: the faster tier's choice measures the step's GPU work (`FirstTier`)
         rec = aside.warm_starts.cached(st) # Once the probe is done: not at each of its batches
         cost = aside.cold_cost_s if rec is None else warm_cost(rec, aside.warm_s)
         left, step_s, self.fastest_s = batches_left(learn), st.probe.step_s, st.probe.fastest

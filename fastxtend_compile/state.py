@@ -105,6 +105,7 @@ class ModelState:
         self.tier = None # The faster tier's way with this state (`Tiers`): from its probe, where the step is profiled
         self.first = None # (settings, record) of a faster tier compiled first, before the default's code
         self.path = False # That tier compiles in the fit's path, not the worker: a worker beside the eager step costs the fit more
+        self.held = False # Its probe's verdict waits: the faster tier's choice measures the eager step's GPU work first
         self.fallback = None # The default's `Job` where a faster tier compiles first (for the A/B): held until the tier runs
 
     def to(self, stage:Stage):
@@ -119,4 +120,5 @@ class ModelState:
     def end_fit(self):
         "The fit ended: what it measured of this state goes; its compiled code, and a tier it kept, stay"
         self.probe, self.job, self.eager_batches, self.sent_at, self.handover, self.fallback = None, None, 0, '', None, None
+        self.held = False
         if self.tier is not None: self.tier = self.tier.next_fit()

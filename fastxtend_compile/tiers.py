@@ -84,10 +84,15 @@ class _BusyMeter:
     "How much of a training step the GPU runs work: its kernels, queued behind a GPU sleep that outlasts the host's launches, run back to back, timed by CUDA events"
     def __init__(self): self.marks, self.start_bytes = None, None
 
+    @staticmethod
+    def measures(device:torch.device)->bool:
+        "Whether a step's GPU work can be measured on `device`"
+        return device.type == 'cuda'
+
     def start(self, device:torch.device, hold_s:float)->bool:
         "Hold the GPU `hold_s` (longer than the host takes to queue the step), then time the work the step queues: `False` off a GPU"
         # No profiler: starting one takes seconds in the fit's path (6.2s on an H100, torch 2.11)
-        if device.type != 'cuda': return False
+        if not self.measures(device): return False
         torch.cuda.synchronize(device)
         if self.start_bytes is None: self.start_bytes = torch.cuda.memory_allocated(device)
         gpu_sleep(hold_s, device)
@@ -202,25 +207,27 @@ class TierRun:
 # %% ../nbs/09_tiers.ipynb #04d59625
 class FirstTier:
     "Profile a new state's eager step while the background compile probes it: where the GPU idles for much of it, CUDA graphs compile first"
-    skip, batches = 2, 3 # The probe's eager batches before the profile (a fit's first are slow), and those profiled
+    batches = 3 # Eager batches whose GPU work is measured, once the probe timed its own
     choose = staticmethod(first_tier) # The policy that picks the tier compiled first, from the eager step
     in_path = staticmethod(first_in_path) # The policy that compiles it in the fit's path rather than the worker
     def __init__(self,
         tiers:Tiers, # The fit's `Tiers`: their device, settings and worker
     ):
         self.tiers = tiers
-        self.state, self.n = None, 0 # The state probed, and its batches so far
 
     def batch(self, st, learn, model:nn.Module):
-        "A training batch of `st`'s eager probe: profiled from its `skip`-th on; once done, the tier to compile first, if any"
+        "A training batch of `st`'s eager probe: its GPU work measured once the probe timed its batches, the verdict held till then; then the tier to compile first, if any"
         if st.probe is None: return # Not probed: compiled at once
-        if self.state is not st: self.state, self.n = st, 0 # A probe of its own, counted afresh
         run = st.tier = st.tier or TierRun(stage=TierStage.PROBE)
-        self.n += 1
-        if run.stage is not TierStage.PROBE or self.n <= self.skip: return
+        if run.stage is not TierStage.PROBE: return
+        # The probe times its batches alone, from a synced device: the GPU held for a measure would count in them
+        if st.probe.seen < self.tiers.aside.probe_batches:
+            st.held = _BusyMeter.measures(self.tiers.device)
+            return
         run.profile = run.profile or _Profile(self.batches)
         if (done := self.tiers.measure(run.profile, learn, st.probe.fastest)) is None: return
-        run.to(TierStage.SETTLE) # The default goes first, unless the profile picks a tier
+        st.held = False
+        run.to(TierStage.SETTLE) # The default goes first, unless the measure picks a tier
         if done: self._pick(run, learn, model, st, *done)
 
     def _pick(self, run, learn, model, st, gpu_s:float|None, step_bytes:int):
@@ -343,7 +350,7 @@ class Tiers:
 
     def stop(self):
         "The fit ended or raised: what each state's tier did, for the report; a tier compiling is abandoned with the worker"
-        self.timer, self.first.state, self.measuring = _StepTimer(), None, None
+        self.timer, self.measuring = _StepTimer(), None
         self.switch.reset() # Kept: the model's compiled calls read it
         for r in self._runs():
             if r.profile is not None: r.profile.end()

@@ -162,7 +162,7 @@ def test_a_launch_bound_step_tries_cuda_graphs_and_trains_like_eager(tmp_path, m
 def test_a_launch_bound_eager_step_has_cuda_graphs_compiled_first(tmp_path, monkeypatch):
     "A small CNN's eager step waits on its kernel launches: the worker compiles CUDA graphs first, and they run from the hand-over"
     from fastxtend_compile.background import BackgroundCompile
-    from fastxtend_compile.tiers import Tiers
+    from fastxtend_compile.tiers import Tiers, FirstTier
     from test_tiers import TierBatches # Waits for each job of the worker, so the hand-overs come within the fit
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
     monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 1e-9) # The eager step probed, and any fit worth a worker
@@ -172,9 +172,31 @@ def test_a_launch_bound_eager_step_has_cuda_graphs_compiled_first(tmp_path, monk
     comp = fit(dict(background=True), cbs=[seen], epochs=4)
     notes = comp.compiler.report.background
     print(*notes, sep='\n')
-    at = BackgroundCompile.probe_batches + 1 # Sent once the probe was timed, done before the next batch
+    # Sent at the probe's verdict, once the eager step was timed and its GPU work measured; done before the next batch
+    at = BackgroundCompile.probe_batches + FirstTier.batches + 2
     assert f"the compiled code took over at epoch 0, batch {at}" in notes[0], notes
     assert seen.ran[0][:3] == (0, True, at), seen.ran[:3] # CUDA graphs ran the hand-over's batch
     assert any(re.match(r"tier reduce-overhead (took over at .*CUDA graphs, compiled first|not kept)", n) for n in notes), notes
+    assert np.allclose(losses(eager), losses(comp), rtol=5e-2, atol=5e-2), np.abs(losses(eager) - losses(comp)).max()
+    assert comp.compiler.aside.worker.proc is None
+
+def test_a_launch_bound_eager_step_compiles_cuda_graphs_first_in_the_fits_path(tmp_path, monkeypatch):
+    "Where the fit's rest pays back a compile in its path, CUDA graphs compile there at the probe's verdict, with no worker"
+    from fastxtend_compile.background import BackgroundCompile
+    from fastxtend_compile.tiers import Tiers, FirstTier
+    from test_tiers import TierBatches
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 1e-9)
+    monkeypatch.setattr(Tiers, 'try_cost_s', 0)
+    monkeypatch.setattr(Tiers, 'compile_guess_s', 1e-3) # Any fit pays back a compile in its path
+    eager = fit(epochs=4)
+    seen = TierBatches()
+    comp = fit(dict(background=True), cbs=[seen], epochs=4)
+    notes = comp.compiler.report.background
+    print(*notes, sep='\n')
+    at = BackgroundCompile.probe_batches + FirstTier.batches + 1 # The probe's verdict
+    assert notes[0].startswith(f"compiled in the fit's path at epoch 0, batch {at}, the faster tier first"), notes
+    assert seen.ran[0][:3] == (0, True, at), seen.ran[:3]
+    assert any(re.match(r"tier reduce-overhead (took over at .*compiled cold in the fit's path|not kept)", n) for n in notes), notes
     assert np.allclose(losses(eager), losses(comp), rtol=5e-2, atol=5e-2), np.abs(losses(eager) - losses(comp)).max()
     assert comp.compiler.aside.worker.proc is None

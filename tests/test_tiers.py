@@ -135,6 +135,7 @@ def test_a_short_fit_tries_no_tier(cpu_tiers, monkeypatch):
 
 class _IdleMeter:
     "A busy meter for the CPU: the measured eager steps found the device idle throughout"
+    measures = staticmethod(lambda device: True)
     def __init__(self): self.started = False
     def start(self, device, hold_s): self.started = True; return True
     def stop(self, device): return 0. if self.started else None
@@ -151,6 +152,9 @@ def first_tiers(cpu_tiers, monkeypatch):
         monkeypatch.setattr(tiers.FirstTier, 'in_path', staticmethod(lambda busy, compile_s, warm_s: False)) # In the worker
     return use
 
+# The batch of the probe's verdict, where tiers measure the eager step's GPU work once the probe timed it
+VERDICT = BackgroundCompile.probe_batches + tiers.FirstTier.batches + 1
+
 def _handover(notes:list)->tuple:
     "Where the background compile's code took over, as (epoch, batch)"
     return tuple(map(int, re.search(r"the compiled code took over at epoch (\d+), batch (\d+)", notes[0]).groups()))
@@ -161,7 +165,7 @@ def test_a_launch_bound_eager_step_has_its_tier_compiled_first_and_run_from_the_
     learn, ran = _fit(backend=sleepy) # The default's code 100 ms slower at each call: the A/B keeps the tier
     notes, cb = learn.compiler.report.background, learn.compiler
     assert ran[0][:3] == (*_handover(notes)[:1], True, _handover(notes)[1]), (ran[:3], notes) # The tier ran the hand-over's batch
-    assert _handover(notes) == (0, BackgroundCompile.probe_batches + 1) # Sent once the probe was timed; done before the next batch
+    assert _handover(notes) == (0, VERDICT + 1) # Sent at the verdict; done before the next batch
     assert cb.aside.worker.jobs == 2 # The tier's job, then the default's for the A/B: nothing else
     took = next(n for n in notes if n.startswith('tier plain took over'))
     assert re.search(r"^tier plain took over at epoch \d, batch \d+: the GPU ran work 0% of the eager [\d.]+ ms step, so the host's launches bound "
@@ -183,7 +187,7 @@ def test_a_launch_bound_eager_step_compiles_its_tier_first_in_the_fits_path_and_
     path_tiers('plain', dict(backend='aot_eager'))
     eager, _ = _fit(False, model=PythonBound)
     learn, ran = _fit(model=PythonBound, backend='aot_eager')
-    notes, at = learn.compiler.report.background, BackgroundCompile.probe_batches
+    notes, at = learn.compiler.report.background, VERDICT
     assert notes[0] == (f"compiled in the fit's path at epoch 0, batch {at}, the faster tier first: the host's launches bound the "
                         "eager step, so a worker compiling beside it would slow it more than the compile costs here"), notes
     assert ran[0][:3] == (0, True, at) and learn.compiler.aside.worker.jobs == 0, (ran[:3], notes)
@@ -219,7 +223,7 @@ def test_a_tier_compiled_first_starts_warm_in_a_later_fit(first_tiers, monkeypat
     monkeypatch.setattr(background, 'warm_cost', lambda rec, default_s: 1e-9) # Any fit pays back a warm compile
     _fit(epochs=2, backend=sleepy) # Records both codes: the tier's, compiled first, and the default's
     learn, ran = _fit(epochs=2, backend=sleepy)
-    notes, at = learn.compiler.report.background, BackgroundCompile.probe_batches
+    notes, at = learn.compiler.report.background, VERDICT
     assert re.match(rf"compiled at once, in the fit's path at epoch 0, batch {at}: inductor's cache has this model state's code", notes[0]), notes
     assert ran[0][:3] == (0, True, at) and learn.compiler.aside.worker.jobs == 0, (ran[:3], notes)
     assert any(n.startswith('tier plain took over') for n in notes), notes # The A/B against the default's code, compiled at once too
@@ -229,7 +233,7 @@ def test_a_tier_compiled_first_runs_on_in_the_next_fit_until_its_ab(first_tiers)
     first_tiers('plain', dict(backend='aot_eager'))
     learn, ran = _fit(epochs=1, wait=False, backend=slow_to_compile) # The default's code takes the worker a minute
     ended = "and the fit ended before the default's code compiled for the A/B"
-    assert ran and ran[0][:3] == (0, True, BackgroundCompile.probe_batches + 1) and ended in learn.compiler.report.background[-1], ran
+    assert ran and ran[0][:3] == (0, True, VERDICT + 1) and ended in learn.compiler.report.background[-1], ran
     seen = learn.cbs.filter(lambda c: isinstance(c, TierBatches))[0]
     seen.ran = []
     learn.fit(1, 3e-3)
