@@ -102,7 +102,7 @@ class ModelState:
         self.eager_batches = 0 # Training batches run eagerly while its job compiled
         self.sent_at = '' # Where in the fit its job was sent
         self.handover = None # 'worker' or 'warm': how its compiled code takes over, at its next batch
-        self.tier = None # The faster tier's way with this state (`Tiers`): from its probe, where the step is profiled
+        self.tier = None # The faster tier's way with this state (`Tiers`): from its probe, where the step's GPU work is measured
         self.first = None # (settings, record) of a faster tier compiled first, before the default's code
         self.path = False # That tier compiles in the fit's path, not the worker: a worker beside the eager step costs the fit more
         self.held = False # Its probe's verdict waits: the faster tier's choice measures the eager step's GPU work first

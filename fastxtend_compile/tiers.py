@@ -158,7 +158,7 @@ class _Profile:
 # %% ../nbs/09_tiers.ipynb #9aa13951
 class TierStage(Enum):
     "Where a model state is on its way through the tiers"
-    PROBE = 'probe' # The eager step profiled, while the background compile times it
+    PROBE = 'probe' # The eager step timed by the background compile, then its GPU work measured
     FIRST = 'first' # Compiled first in the worker: it runs from the hand-over
     SETTLE = 'settle' # The default tier's first compiled batches
     TIME = 'time' # Its step timed alone
@@ -171,7 +171,7 @@ class TierStage(Enum):
     DONE = 'done' # Decided: the kept tier runs, or the default
 
 class TierRun:
-    "One model state's way through the tiers: the default's steps timed, the GPU profiled, a tier compiled, then an A/B"
+    "One model state's way through the tiers: the default's steps timed, the GPU's work measured, a tier compiled, then an A/B"
     def __init__(self,
         kept:str|None=None, # The tier this state kept in an earlier fit
         stage:TierStage=TierStage.SETTLE, # Where a state without one starts
@@ -247,8 +247,8 @@ class FirstTier:
 class Tiers:
     "Once the compiled code runs a state's training batches, a faster tier compiled in the worker, kept where an A/B on the fit's batches says so"
     default_on = ('cuda',) # Device types where a fit that compiles in the background tries tiers
-    # Compiled batches the default runs before its step is timed (its caches warm), timed alone, profiled; tier batches
-    # run before the A/B (CUDA graphs record at their first runs); batches of each tier in the A/B, alternating
+    # Compiled batches the default runs before its step is timed (its caches warm), timed alone, their GPU work measured;
+    # tier batches run before the A/B (CUDA graphs record at their first runs); batches of each tier in the A/B, alternating
     settle_batches, time_batches, profile_batches, warmup_batches, ab_batches = 4, 8, 3, 3, 8
     # Seconds trying a tier costs the fit's path (its warm compile and A/B), and a cold compile, in the worker or the fit's
     # path, is taken to take until one is recorded (13-25s for a transformer on an H100 or H200, torch 2.11): a tier is
@@ -379,7 +379,7 @@ class TierStages:
         self.on[run.stage](self, run, learn, model, st)
 
     def _on_probe(self, run, learn, model, st):
-        "The state's code runs before its probe was profiled: the default goes first"
+        "The state's code runs before its eager step's GPU work was measured: the default goes first"
         run.to(TierStage.SETTLE)
         self._on_settle(run, learn, model, st)
 
