@@ -346,7 +346,7 @@ class Handover:
         return False
 
     def in_path(self, st:ModelState, learn)->bool:
-        "Compile `st` in the fit's path from this batch, with the faster tier compiled first: its eager step's launches bound it"
+        "Compile `st` in the fit's path from this batch, with the faster tier compiled first: a worker beside its eager step would cost the fit more"
         st.to(Stage.READY)
         self.aside.worker.idle() # Not needed for this state
         self.aside.notes.append(_in_path(st.key.training, where(learn)))
@@ -420,8 +420,8 @@ def _warm(rec:dict, training:bool, where:str, together:str)->str:
             f"state's code ({last})")
 
 def _in_path(training:bool, where:str)->str:
-    return (f"compiled{_phase(training)} in the fit's path at {where}, the faster tier first: the host's launches bound the eager "
-            "step, so a worker compiling beside it would slow it more than the compile costs here")
+    return (f"compiled{_phase(training)} in the fit's path at {where}, the faster tier first: a worker compiling beside the "
+            "eager step would slow it more than the compile costs here")
 
 def _took_over(st:ModelState, where:str, together:str)->str:
     return (f"compiled{_phase(st.key.training)} in a worker process in {st.result.took_s:.1f}s while {st.eager_batches} training "

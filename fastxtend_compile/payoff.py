@@ -7,9 +7,8 @@ from __future__ import annotations
 from statistics import median
 
 # %% auto #0
-__all__ = ['SAVING', 'LAUNCH_BOUND', 'WORKER_HANDOVER_S', 'WORKER_SLOWDOWN', 'AUTOTUNE_SAVING', 'batches_left', 'pays_back',
-           'rest_needed', 'warm_cost', 'pick_tier', 'first_tier', 'first_in_path', 'tier_saving', 'cudagraphs_fit',
-           'faster']
+__all__ = ['SAVING', 'AUTOTUNE_SAVING', 'WORKER_HANDOVER_S', 'WORKER_SLOWDOWN', 'batches_left', 'pays_back', 'rest_needed',
+           'warm_cost', 'tier_saving', 'pick_tier', 'first_tier', 'first_in_path', 'cudagraphs_fit', 'faster']
 
 # %% ../nbs/14_payoff.ipynb #23d4101a
 SAVING = 0.2 # The share of a step a compiled one is expected to save, until a fit has measured it
@@ -42,23 +41,35 @@ def warm_cost(
     return rec.get('warm_s', min(rec.get('path_s', default_s), default_s))
 
 # %% ../nbs/14_payoff.ipynb #c2606ebc
-LAUNCH_BOUND = 0.7 # A step whose GPU is busy less than this share of it waits on the host's launches
+AUTOTUNE_SAVING = 0.05 # The share of a GPU-bound step that autotuned kernels are expected to save
+
+def tier_saving(
+    name:str, # The tier: a key of `TIERS`
+    busy:float|None, # The share of the step in which the GPU runs work; `None` where not measured
+    step_s:float, # Seconds of the step the tier would replace
+)->float:
+    "Seconds a step of tier `name` is expected to save: CUDA graphs the GPU's idle time, autotuned kernels `AUTOTUNE_SAVING`"
+    if busy is None: return SAVING * step_s
+    return (1 - busy) * step_s if name == 'reduce-overhead' else AUTOTUNE_SAVING * step_s
 
 def pick_tier(
     busy:float|None, # The share of a compiled training step in which the GPU runs work; `None` where not measured
-    launch_bound:float=LAUNCH_BOUND, # A step whose GPU is busy less than this share of it waits on the host's launches
 )->str|None:
-    "The tier likely faster than the default one for this step: CUDA graphs where launches bound it, autotuned kernels where the GPU does"
+    "The tier expected to save the most of this step (`tier_saving`): CUDA graphs where the GPU idles more of it than autotuned kernels would save"
     if busy is None: return None
-    return 'reduce-overhead' if busy < launch_bound else 'max-autotune-no-cudagraphs'
+    return max(('max-autotune-no-cudagraphs', 'reduce-overhead'), key=lambda name: tier_saving(name, busy, 1.))
 
 def first_tier(
     busy:float|None, # The share of an eager training step in which the GPU runs work; `None` where not measured
-    launch_bound:float=LAUNCH_BOUND, # A step whose GPU is busy less than this share of it waits on the host's launches
+    step_s:float, # Seconds of the eager step
+    batches:int, # The fit's training batches left
+    cost_s:float, # Seconds trying a tier costs the fit's path
 )->str|None:
-    "The tier a worker compiles first, before the default: CUDA graphs, where the eager step already waits on the host's launches"
-    # Compiled, such a step launches fewer kernels but keeps waiting on them; a GPU-bound one gets the default first
-    return 'reduce-overhead' if pick_tier(busy, launch_bound) == 'reduce-overhead' else None
+    "The tier compiled first, before the default: CUDA graphs, where the eager step's idle GPU time over the batches left pays back trying them"
+    # Compiled, the step runs the default's kernels, which CUDA graphs launch as one: where the GPU idles, they are the faster
+    # code to hand over first. The saving is expected, not measured, so the default's code is still compiled for an A/B
+    if busy is None: return None
+    return 'reduce-overhead' if pays_back(batches, tier_saving('reduce-overhead', busy, step_s), cost_s) else None
 
 # A cold worker's hand-over (start-up 11-17s, then a compile beside the fit) came 32-41s after its job was sent, and the
 # launch-bound eager steps beside it ran 20-40% slower: an H100 and an H200, torch 2.11, a transformer fit
@@ -73,21 +84,9 @@ def first_in_path(
 )->bool:
     "Whether CUDA graphs compiled first cost the fit less compiled in its path than in a worker beside it"
     # In its path the fit stands still for the compile. Beside a worker it runs slowed eager steps where CUDA graphs would
-    # have run steps of the GPU's busy time, then compiles warm at the hand-over: the more launches bound the step, the more
-    # that wait costs
+    # have run steps of the GPU's busy time, then compiles warm at the hand-over: the more the GPU idles, the more that wait costs
     if busy is None: return False
     return compile_s < handover_s * (1 - busy / slowdown) + warm_s
-
-AUTOTUNE_SAVING = 0.05 # The share of a GPU-bound step that autotuned kernels are expected to save
-
-def tier_saving(
-    name:str, # The tier: a key of `TIERS`
-    busy:float|None, # The share of the step in which the GPU runs work; `None` where not measured
-    step_s:float, # Seconds of the step the tier would replace
-)->float:
-    "Seconds a step of tier `name` is expected to save: CUDA graphs the GPU's idle time, autotuned kernels `AUTOTUNE_SAVING`"
-    if busy is None: return SAVING * step_s
-    return (1 - busy) * step_s if name == 'reduce-overhead' else AUTOTUNE_SAVING * step_s
 
 def cudagraphs_fit(
     free:int, # Bytes free on the GPU now

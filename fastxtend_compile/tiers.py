@@ -23,7 +23,7 @@ __all__ = ['TIERS', 'why_no_tiers', 'own_grads', 'TierStage', 'TierRun', 'FirstT
 
 # %% ../nbs/09_tiers.ipynb #fd24c3e4
 TIERS = { # A tier's `torch.compile` settings, over the model's
-    'reduce-overhead': dict(mode='reduce-overhead'), # CUDA graphs: a step replays with one launch, for steps the host's launches bound
+    'reduce-overhead': dict(mode='reduce-overhead'), # CUDA graphs: a step replays with one launch, saving the time the GPU waits on the host's
     'max-autotune-no-cudagraphs': dict(mode='max-autotune-no-cudagraphs'), # Kernels chosen by timing, for steps the GPU bounds
 }
 
@@ -187,7 +187,6 @@ class TierRun:
         self.grads = False # Its parameters' gradients are memory of their own, for CUDA graphs, in this fit
         self.kept = kept is not None # The A/B kept the tier: it runs this state's training batches
         self.first = False # The tier was compiled first, before the default's code
-        self.path = False # It compiled cold in the fit's path, not in the worker
         self.batches, self.since = 0, '' # Training batches the tier ran in this fit, and where it started
 
     def to(self, stage:TierStage):
@@ -206,7 +205,7 @@ class TierRun:
 
 # %% ../nbs/09_tiers.ipynb #04d59625
 class FirstTier:
-    "Profile a new state's eager step while the background compile probes it: where the GPU idles for much of it, CUDA graphs compile first"
+    "Measure a new state's eager step once the background compile's probe timed it: where its idle GPU time pays back trying them, CUDA graphs compile first"
     batches = 3 # Eager batches whose GPU work is measured, once the probe timed its own
     choose = staticmethod(first_tier) # The policy that picks the tier compiled first, from the eager step
     in_path = staticmethod(first_in_path) # The policy that compiles it in the fit's path rather than the worker
@@ -234,13 +233,13 @@ class FirstTier:
         "Have the worker compile the tier the eager step needs first, where it pays and its memory fits"
         t, step_s, left = self.tiers, st.probe.fastest, batches_left(learn)
         busy = None if gpu_s is None else min(gpu_s / step_s, 1.)
-        if (name := self.choose(busy)) is None or not pays_back(left, saving := tier_saving(name, busy, step_s), t.try_cost_s): return
+        if (name := self.choose(busy, step_s, left, t.try_cost_s)) is None: return
         if t.graphs(name) and not cudagraphs_fit(torch.cuda.mem_get_info(t.device)[0], step_bytes): return
-        run.tier, run.record, run.first = name, t.record(model, st, name), True
-        run.why = "compiled first" if busy is None else _share(busy, step_s, 'the eager') + "so the host's launches bound it: CUDA graphs, compiled first"
+        run.tier, run.record, run.first, saving = name, t.record(model, st, name), True, tier_saving(name, busy, step_s)
+        run.why = _share(busy, step_s, 'the eager') + f"so CUDA graphs, compiled first, would save about {saving*1e3:.1f} ms of it"
         # Cold, in the fit's path where the fit's rest pays back standing still for it, and a worker would cost more
-        run.path = st.path = (self.in_path(busy, t.compile_guess_s, t.aside.warm_s) and pays_back(left, saving, t.compile_guess_s)
-                              and t.aside.warm_starts.get(run.record) is None)
+        st.path = (self.in_path(busy, t.compile_guess_s, t.aside.warm_s) and pays_back(left, saving, t.compile_guess_s)
+                   and t.aside.warm_starts.get(run.record) is None)
         st.first = (t.settings_of(name), run.record)
         run.to(TierStage.FIRST)
 
@@ -263,7 +262,7 @@ class Tiers:
         self.aside = None # The fit's background compile, whose worker compiles the tiers; `None` while tiers are off
         self.device = None # The device the fit trains on
         self.switch = TierSwitch() # Which tier this batch's compiled calls run: the model's compiled calls read it
-        self.first = FirstTier(self) # Profiles new states' eager probes, for a tier compiled first
+        self.first = FirstTier(self) # Measures new states' eager steps, for a tier compiled first
         self.stages = TierStages(self) # What each stage of a state's way through the tiers does with its batches
         self.timer = _StepTimer() # Times a batch alone, where its state's stage needs
         self.measuring = None # The `_Profile` measuring the GPU work of the batch running
@@ -421,7 +420,7 @@ class TierStages:
         left = max(batches_left(learn) - int(wait_s / step_s), 0) # The batches it would run
         if not pays_back(left, saving := tier_saving(name, busy, step_s), self.tiers.try_cost_s): return _no_gain(name, saving, left, self.tiers.try_cost_s)
         run.tier = name
-        if share: run.why = share + ("so the host's launches bound it: CUDA graphs" if self.tiers.graphs(name) else "so the GPU bounds it: autotuned kernels")
+        if share: run.why = share + f"so {'CUDA graphs' if self.tiers.graphs(name) else 'autotuned kernels'} would save about {saving*1e3:.1f} ms of it"
         if cached: return self._switch(run, learn) # Inductor's cache has its code
         try: run.job = self.tiers.aside.submit(model, learn, self.tiers.settings_of(name))
         except Exception as e: return _unsent(name, e)
@@ -447,11 +446,12 @@ class TierStages:
         if run.n == 0: # The switch batch's time, less a step: its compile, warm or, first in the fit's path, cold
             run.warm = max(run.tier_times.pop() - min(run.base, default=0.), 0.)
             ws = self.tiers.aside.warm_starts
-            ws.path(run.record, run.warm) if run.path else ws.warmed(run.record, run.warm)
+            if st.path: ws.path(run.record, run.warm)
+            else: ws.warmed(run.record, run.warm)
         run.n += 1
         if run.n <= self.tiers.warmup_batches: return self.tiers.run_tier(learn, run)
         # Compiled first: in the fit's path, timed against the eager step; else the A/B waits for the default's code
-        run.to(TierStage.AB if st.first is None else TierStage.CHECK if run.path else TierStage.WAIT)
+        run.to(TierStage.AB if st.first is None else TierStage.CHECK if st.path else TierStage.WAIT)
         self.on[run.stage](self, run, learn, model, st)
 
     def _on_check(self, run, learn, model, st):
@@ -463,7 +463,7 @@ class TierStages:
             run.to(TierStage.DONE)
             run.kept = True
             self.tiers.run_tier(learn, run, counted=True)
-            return self.tiers.notes.append(_took_over(run, where(learn), _vs_eager(run, st.probe.times)))
+            return self.tiers.notes.append(_took_over(run, where(learn), _vs_eager(run, st.probe.times), st.path))
         run.to(TierStage.WAIT) # Not faster than eager, or the eager step unmeasured in this fit: the default's code decides
         self._on_wait(run, learn, model, st)
 
@@ -489,19 +489,19 @@ class TierStages:
 
     def _on_ab(self, run, learn, model, st):
         "Alternate the tier and the default, a batch each, each timed alone; then keep the faster"
-        if run.n == 2*self.tiers.ab_batches: return self._verdict(run, learn, model)
+        if run.n == 2*self.tiers.ab_batches: return self._verdict(run, learn, model, st)
         on = run.n % 2 == 0
         if on: self.tiers.run_tier(learn, run)
         self.tiers.timer.start(run.tier_times if on else run.ab_base)
         run.n += 1
 
-    def _verdict(self, run, learn, model):
+    def _verdict(self, run, learn, model, st):
         "Keep the faster tier for the rest of the fit; drop the slower one's graphs"
         run.to(TierStage.DONE)
         if faster(run.tier_times, run.ab_base):
             run.kept = True
             self.tiers.run_tier(learn, run, counted=True)
-            return self.tiers.notes.append(_took_over(run, where(learn), _ab(run)))
+            return self.tiers.notes.append(_took_over(run, where(learn), _ab(run), st.path))
         self.tiers.drop(run.tier, model)
         self.tiers.notes.append(f"tier {run.tier} not kept: {_ab(run)}; its graphs were dropped")
 
@@ -540,9 +540,9 @@ def _ab(run:TierRun)->str:
 def _vs_eager(run:TierRun, eager:list)->str:
     return f"{median(run.tier_times)*1e3:.1f} ms a step against {median(eager)*1e3:.1f} ms for the eager step, each timed alone"
 
-def _took_over(run:TierRun, at:str, against:str)->str:
+def _took_over(run:TierRun, at:str, against:str, path:bool)->str:
     how = (f"compiled in a worker process in {run.res.took_s:.1f}s ({profile_text(run.res)}); compiling it in the fit's path took "
-           if run.res else "compiled cold in the fit's path in " if run.path else "its code was in inductor's cache; compiling it in the fit's path took ")
+           if run.res else "compiled cold in the fit's path in " if path else "its code was in inductor's cache; compiling it in the fit's path took ")
     return f"tier {run.tier} took over at {at}: {run.why}{'; ' if run.why else ''}{how}{run.warm:.1f}s; {against}"
 
 def _no_gain(name:str, saving_s:float, left:int, cost_s:float)->str:
