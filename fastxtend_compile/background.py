@@ -155,6 +155,20 @@ class WarmStarts:
         if num_distrib() > 1: return # Under DDP the fit's path compiles DDP's graphs, split at its buckets: not the worker's
         self.path(self.key(model, state_key(model, xb, training)), seconds)
 
+    def kept(self,
+        record:str, # The state's record, compiled with the tier
+        tier_s:float|None, # Seconds of the tier's step; `None`: the tier is no longer kept
+        other_s:float|None=None, # Seconds of the step it beat
+        other:str='', # Which step that was: the default's, or the eager one
+    ):
+        "The fit kept the tier of `record`, faster than `other`'s step: a later fit of the state, in any process, keeps it at once"
+        # The record's name holds the device's kind: a verdict on an H100 is not taken for another GPU
+        self.records.put(record, kept=None if tier_s is None else [tier_s, other_s, other])
+
+    def was_kept(self, record:str)->list|None:
+        "(tier's seconds, other's seconds, which other) where an earlier fit kept the tier of `record`; else `None`"
+        return (self.get(record) or {}).get('kept')
+
     def warmed(self, record:str, seconds:float):
         "The fit's path compiled `record` from inductor's cache in `seconds`"
         if self.times_warm: self.records.put(record, warm_s=seconds)

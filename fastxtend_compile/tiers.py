@@ -231,7 +231,8 @@ class FirstTier:
 
     def _pick(self, run, learn, model, st, gpu_s:float|None, step_bytes:int):
         "Have the worker compile the tier the eager step needs first, where it pays and its memory fits"
-        t, step_s, left = self.tiers, st.probe.fastest, batches_left(learn)
+        # The probe's median step: the fit's rest runs such steps, its lucky fastest one hides idle time CUDA graphs would save
+        t, step_s, left = self.tiers, median(st.probe.times), batches_left(learn)
         busy = None if gpu_s is None else min(gpu_s / step_s, 1.)
         if (name := self.choose(busy, step_s, left, t.try_cost_s)) is None: return
         if t.graphs(name) and not cudagraphs_fit(torch.cuda.mem_get_info(t.device)[0], step_bytes): return
@@ -344,6 +345,7 @@ class Tiers:
             if run.tier != name: continue
             run.to(TierStage.DONE)
             run.kept = False
+            self.aside.warm_starts.kept(run.record, None) # A later fit tries it afresh
         self.drop(name, model)
         self.notes.append(f"tier {name} failed in the fit's path ({error_text(error)}); the default tier trains on")
 
@@ -450,6 +452,8 @@ class TierStages:
             else: ws.warmed(run.record, run.warm)
         run.n += 1
         if run.n <= self.tiers.warmup_batches: return self.tiers.run_tier(learn, run)
+        if (kept := self.tiers.aside.warm_starts.was_kept(run.record)) is not None: # No A/B, nor the default's code for one
+            return self._keep_faster(run, learn, st, _kept_before(*kept))
         # Compiled first: in the fit's path, timed against the eager step; else the A/B waits for the default's code
         run.to(TierStage.AB if st.first is None else TierStage.CHECK if st.path else TierStage.WAIT)
         self.on[run.stage](self, run, learn, model, st)
@@ -460,10 +464,7 @@ class TierStages:
             self.tiers.run_tier(learn, run, counted=True)
             return self.tiers.timer.start(run.tier_times)
         if st.probe is not None and st.probe.seen and faster(run.tier_times, st.probe.times):
-            run.to(TierStage.DONE)
-            run.kept = True
-            self.tiers.run_tier(learn, run, counted=True)
-            return self.tiers.notes.append(_took_over(run, where(learn), _vs_eager(run, st.probe.times), st.path))
+            return self._keep_faster(run, learn, st, _vs_eager(run, st.probe.times), st.probe.times, 'the eager step')
         run.to(TierStage.WAIT) # Not faster than eager, or the eager step unmeasured in this fit: the default's code decides
         self._on_wait(run, learn, model, st)
 
@@ -497,13 +498,18 @@ class TierStages:
 
     def _verdict(self, run, learn, model, st):
         "Keep the faster tier for the rest of the fit; drop the slower one's graphs"
+        if faster(run.tier_times, run.ab_base): return self._keep_faster(run, learn, st, _ab(run), run.ab_base, 'the default')
         run.to(TierStage.DONE)
-        if faster(run.tier_times, run.ab_base):
-            run.kept = True
-            self.tiers.run_tier(learn, run, counted=True)
-            return self.tiers.notes.append(_took_over(run, where(learn), _ab(run), st.path))
         self.tiers.drop(run.tier, model)
         self.tiers.notes.append(f"tier {run.tier} not kept: {_ab(run)}; its graphs were dropped")
+
+    def _keep_faster(self, run, learn, st, against:str, other:list|None=None, of:str=''):
+        "Keep the tier, faster than `other`'s steps (`of`), for the rest of the fit; recorded, later fits of the state keep it at once"
+        run.to(TierStage.DONE)
+        run.kept = True
+        self.tiers.run_tier(learn, run, counted=True)
+        if other is not None: self.tiers.aside.warm_starts.kept(run.record, median(run.tier_times), median(other), of)
+        self.tiers.notes.append(_took_over(run, where(learn), against, st.path))
 
     def _on_done(self, run, learn, model, st):
         if run.kept: self.tiers.run_tier(learn, run, counted=True)
@@ -539,6 +545,10 @@ def _ab(run:TierRun)->str:
 
 def _vs_eager(run:TierRun, eager:list)->str:
     return f"{median(run.tier_times)*1e3:.1f} ms a step against {median(eager)*1e3:.1f} ms for the eager step, each timed alone"
+
+def _kept_before(tier_s:float, other_s:float, other:str)->str:
+    return (f"kept without an A/B, as an earlier fit of this state on this kind of device found it faster: {tier_s*1e3:.1f} ms a "
+            f"step against {other_s*1e3:.1f} ms for {other}")
 
 def _took_over(run:TierRun, at:str, against:str, path:bool)->str:
     how = (f"compiled in a worker process in {run.res.took_s:.1f}s ({profile_text(run.res)}); compiling it in the fit's path took "

@@ -226,7 +226,12 @@ def test_a_tier_compiled_first_starts_warm_in_a_later_fit(first_tiers, monkeypat
     notes, at = learn.compiler.report.background, VERDICT
     assert re.match(rf"compiled at once, in the fit's path at epoch 0, batch {at}: inductor's cache has this model state's code", notes[0]), notes
     assert ran[0][:3] == (0, True, at) and learn.compiler.aside.worker.jobs == 0, (ran[:3], notes)
-    assert any(n.startswith('tier plain took over') for n in notes), notes # The A/B against the default's code, compiled at once too
+    # The first fit's A/B kept the tier, 100 ms a step faster than the default's code: kept again, no A/B, no default's code
+    took = next(n for n in notes if n.startswith('tier plain took over'))
+    kept = re.search(r"; kept without an A/B, as an earlier fit of this state on this kind of device found it faster: ([\d.]+) ms a "
+                     r"step against ([\d.]+) ms for the default$", took)
+    assert kept and float(kept[2]) - float(kept[1]) > 50, notes
+    assert len(ran) == 2*len(learn.dls.train) - at, ran # Every training batch from the hand-over on: none the default's
 
 def test_a_tier_compiled_first_runs_on_in_the_next_fit_until_its_ab(first_tiers):
     "A fit that ends before the default's code compiled for the A/B: the next fit of the state runs the tier from its first batch"
