@@ -720,6 +720,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                           'fastxtend_compile.payoff.faster': ('payoff.html#faster', 'fastxtend_compile/payoff.py'),
                                           'fastxtend_compile.payoff.first_in_path': ( 'payoff.html#first_in_path',
                                                                                       'fastxtend_compile/payoff.py'),
+                                          'fastxtend_compile.payoff.first_saving': ( 'payoff.html#first_saving',
+                                                                                     'fastxtend_compile/payoff.py'),
                                           'fastxtend_compile.payoff.first_tier': ('payoff.html#first_tier', 'fastxtend_compile/payoff.py'),
                                           'fastxtend_compile.payoff.pays_back': ('payoff.html#pays_back', 'fastxtend_compile/payoff.py'),
                                           'fastxtend_compile.payoff.pick_tier': ('payoff.html#pick_tier', 'fastxtend_compile/payoff.py'),

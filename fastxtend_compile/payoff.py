@@ -8,7 +8,8 @@ from statistics import median
 
 # %% auto #0
 __all__ = ['SAVING', 'AUTOTUNE_SAVING', 'WORKER_HANDOVER_S', 'WORKER_SLOWDOWN', 'batches_left', 'pays_back', 'rest_needed',
-           'warm_cost', 'tier_saving', 'pick_tier', 'first_tier', 'first_in_path', 'cudagraphs_fit', 'faster']
+           'warm_cost', 'tier_saving', 'pick_tier', 'first_saving', 'first_tier', 'first_in_path', 'cudagraphs_fit',
+           'faster']
 
 # %% ../nbs/14_payoff.ipynb #23d4101a
 SAVING = 0.2 # The share of a step a compiled one is expected to save, until a fit has measured it
@@ -59,17 +60,26 @@ def pick_tier(
     if busy is None: return None
     return max(('max-autotune-no-cudagraphs', 'reduce-overhead'), key=lambda name: tier_saving(name, busy, 1.))
 
+def first_saving(
+    busy:float, # The share of the eager step in which the GPU runs work
+    step_s:float, # Seconds of the eager step
+)->float:
+    "Seconds CUDA graphs are expected to save of an eager step: they run the compiled kernels, `SAVING` shorter than eager's, back to back"
+    return step_s * (1 - (1 - SAVING) * busy)
+
 def first_tier(
     busy:float|None, # The share of an eager training step in which the GPU runs work; `None` where not measured
     step_s:float, # Seconds of the eager step
     batches:int, # The fit's training batches left
     cost_s:float, # Seconds trying a tier costs the fit's path
+    margin:float=0.03, # The share of a step an A/B needs a tier to save (`faster`)
 )->str|None:
-    "The tier compiled first, before the default: CUDA graphs, where the eager step's idle GPU time over the batches left pays back trying them"
-    # Compiled, the step runs the default's kernels, which CUDA graphs launch as one: where the GPU idles, they are the faster
-    # code to hand over first. The saving is expected, not measured, so the default's code is still compiled for an A/B
-    if busy is None: return None
-    return 'reduce-overhead' if pays_back(batches, tier_saving('reduce-overhead', busy, step_s), cost_s) else None
+    "The tier compiled first, before the default: CUDA graphs, where the GPU idles in the eager step and their expected saving over the batches left pays back trying them"
+    # Compiled, the step runs the default's kernels, which CUDA graphs launch as one. Once its kernels are fused, a step whose
+    # eager GPU work nearly filled it often waits on the host: the GPU's idle share of the eager step undercounts what CUDA
+    # graphs save. Where the GPU idles less than the A/B's margin, no A/B could keep them over the default's code
+    if busy is None or busy > 1 - margin: return None
+    return 'reduce-overhead' if pays_back(batches, first_saving(busy, step_s), cost_s) else None
 
 # A cold worker's hand-over (start-up 11-17s, then a compile beside the fit) came 32-41s after its job was sent, and the
 # launch-bound eager steps beside it ran 20-40% slower: an H100 and an H200, torch 2.11, a transformer fit

@@ -15,7 +15,7 @@ from .core import uses_cudagraphs, compiled_call, CompiledCall
 from .internals import gpu_sleep, traced_op_error
 from .worker import error_text
 from .state import StateKey, Stage
-from .payoff import batches_left, pays_back, pick_tier, first_tier, first_in_path, tier_saving, cudagraphs_fit, faster
+from .payoff import batches_left, pays_back, pick_tier, first_tier, first_saving, first_in_path, tier_saving, cudagraphs_fit, faster
 from .background import BackgroundCompile, profile_text, where
 
 # %% auto #0
@@ -205,7 +205,7 @@ class TierRun:
 
 # %% ../nbs/09_tiers.ipynb #04d59625
 class FirstTier:
-    "Measure a new state's eager step once the background compile's probe timed it: where its idle GPU time pays back trying them, CUDA graphs compile first"
+    "Measure a new state's eager step once the background compile's probe timed it: where the saving expected of CUDA graphs pays back trying them, they compile first"
     batches = 3 # Eager batches whose GPU work is measured, once the probe timed its own
     choose = staticmethod(first_tier) # The policy that picks the tier compiled first, from the eager step
     in_path = staticmethod(first_in_path) # The policy that compiles it in the fit's path rather than the worker
@@ -236,7 +236,7 @@ class FirstTier:
         busy = None if gpu_s is None else min(gpu_s / step_s, 1.)
         if (name := self.choose(busy, step_s, left, t.try_cost_s)) is None: return
         if t.graphs(name) and not cudagraphs_fit(torch.cuda.mem_get_info(t.device)[0], step_bytes): return
-        run.tier, run.record, run.first, saving = name, t.record(model, st, name), True, tier_saving(name, busy, step_s)
+        run.tier, run.record, run.first, saving = name, t.record(model, st, name), True, first_saving(busy, step_s)
         run.why = _share(busy, step_s, 'the eager') + f"so CUDA graphs, compiled first, would save about {saving*1e3:.1f} ms of it"
         # Cold, in the fit's path where the fit's rest pays back standing still for it, and a worker would cost more
         st.path = (self.in_path(busy, t.compile_guess_s, t.aside.warm_s) and pays_back(left, saving, t.compile_guess_s)
