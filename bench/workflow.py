@@ -353,6 +353,9 @@ def child(spec:dict)->dict:
     import torch
     from fastai.callback.core import Callback
     import fastxtend_compile # noqa: F401 (applies the patches; `learn.compile`)
+    # Every arm imports TorchDynamo before its fit is timed, once a process as a notebook does: torch's fused AdamW imports it
+    # as it is made, in the eager-fused arm's fit, and `learn.compile()` before its fit (4-5 s on an H100 host)
+    import torch._dynamo # noqa: F401
     w, arm, c, device = spec['workflow'], spec['arm'], spec['config'], spec['device']
     cuda = device == 'cuda'
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -240,7 +240,9 @@ class CompilerCallback(Callback):
     def before_fit(self):
         self.fits += 1
         if self.fits > 1 or self._stands_aside(): return # A `validate` or `get_preds` inside the fit compiles as the fit does
-        if self._frozen_runs_eagerly(): return self.compile_recorder.note_eager_frozen()
+        if self._frozen_runs_eagerly():
+            self._compile_optimizer(fused_only=True) # Nothing compiles in this fit, yet fastai's `Adam` runs as one fused kernel
+            return self.compile_recorder.note_eager_frozen()
         device = model_device(self.learn.model)
         if reason := cannot_compile_reason(self.settings['backend'], device):
             return warnings.warn(f"Not compiling the model: {reason}. Training continues eagerly.")
@@ -264,11 +266,13 @@ class CompilerCallback(Callback):
         self.policy.start_fit(self.aside if self._compiles_in_background(device, model) else None, self.report.pays_back)
         self.tiers.start(self.policy.aside, device, isinstance(model, DistributedDataParallel))
 
-    def _compile_optimizer(self):
+    def _compile_optimizer(self,
+        fused_only:bool=False, # PyTorch's fused kernel alone, with nothing compiled: for a fit that runs eagerly
+    ):
         "Compile the step of a fastai `Optimizer`: `create_opt` makes an eager one, so it is checked at every fit"
         if not self.compile_opt or self.learn.opt is None: return
         # Parameter shapes never change, and CUDA graphs don't suit a step that updates its inputs in place
-        compile_optimizer(self.learn.opt, **{**self.settings, 'dynamic': False, 'mode': None, 'fullgraph': False})
+        compile_optimizer(self.learn.opt, fused_only=fused_only, **{**self.settings, 'dynamic': False, 'mode': None, 'fullgraph': False})
 
     def _compiles_in_background(self, device:torch.device, model:nn.Module)->bool:
         "Whether this fit compiles in a worker process: `background`, on a CUDA GPU by default; under DDP, one for each host"

@@ -181,9 +181,11 @@ class CompiledOptimizerStep:
     def __init__(self,
         opt:Optimizer, # The fastai `Optimizer` whose step this is
         fused:bool=True, # Run fastai's `Adam` as PyTorch's fused kernel, where the device has it
+        fused_only:bool=False, # Compile nothing: a step the fused kernel can't make whole runs fastai's eager step
         **settings # `torch.compile` settings, from `compile_settings`
     ):
-        self.opt, self.fused_ok, self.settings, self.cbs, self.warned, self.scalars = opt, fused, settings, None, False, {}
+        self.opt, self.fused_ok, self.fused_only, self.settings = opt, fused, fused_only, settings
+        self.cbs, self.warned, self.scalars = None, False, {}
         self.compiled = None # The compiled step, made at its first use: fastai's `Adam` runs fused without it
 
     def _compiled(self)->Callable:
@@ -191,7 +193,8 @@ class CompiledOptimizerStep:
         if self.compiled is None: self.compiled = torch.compile(own_function(_foreach_step, '_foreach_step'), **self.settings)
         return self.compiled
 
-    def __reduce__(self): return (partial(type(self), fused=self.fused_ok, **self.settings), (self.opt,)) # Compiled anew when unpickled or copied
+    def __reduce__(self): # Compiled anew when unpickled or copied
+        return (partial(type(self), fused=self.fused_ok, fused_only=self.fused_only, **self.settings), (self.opt,))
 
     def _set_rules(self):
         self.cbs = tuple(self.opt.cbs)
@@ -268,6 +271,7 @@ class CompiledOptimizerStep:
         if self.cbs != tuple(self.opt.cbs): self._set_rules()
         if self.rules is None: return Optimizer.step(self.opt)
         groups = self._groups()
+        if self.fused_only and not all(map(self._fusable, groups)): return Optimizer.step(self.opt)
         with torch.no_grad():
             for key in [k for k in groups if self._fusable(k)]: self._fused_step(key, groups.pop(key))
             groups = [self._prepare(j, key, pairs) for j,(key,pairs) in enumerate(groups.items())]
@@ -287,6 +291,7 @@ def compile_optimizer(
     opt:Optimizer, # A fastai `Optimizer`, or a `Lookahead` around one; others are returned unchanged
     dynamic:bool=False, # Use dynamic shape tracing: parameter shapes never change, so leave it off
     fused:bool=True, # Run fastai's `Adam` as PyTorch's fused Adam kernel, where the device has one, rather than compile it
+    fused_only:bool=False, # Compile nothing: the fused kernel where it makes the whole step, else fastai's eager step
     **kwargs
 )->Optimizer:
     "Make `opt.step()` run as PyTorch's fused Adam kernel (fastai's `Adam`) or one `torch.compile`d function"
@@ -297,8 +302,8 @@ def compile_optimizer(
         return opt
     settings = compile_settings(dynamic=dynamic, **kwargs)
     step = inner.__dict__.get('step')
-    if not isinstance(step, CompiledOptimizerStep) or (step.settings, step.fused_ok) != (settings, fused):
-        inner.step = step = CompiledOptimizerStep(inner, fused, **settings)
+    if not isinstance(step, CompiledOptimizerStep) or (step.settings, step.fused_ok, step.fused_only) != (settings, fused, fused_only):
+        inner.step = step = CompiledOptimizerStep(inner, fused, fused_only, **settings)
         if type(inner).zero_grad is Optimizer.zero_grad: inner.zero_grad = step.zero_grad
     return opt
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 from statistics import median
 
 # %% auto #0
-__all__ = ['SAVING', 'AUTOTUNE_SAVING', 'WORKER_HANDOVER_S', 'WORKER_SLOWDOWN', 'batches_left', 'pays_back', 'rest_needed',
-           'warm_cost', 'tier_saving', 'pick_tier', 'first_saving', 'first_tier', 'first_in_path', 'cudagraphs_fit',
-           'faster']
+__all__ = ['SAVING', 'MARGIN', 'AUTOTUNE_SAVING', 'WORKER_HANDOVER_S', 'WORKER_SLOWDOWN', 'batches_left', 'pays_back',
+           'rest_needed', 'warm_cost', 'tier_saving', 'pick_tier', 'first_saving', 'first_tier', 'first_in_path',
+           'cudagraphs_fit', 'faster']
 
 # %% ../nbs/14_payoff.ipynb #23d4101a
 SAVING = 0.2 # The share of a step a compiled one is expected to save, until a fit has measured it
+MARGIN = 0.03 # The share of a step a tier must save in an A/B to be kept: a smaller gain is within a step's noise
 
 def batches_left(learn)->int:
     "The fit's training batches left, this one's included"
@@ -72,7 +73,7 @@ def first_tier(
     step_s:float, # Seconds of the eager step
     batches:int, # The fit's training batches left
     cost_s:float, # Seconds trying a tier costs the fit's path
-    margin:float=0.03, # The share of a step an A/B needs a tier to save (`faster`)
+    margin:float=MARGIN, # The share of a step an A/B needs a tier to save (`faster`)
 )->str|None:
     "The tier compiled first, before the default: CUDA graphs, where the GPU idles in the eager step and their expected saving over the batches left pays back trying them"
     # Compiled, the step runs the default's kernels, which CUDA graphs launch as one. Once its kernels are fused, a step whose
@@ -94,9 +95,9 @@ def first_in_path(
 )->bool:
     "Whether CUDA graphs compiled first cost the fit less compiled in its path than in a worker beside it"
     # In its path the fit stands still for the compile. Beside a worker it runs slowed eager steps where CUDA graphs would
-    # have run steps of the GPU's busy time, then compiles warm at the hand-over: the more the GPU idles, the more that wait costs
+    # have run shorter ones (`first_saving`), then compiles warm at the hand-over: the more the GPU idles, the more that wait costs
     if busy is None: return False
-    return compile_s < handover_s * (1 - busy / slowdown) + warm_s
+    return compile_s < handover_s * (1 - (1 - first_saving(busy, 1.)) / slowdown) + warm_s
 
 def cudagraphs_fit(
     free:int, # Bytes free on the GPU now
@@ -109,7 +110,7 @@ def cudagraphs_fit(
 def faster(
     tier:list, # Seconds of the tier's training steps, each timed alone
     base:list, # Seconds of the default tier's, timed between them
-    margin:float=0.03, # The share of the step the tier must save to be kept: a smaller gain is within a step's noise
+    margin:float=MARGIN, # The share of the step the tier must save to be kept
 )->bool:
     "Whether the tier's median step beats the default's by `margin`"
     return median(tier) <= (1 - margin) * median(base)

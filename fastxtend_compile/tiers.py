@@ -175,12 +175,13 @@ class TierRun:
     def __init__(self,
         kept:str|None=None, # The tier this state kept in an earlier fit
         stage:TierStage=TierStage.SETTLE, # Where a state without one starts
+        record:str|None=None, # The state's warm record, compiled with the kept tier
     ):
         self.stage = TierStage.DONE if kept else stage
         self.n = 0 # Batches of this stage so far
         self.base, self.ab_base, self.tier_times = [], [], [] # Seconds of the default's steps, timed alone before and in the A/B, and the tier's
         self.tier, self.why = kept, '' # The tier's name, and why it was picked
-        self.record = None # This state's warm record, compiled with the tier
+        self.record = record # This state's warm record, compiled with the tier
         self.job, self.res = None, None # Its `Job` in the worker, and the worker's `JobResult`
         self.profile = None # The `_Profile` of its step, eager or compiled
         self.warm = 0. # Seconds its compile took in the fit's path
@@ -197,7 +198,7 @@ class TierRun:
 
     def next_fit(self)->TierRun|None:
         "What the state's next fit starts from: its kept tier; a tier compiled first runs on until its A/B; else nothing (it is tried again)"
-        if self.kept: return TierRun(self.tier)
+        if self.kept: return TierRun(self.tier, record=self.record)
         if not (self.first and self.stage in (TierStage.WARMUP, TierStage.CHECK, TierStage.WAIT)): return None
         self.to(TierStage.WAIT) # The default's code, which the A/B needs, is compiled in the worker as the fit starts
         self.grads, self.batches, self.since = False, 0, ''

@@ -9,6 +9,7 @@ from fastai.callback.training import GradientAccumulation
 from fastai.callback.tracker import SaveModelCallback, EarlyStoppingCallback
 import fastai.callback.schedule # fit_one_cycle, lr_find
 from fastai.torch_core import set_seed
+from fastxtend_compile.optimizer import CompiledOptimizerStep
 from fastai.metrics import accuracy
 from fastxtend_compile import *
 from conftest import two_conv_cnn, bn_cnn, body_head_splitter, digits_dls, EAGER_PRECISION, assert_fit_close
@@ -106,13 +107,17 @@ def test_no_global_dynamo_reset(digits, monkeypatch):
 def test_fine_tune(digits, compile_frozen):
     rec = RecordCompiled()
     learn = Learner(digits, bn_cnn(), splitter=body_head_splitter, cbs=rec).compile(backend=BACKEND)
-    runs = []
-    learn.add_cb(Callback(after_fit=lambda cb: runs.append(list(rec.compiled))))
+    runs, steps = [], []
+    learn.add_cb(Callback(after_fit=lambda cb: (runs.append(list(rec.compiled)), steps.append(learn.opt.__dict__.get('step')))))
     p0 = params(learn.model)
     learn.fine_tune(1, freeze_epochs=1, compile_frozen=compile_frozen)
     frozen, unfrozen = runs
     assert all(frozen) if compile_frozen else not any(frozen)
     assert all(unfrozen)
+    # An eager frozen fit still runs fastai's `Adam` as PyTorch's fused kernel, and compiles no step
+    assert isinstance(steps[0], CompiledOptimizerStep) and steps[0].fused_only is not compile_frozen
+    if not compile_frozen: assert steps[0].compiled is None
+    assert not steps[1].fused_only
     assert all_changed(p0, params(learn.model))
     assert not hasattr(learn, 'compile_frozen')
 

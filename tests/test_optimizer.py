@@ -90,6 +90,16 @@ def test_adam_runs_as_pytorchs_fused_kernel(name):
     assert_same(run(undamped), run(undamped, 'eager', fused=True))
     assert graphs() == before + 1
 
+@pytest.mark.parametrize('name', ['Adam', 'SGD-mom'])
+def test_fused_only_compiles_nothing(name):
+    "`fused_only`, for a fit that runs eagerly: fastai's `Adam` as the fused kernel; a step it can't make, fastai's own"
+    before = graphs()
+    eager = run(optimizers[name], none_at={(0, 0)})
+    only = run(lambda *a, **kw: compile_optimizer(optimizers[name](*a, **kw), backend='inductor', fused_only=True), none_at={(0, 0)})
+    assert_same(eager, only)
+    assert graphs() == before and only.step.compiled is None # Nothing compiled, not even lazily
+    assert (only.step.fused is torch._fused_adamw_) == (name == 'Adam')
+
 def test_radam_rectifies_within_the_run():
     # RAdam steps without its denominator until the variance is tractable (step 6 with sqr_mom=0.99): both paths run
     opt = run(RAdam, 'eager', n=3)

@@ -21,3 +21,10 @@ def worker_only(gm, example_inputs):
     "A backend that compiles in the worker process alone: in the training process the tier it serves fails"
     if 'FXC_WORKER_STARTED' not in os.environ: raise RuntimeError('no kernels in the training process')
     return gm
+
+def flaky(gm, example_inputs):
+    "A backend whose code runs until `FXC_TIER_FAILS` is set in the training process: a kept tier that fails in a later fit"
+    def run(*args):
+        if 'FXC_TIER_FAILS' in os.environ and 'FXC_WORKER_STARTED' not in os.environ: raise RuntimeError('the tier fails now')
+        return gm(*args)
+    return run
