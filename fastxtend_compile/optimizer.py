@@ -269,9 +269,9 @@ class CompiledOptimizerStep:
     def __call__(self, closure=None):
         if closure is not None: raise NotImplementedError("fastai optimizers currently do not support closure")
         if self.cbs != tuple(self.opt.cbs): self._set_rules()
-        if self.rules is None: return Optimizer.step(self.opt)
+        if self.rules is None or (self.fused_only and self.fused is None): return Optimizer.step(self.opt)
         groups = self._groups()
-        if self.fused_only and not all(map(self._fusable, groups)): return Optimizer.step(self.opt)
+        if self.fused_only and not all(map(self._fusable, groups)): return Optimizer.step(self.opt) # A device without the kernel
         with torch.no_grad():
             for key in [k for k in groups if self._fusable(k)]: self._fused_step(key, groups.pop(key))
             groups = [self._prepare(j, key, pairs) for j,(key,pairs) in enumerate(groups.items())]
