@@ -14,21 +14,17 @@ from .state import Stage, ModelState
 from .worker import JobResult
 
 # %% auto #0
-__all__ = ['Local', 'decide', 'DDP']
+__all__ = ['Local', 'decide', 'device_leader', 'DDP']
 
 # %% ../nbs/16_agreement.ipynb #d5713751
 class Local:
     "A fit in one process: it judges each model state and acts on what it finds at once"
-    rank, leader, evaluates = 0, True, True # Rank 0, which runs the host's worker, and compiles evaluation states too
+    rank, leader, evaluates = 0, True, True # Rank 0, which runs its device's worker, and compiles evaluation states too
     def __init__(self): self.device = None
 
     def start(self, device:torch.device|None):
         "A fit starts on `device`"
         self.device = None if device is None else str(device)
-
-    def devices(self)->list|None:
-        "The devices the worker compiles for: `None`, the model's own"
-        return None
 
     def judges(self, training:bool)->bool:
         "Whether this process times and judges a state of this phase: every state, in one process"
@@ -67,15 +63,24 @@ def decide(
     "What every rank does with the state: 'start', 'failed', 'ready' or 'warm'; `None` while there is nothing to agree on"
     # A rank whose state is settled, ranks that train different states, or rank 0 still judging: nothing yet
     if any(v is None for v in views) or len({v['key'] for v in views}) > 1 or not views[0]['worth']: return None
-    hosts = [v['worker'] for v in views if v['leader']]
-    if 'failed' in hosts: return 'failed'
-    if all(w == 'warm' for w in hosts): return 'warm'
-    if all(w in ('done', 'warm') for w in hosts): return 'ready'
+    workers = [v['worker'] for v in views if v['leader']]
+    if 'failed' in workers: return 'failed'
+    if all(w == 'warm' for w in workers): return 'warm'
+    if all(w in ('done', 'warm') for w in workers): return 'ready'
     return 'start'
+
+# %% ../nbs/16_agreement.ipynb #0d3b7e21
+def device_leader(
+    places:list, # Each rank's (host, device), by rank
+    rank:int, # This rank
+)->bool:
+    "Whether `rank` is the lowest rank that trains on its host's device: it runs that device's worker process"
+    return places.index(places[rank]) == rank
+
 
 # %% ../nbs/16_agreement.ipynb #5889ea57
 class DDP(Local):
-    "The processes of a DDP fit as the background compile sees them: where each trains, which one compiles for its host, how they agree"
+    "The processes of a DDP fit as the background compile sees them: where each trains, which ones run a worker, how they agree"
     every = 8 # Training batches from one agreement to the next: each costs a small collective on the CPU, not a GPU sync
     timeout_s = 600. # Seconds a rank waits at an agreement for the others before it raises: one of them stopped
     evaluates = False # An evaluation runs eagerly: the ranks agree on training states alone
@@ -84,7 +89,7 @@ class DDP(Local):
         self.group = None # A `gloo` group of its own for the fit's agreements, on the CPU whatever the fit's backend
         self.rank, self.world = 0, 1
         self.host = socket.gethostname()
-        self.leader = True # The lowest rank of its host: it runs the host's worker process
+        self.leader = True # The lowest rank on its host's device: it runs the device's worker process
         self.hosts = [] # Each rank's (host, device), by rank
 
     def start(self, device:torch.device):
@@ -93,26 +98,24 @@ class DDP(Local):
         self.group = dist.new_group(backend='gloo', timeout=timedelta(seconds=self.timeout_s))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.hosts = self.gather((self.host, self.device), 'the start of the fit')
-        self.leader = next(r for r,(h,_) in enumerate(self.hosts) if h == self.host) == self.rank
-
-    def devices(self)->list:
-        "The devices this host's ranks train on, each once: the host's worker compiles for each"
-        return list(dict.fromkeys(d for h,d in self.hosts if h == self.host))
+        # A worker for each device, all compiling at once: one for every device in turn took 45s for 2 GPUs and 76-94s for
+        # 4, against 24-36s for one (a transformer on H200s, torch 2.11); ranks that share a device, as on the CPU, share one
+        self.leader = device_leader(self.hosts, self.rank)
 
     def judges(self, training:bool)->bool:
         "Whether this rank times and judges a state: rank 0 its training states; the ranks agree on them"
         return training and self.rank == 0
 
     def judged(self, aside, st:ModelState, learn, model, now:float)->bool:
-        "`st` is worth compiling: its compile starts on every host at the ranks' next agreement"
+        "`st` is worth compiling: its compile starts on every device at the ranks' next agreement"
         st.to(Stage.JUDGED)
         return True
 
     def done(self, aside, st:ModelState):
-        "The host's worker finished `st`: acted on at an agreement, once every host's worker is done"
+        "This device's worker finished `st`: acted on at an agreement, once every device's worker is done"
 
     def unsent(self, aside, st:ModelState, why:str)->bool:
-        "`st` could not be sent to the host's worker: a failure the ranks agree on"
+        "`st` could not be sent to this device's worker: a failure the ranks agree on"
         st.result = JobResult(False, why)
         st.to(Stage.DONE)
         return True
@@ -128,13 +131,13 @@ class DDP(Local):
         return out
 
     def view(self, aside, st:ModelState)->dict|None:
-        "This rank's part of an agreement on its batch's state: rank 0's verdict, and the host's worker's progress; `None` once settled"
+        "This rank's part of an agreement on its batch's state: rank 0's verdict, and its device's worker's progress; `None` once settled"
         if st.stage in (Stage.READY, Stage.FAILED, Stage.SHORT): return None
         if st.stage is Stage.DONE: worker = 'done' if st.result.ok else 'failed'
         elif aside.compiling is not None: worker = 'compiling'
         elif aside.warm_starts.get(st.record) is not None: worker = 'warm' # Inductor's cache on this host has its code
         else: worker = 'none'
-        failure = None if st.result is None or st.result.ok else (st.result.took_s, st.result.error, st.result.oom, self.host)
+        failure = None if st.result is None or st.result.ok else (st.result.took_s, st.result.error, st.result.oom, f'{self.host} ({self.device})')
         return dict(key=st.record, worth=st.stage is not Stage.PROBING, worker=worker, leader=self.leader, failure=failure)
 
     def agree(self, aside, learn, st:ModelState, model):
@@ -151,8 +154,9 @@ class DDP(Local):
 
     def together(self, worker:bool)->str:
         "How the ranks switched, for the report"
-        n = len({h for h,_ in self.hosts})
-        workers = ' (one worker process compiled for the host)' if n == 1 else f' (one worker process on each of the {n} hosts)'
+        n, hosts = len(set(self.hosts)), len({h for h,_ in self.hosts})
+        workers = (' (one worker process compiled for the host)' if n == 1 else f' (one worker process on each of the {n} hosts)' if n == hosts
+                   else f' ({n} worker processes, one for each device, compiled side by side)')
         return f", on all {self.world} ranks at once" + (workers if worker else '')
 
     def end(self):

@@ -283,8 +283,8 @@ class BackgroundCompile:
         settings:dict|None=None, # `torch.compile` settings: the model's (`None`), or a faster tier's
         held:bool=False, # Only prepare the job: `release` sends it
     )->Job:
-        "Send this batch's model state to the worker, to compile with `settings`, for each device the host trains on"
-        payload = job_payload(model, learn.xb, self.settings if settings is None else settings, self.regional, self.ranks.devices())
+        "Send this batch's model state to the worker, to compile with `settings` for the device it trains on"
+        payload = job_payload(model, learn.xb, self.settings if settings is None else settings, self.regional)
         return self.worker.submit(payload, model, held=held)
 
     def release(self, job:Job)->Job:

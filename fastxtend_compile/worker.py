@@ -72,14 +72,12 @@ def job_payload(
     xb:tuple, # The batch's inputs
     settings:dict, # `torch.compile` settings
     regional:bool=False, # Compile only the model's repeated blocks
-    devices:list|None=None, # The devices to compile for (under DDP, the host's ranks'); `None`: the model's
 )->dict:
-    "What the worker needs to compile `model` as the fit will run it: a copy for each device, the inputs, the settings"
+    "What the worker needs to compile `model` as the fit will run it: a copy on its device, the inputs, the settings"
     device = next(model.parameters()).device
-    return dict(models={d: _pickle_model(model, d) for d in devices or [str(device)]},
-                inputs=_tensor_bytes([o for o in xb if isinstance(o, Tensor)]), device_type=device.type,
-                grad=torch.is_grad_enabled(), autocast=autocast_dtype(model), matmul_precision=torch.get_float32_matmul_precision(),
-                regional=regional, settings=settings)
+    return dict(model=_pickle_model(model, str(device)), inputs=_tensor_bytes([o for o in xb if isinstance(o, Tensor)]),
+                device=str(device), grad=torch.is_grad_enabled(), autocast=autocast_dtype(model),
+                matmul_precision=torch.get_float32_matmul_precision(), regional=regional, settings=settings)
 
 # %% ../nbs/13_worker.ipynb #d144a3a5
 def _loss(out)->Tensor|None:
@@ -90,8 +88,9 @@ def _loss(out)->Tensor|None:
 def _compile_on(model:nn.Module, xb:list, job:dict)->tuple:
     "Compile `model` for `xb` as the fit will, forward and backward: the seconds each took"
     model = compile_model(model, job['regional'], **job['settings'])
-    sync = torch.cuda.synchronize if job['device_type'] == 'cuda' else (lambda: None)
-    autocast = torch.autocast(job['device_type'], dtype=job['autocast']) if job['autocast'] else nullcontext()
+    device_type = torch.device(job['device']).type
+    sync = torch.cuda.synchronize if device_type == 'cuda' else (lambda: None)
+    autocast = torch.autocast(device_type, dtype=job['autocast']) if job['autocast'] else nullcontext()
     t0 = time.perf_counter()
     with torch.set_grad_enabled(job['grad']):
         with autocast: out = model(*xb)
@@ -119,17 +118,13 @@ def compile_in_worker(
     t0 = time.perf_counter()
     with open(path, 'rb') as f: job = cloudpickle.load(f)
     torch.set_float32_matmul_precision(job['matmul_precision'])
-    # With each module's training mode and each parameter's `requires_grad` as in the fit; one copy for each device the
-    # host's ranks train on, as inductor's cache keeps the code of each device apart
-    models = {d: cloudpickle.loads(b) for d,b in job['models'].items()}
-    for m in models.values(): _main_globals(m)
-    xb = torch.load(io.BytesIO(job['inputs']), weights_only=True)
-    t1, forward, backward = time.perf_counter(), 0., 0.
-    for device, model in models.items():
-        with torch.cuda.device(device) if job['device_type'] == 'cuda' else nullcontext(): # Its current device, for what it syncs
-            f, b = _compile_on(model, [t.to(device) for t in xb], job)
-        forward, backward = forward + f, backward + b
-    return dict(load_s=t1 - t0, forward_s=forward, backward_s=backward, devices=len(models))
+    model = cloudpickle.loads(job['model']) # With each module's training mode and each parameter's `requires_grad` as in the fit
+    _main_globals(model)
+    xb = [t.to(job['device']) for t in torch.load(io.BytesIO(job['inputs']), weights_only=True)]
+    t1 = time.perf_counter()
+    with torch.cuda.device(job['device']) if torch.device(job['device']).type == 'cuda' else nullcontext(): # What it syncs
+        forward, backward = _compile_on(model, xb, job)
+    return dict(load_s=t1 - t0, forward_s=forward, backward_s=backward)
 
 # %% ../nbs/13_worker.ipynb #464e731b
 def _chain(e:BaseException|None, inner)->list:
@@ -202,9 +197,8 @@ class JobResult:
     waited_s:float = 0. # The part of that start-up after the job was sent
     start_parts:dict = field(default_factory=dict) # Its seconds by part: 'python' (the interpreter, torch, this library), 'modules', 'inductor', 'cuda'
     load_s:float = 0. # Reading the job: its models and inputs
-    forward_s:float = 0. # Compiling the forward, on every device
-    backward_s:float = 0. # Compiling the backward, alike
-    devices:int = 1 # Devices compiled for: under DDP, the host's ranks'
+    forward_s:float = 0. # Compiling the forward
+    backward_s:float = 0. # Compiling the backward
     took_s:float = 0. # Seconds from sending the job to its result, in the training process
 
     @classmethod

@@ -339,7 +339,7 @@ def test_a_failed_job_fails_alone_and_the_worker_compiles_the_next(cold_cache):
     from fastxtend_compile.worker import job_payload
     w, m, x = Worker(), nn.Linear(3, 2), torch.randn(4, 3)
     try:
-        bad = {**job_payload(m, (x,), dict(backend='eager')), 'models': {'cpu': b'not a pickle'}}
+        bad = {**job_payload(m, (x,), dict(backend='eager')), 'model': b'not a pickle'}
         jobs = [w.submit(bad, m), w.submit(job_payload(m, (x,), dict(backend='eager')), m)]
         res = []
         for job in jobs:
