@@ -98,8 +98,9 @@ class DDP(Local):
         self.group = dist.new_group(backend='gloo', timeout=timedelta(seconds=self.timeout_s))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.hosts = self.gather((self.host, self.device), 'the start of the fit')
-        # A worker for each device, all compiling at once: one for every device in turn took 45s for 2 GPUs and 76-94s for
-        # 4, against 24-36s for one (a transformer on H200s, torch 2.11); ranks that share a device, as on the CPU, share one
+        # A worker for each device, all compiling at once: a transformer's hand-over took 40s on 2 and on 4 H100s, where one
+        # worker compiling for each device in turn took 45s on 2 H200s and 76-94s on 4 (torch 2.11). Inductor's cache keeps
+        # each device's code apart, so one device's compile leaves the others cold. Ranks that share a device share a worker
         self.leader = device_leader(self.hosts, self.rank)
 
     def judges(self, training:bool)->bool:
