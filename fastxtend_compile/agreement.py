@@ -20,7 +20,11 @@ __all__ = ['Local', 'decide', 'device_leader', 'DDP']
 class Local:
     "A fit in one process: it judges each model state and acts on what it finds at once"
     rank, leader, evaluates = 0, True, True # Rank 0, which runs its device's worker, and compiles evaluation states too
+    agrees = False # What this process measures, it acts on at once
     def __init__(self): self.device = None
+
+    def join(self, part):
+        "`part` of the fit (`Tiers`) decides with the other ranks: in one process there are none"
 
     def start(self, device:torch.device|None):
         "A fit starts on `device`"
@@ -84,6 +88,7 @@ class DDP(Local):
     every = 8 # Training batches from one agreement to the next: each costs a small collective on the CPU, not a GPU sync
     timeout_s = 600. # Seconds a rank waits at an agreement for the others before it raises: one of them stopped
     evaluates = False # An evaluation runs eagerly: the ranks agree on training states alone
+    agrees = True # What a rank measures, the ranks act on together, once they agreed
     def __init__(self):
         super().__init__()
         self.group = None # A `gloo` group of its own for the fit's agreements, on the CPU whatever the fit's backend
@@ -91,6 +96,11 @@ class DDP(Local):
         self.host = socket.gethostname()
         self.leader = True # The lowest rank on its host's device: it runs the device's worker process
         self.hosts = [] # Each rank's (host, device), by rank
+        self.parts = [] # Other parts of the fit that agree at the same agreements (`join`): each gives a `view` and takes the `agreed` views
+
+    def join(self, part):
+        "`part` of the fit decides with the other ranks at their agreements: `part.view(st)` is gathered, `part.agreed(st, views, learn, model)` acts"
+        self.parts.append(part)
 
     def start(self, device:torch.device):
         "At the start of a DDP fit, on every rank: a group for the agreements, and where each rank trains"
@@ -144,7 +154,9 @@ class DDP(Local):
     def agree(self, aside, learn, st:ModelState, model):
         "At every `every`-th training batch, on every rank: gather the views, decide, and act on the decision together"
         if learn.train_iter % self.every: return
-        views = self.gather(self.view(aside, st), f"epoch {learn.epoch}, batch {learn.iter}")
+        gathered = self.gather([self.view(aside, st), *[p.view(st) for p in self.parts]], f"epoch {learn.epoch}, batch {learn.iter}")
+        views = [g[0] for g in gathered]
+        for i,p in enumerate(self.parts): p.agreed(st, [g[i + 1] for g in gathered], learn, model)
         decision = decide(views)
         if decision == 'failed':
             took, error, oom, host = next(v['failure'] for v in views if v['leader'] and v['failure'])
@@ -163,4 +175,4 @@ class DDP(Local):
     def end(self):
         "The fit ended: its group goes"
         if self.group is not None and dist.is_initialized(): dist.destroy_process_group(self.group)
-        self.group, self.hosts = None, []
+        self.group, self.hosts, self.parts = None, [], []

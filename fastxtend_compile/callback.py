@@ -264,7 +264,7 @@ class CompilerCallback(Callback):
         self.precision.set(device)
         self.precompile.set(inner_model(model), ddp=isinstance(model, DistributedDataParallel))
         self.policy.start_fit(self.aside if self._compiles_in_background(device, model) else None, self.report.pays_back)
-        self.tiers.start(self.policy.aside, device, isinstance(model, DistributedDataParallel))
+        self.tiers.start(self.policy.aside, device)
 
     def _compile_optimizer(self,
         fused_only:bool=False, # PyTorch's fused kernel alone, with nothing compiled: for a fit that runs eagerly

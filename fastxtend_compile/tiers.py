@@ -13,13 +13,13 @@ from torch import nn
 
 from .core import uses_cudagraphs, compiled_call, CompiledCall
 from .internals import gpu_sleep, traced_op_error
-from .worker import error_text
+from .worker import error_text, JobResult
 from .state import StateKey, Stage
 from .payoff import batches_left, pays_back, pick_tier, first_tier, first_saving, first_in_path, tier_saving, cudagraphs_fit, faster
 from .background import BackgroundCompile, profile_text, where
 
 # %% auto #0
-__all__ = ['TIERS', 'why_no_tiers', 'own_grads', 'TierStage', 'TierRun', 'FirstTier', 'Tiers', 'TierStages']
+__all__ = ['TIERS', 'why_no_tiers', 'own_grads', 'TierStage', 'TierRun', 'decide_tier', 'FirstTier', 'Tiers', 'TierStages']
 
 # %% ../nbs/09_tiers.ipynb #fd24c3e4
 TIERS = { # A tier's `torch.compile` settings, over the model's
@@ -29,12 +29,10 @@ TIERS = { # A tier's `torch.compile` settings, over the model's
 
 def why_no_tiers(
     settings:dict, # The model's `torch.compile` settings
-    ddp:bool=False, # The fit runs under DistributedDataParallel
 )->str|None:
     "Why a fit that compiles in the background tries no faster tier, in the report's words; `None` where it may"
     # The user's own mode or options, kept exactly, and backends other than inductor, whose modes the tiers are: nothing to say
     if settings.get('mode') is not None or settings.get('options') or settings.get('backend') != 'inductor': return ''
-    if ddp: return "no faster tier under DDP: CUDA graphs and autotuned kernels are not measured there yet, so every rank keeps the default"
     if settings.get('dynamic'): return "no faster tier with `dynamic=True`: CUDA graphs need the static shapes it gives up"
 
 def own_grads(
@@ -168,6 +166,7 @@ class TierStage(Enum):
     CHECK = 'check' # The tier compiled first in the fit's path: its steps timed against the eager step its probe timed
     WAIT = 'wait' # The tier compiled first runs while the default's code compiles, for the A/B
     AB = 'ab' # The tier and the default alternate, each timed alone
+    AGREE = 'agree' # What was measured waits for a decision: under DDP, the ranks' at their next agreement
     DONE = 'done' # Decided: the kept tier runs, or the default
 
 class TierRun:
@@ -189,10 +188,12 @@ class TierRun:
         self.kept = kept is not None # The A/B kept the tier: it runs this state's training batches
         self.first = False # The tier was compiled first, before the default's code
         self.batches, self.since = 0, '' # Training batches the tier ran in this fit, and where it started
+        self.vote = None # (kind, value) of what this process measured, for a decision: 'pick', 'compile' or 'verdict'
+        self.agreed = None # (kind, value) the ranks decided on, under DDP, for this rank to act on
 
     def to(self, stage:TierStage):
-        "Move on to `stage`, from its first batch"
-        self.stage, self.n = stage, 0
+        "Move on to `stage`, from its first batch: a vote of the stage before it is moot"
+        self.stage, self.n, self.vote, self.agreed = stage, 0, None, None
         if self.profile is not None: self.profile.end()
         self.profile = None
 
@@ -203,6 +204,23 @@ class TierRun:
         self.to(TierStage.WAIT) # The default's code, which the A/B needs, is compiled in the worker as the fit starts
         self.grads, self.batches, self.since = False, 0, ''
         return self
+
+# %% ../nbs/09_tiers.ipynb #5e0c4a7d
+def decide_tier(
+    views:list, # Each rank's view of its batch's state's tier (`Tiers.view`), by rank
+)->tuple|None:
+    "What every rank does with the tier of the state they vote on: rank 0's measures, the worst rank's memory or compile; `None` while some rank hasn't voted on it"
+    votes = [v['vote'] for v in views]
+    if any(v is None for v in votes) or len({v['key'] for v in views}) > 1 or len({k for k,_ in votes}) > 1: return None
+    kind, first = votes[0]
+    if kind == 'pick': # Rank 0's step, and the GPU memory of the rank with the least free
+        free = [m['free'] for _,m in votes if m['free'] is not None]
+        return kind, {**first, 'free': min(free) if free else None}
+    if kind == 'compile': # Each device's worker: a failure on one is a failure on all; else done once all are
+        done = [m for _,m in votes]
+        if (failed := next((m for m in done if m is not None and not m['ok']), None)) is not None: return kind, failed
+        return None if any(m is None for m in done) else (kind, first)
+    return kind, first # 'verdict': rank 0's A/B
 
 # %% ../nbs/09_tiers.ipynb #04d59625
 class FirstTier:
@@ -269,21 +287,24 @@ class Tiers:
         self.timer = _StepTimer() # Times a batch alone, where its state's stage needs
         self.measuring = None # The `_Profile` measuring the GPU work of the batch running
         self.notes = [] # The report's lines about the tiers of this fit
+        self.together = False # The fit's ranks decide together (DDP): what a rank measures waits for their agreement
+        self.raised = None # (name, error) of a tier that raised in this rank's path, for the other ranks to drop at the next agreement
+        self.dropped = set() # The tiers dropped in this fit, having raised
 
-    def __getstate__(self): return {**self.__dict__, 'aside': None, 'timer': _StepTimer(), 'measuring': None}
+    def __getstate__(self): return {**self.__dict__, 'aside': None, 'timer': _StepTimer(), 'measuring': None, 'raised': None, 'dropped': set()}
 
     def start(self,
         aside:BackgroundCompile|None, # The fit's background compile; `None` compiles in the fit's path, without tiers
         device:torch.device, # Where the fit trains
-        ddp:bool=False, # The fit runs under DistributedDataParallel
     ):
         "A fit starts: it tries tiers where it compiles in the background on a device that has them, with the default mode"
-        self.aside, self.device, self.timer.device = None, device, device
+        self.aside, self.device, self.timer.device, self.together = None, device, device, False
         if aside is None or device.type not in self.default_on: return
-        if (why := why_no_tiers(self.settings, ddp)) is not None:
+        if (why := why_no_tiers(self.settings)) is not None:
             if why: self.notes.append(why)
             return
-        self.aside = aside
+        self.aside, self.together = aside, aside.ranks.agrees
+        aside.ranks.join(self) # Under DDP the ranks agree on each tier: picked, compiled on every device, kept
 
     def before_batch(self,
         learn, # The `Learner` whose batch starts
@@ -295,10 +316,34 @@ class Tiers:
         if (raised := self.switch.take_error()) is not None: self._raised(*raised, model)
         # An epoch's last batch too: one of the state's shape runs its tier (a smaller one is a state of its own)
         if self.aside is None or not learn.training or (st := self.aside.states.get(key)) is None: return
-        if st.stage is Stage.PROBING: return self.first.batch(st, learn, model)
+        # Under DDP the default's code goes first: rank 0 alone probes the eager step, and a tier follows once it runs
+        if st.stage is Stage.PROBING: return None if self.together else self.first.batch(st, learn, model)
         if eager or not self.aside.ready(key): return # The compiled code doesn't run it yet
         if st.tier is None: st.tier = TierRun()
         self.stages.batch(st.tier, learn, model, st)
+
+    def free(self)->int|None:
+        "Bytes of GPU memory free on this rank's device; `None` off a GPU"
+        return torch.cuda.mem_get_info(self.device)[0] if self.device.type == 'cuda' else None
+
+    def decision(self, run:TierRun)->tuple|None:
+        "(kind, value) decided on `run.vote`: at once in one process; under DDP the ranks', once agreed, `None` till then"
+        if not self.together: decided, run.vote = run.vote, None
+        else: decided, run.agreed = run.agreed, None
+        return decided
+
+    def view(self, st)->dict:
+        "This rank's part of an agreement of the ranks: its vote on its batch's state's tier, and a tier that raised here"
+        return dict(key=st.record, vote=None if st.tier is None else st.tier.vote, raised=self.raised)
+
+    def agreed(self, st, views:list, learn, model:nn.Module):
+        "At an agreement, on every rank: a tier that raised on any rank is dropped on all; a vote all ranks cast is decided"
+        if (raised := next((v['raised'] for v in views if v['raised'] is not None), None)) is not None:
+            self.raised = None
+            if raised[0] not in self.dropped: self._drop_raised(raised[0], model, f"tier {raised[0]} failed in the fit's path of "
+                                                                 f"another rank ({raised[1]}); every rank trains on with the default")
+        if st.tier is not None and st.tier.vote is not None and (decided := decide_tier(views)) is not None:
+            st.tier.vote, st.tier.agreed = None, decided
 
     def measure(self, profile:_Profile, learn, step_s:float)->tuple|bool|None:
         "Measure this batch's GPU work with `profile`, where it isn't done: `_Profile.batch`"
@@ -341,18 +386,24 @@ class Tiers:
     def _runs(self)->list: return [] if self.aside is None else [s.tier for s in self.aside.states.values() if s.tier is not None]
 
     def _raised(self, name:str, error:Exception, model:nn.Module):
-        "A tier raised in the fit's path, where the worker had compiled it: the default tier trains on, the tier's graphs dropped"
+        "A tier raised in the fit's path, where the worker had compiled it: the default tier trains on, the tier's graphs dropped; under DDP, on every rank from the next agreement"
+        if self.together: self.raised = (name, error_text(error))
+        self._drop_raised(name, model, f"tier {name} failed in the fit's path ({error_text(error)}); the default tier trains on")
+
+    def _drop_raised(self, name:str, model:nn.Module, note:str):
+        "Drop tier `name`, which raised: no state keeps it, in this fit or later ones"
+        self.dropped.add(name)
         for run in self._runs():
             if run.tier != name: continue
             run.to(TierStage.DONE)
             run.kept = False
             self.aside.warm_starts.kept(run.record, None) # A later fit tries it afresh
         self.drop(name, model)
-        self.notes.append(f"tier {name} failed in the fit's path ({error_text(error)}); the default tier trains on")
+        self.notes.append(note)
 
     def stop(self):
         "The fit ended or raised: what each state's tier did, for the report; a tier compiling is abandoned with the worker"
-        self.timer, self.measuring = _StepTimer(), None
+        self.timer, self.measuring, self.raised, self.dropped = _StepTimer(), None, None, set()
         self.switch.reset() # Kept: the model's compiled calls read it
         for r in self._runs():
             if r.profile is not None: r.profile.end()
@@ -406,15 +457,24 @@ class TierStages:
         run.profile = run.profile or _Profile(self.tiers.profile_batches)
         if (done := self.tiers.measure(run.profile, learn, median(run.base))) is None: return
         gpu_s, step_bytes = done or (None, None)
-        run.to(TierStage.DONE)
-        why = self._decide(run, learn, model, st, None if gpu_s is None else min(gpu_s / median(run.base), 1.), step_bytes)
-        if why: self.tiers.notes.append(why)
+        busy = None if gpu_s is None else min(gpu_s / median(run.base), 1.)
+        run.to(TierStage.AGREE)
+        run.vote = ('pick', dict(busy=busy, step_s=median(run.base), step_bytes=step_bytes, free=self.tiers.free()))
+        self._on_agree(run, learn, model, st)
 
-    def _decide(self, run, learn, model, st, busy:float|None, step_bytes:int|None)->str|None:
+    def _on_agree(self, run, learn, model, st):
+        "Act on what was measured once it is decided: at once in one process; under DDP at the ranks' next agreement, the default's code running meanwhile"
+        if (decided := self.tiers.decision(run)) is None: return
+        kind, v = decided
+        if kind == 'verdict': return self._verdict(run, learn, model, st, **v)
+        run.to(TierStage.DONE)
+        if why := self._decide(run, learn, model, st, **v): self.tiers.notes.append(why)
+
+    def _decide(self, run, learn, model, st, busy:float|None, step_s:float, step_bytes:int|None, free:int|None)->str|None:
         "Pick the tier the measured step needs, and have the worker compile it, or compile it at once where its code is cached; else why not"
         if (name := self.tiers.pick(busy)) is None: return "no faster tier: the GPU's share of the step was not measured here"
-        share, step_s = '' if busy is None else _share(busy, median(run.base)), median(run.base)
-        if self.tiers.graphs(name) and step_bytes is not None and not cudagraphs_fit(free := torch.cuda.mem_get_info(self.tiers.device)[0], step_bytes):
+        share = '' if busy is None else _share(busy, step_s)
+        if self.tiers.graphs(name) and step_bytes is not None and free is not None and not cudagraphs_fit(free, step_bytes):
             return _no_room(share, name, step_bytes, free)
         run.record = self.tiers.record(model, st, name)
         cached = self.tiers.aside.warm_starts.get(run.record) is not None
@@ -424,19 +484,28 @@ class TierStages:
         if not pays_back(left, saving := tier_saving(name, busy, step_s), self.tiers.try_cost_s): return _no_gain(name, saving, left, self.tiers.try_cost_s)
         run.tier = name
         if share: run.why = share + f"so {'CUDA graphs' if self.tiers.graphs(name) else 'autotuned kernels'} would save about {saving*1e3:.1f} ms of it"
-        if cached: return self._switch(run, learn) # Inductor's cache has its code
-        try: run.job = self.tiers.aside.submit(model, learn, self.tiers.settings_of(name))
-        except Exception as e: return _unsent(name, e)
+        # Inductor's cache has its code. Under DDP the ranks of a host read one cache; hosts whose caches differ would part
+        # here, and stay on the default's code, as their votes on the tier never meet again
+        if cached: return self._switch(run, learn)
+        # Under DDP the lowest rank on each device has its worker compile the tier; ranks that share the device wait for it
+        if self.tiers.aside.ranks.leader:
+            try: run.job = self.tiers.aside.submit(model, learn, self.tiers.settings_of(name))
+            except Exception as e:
+                if not self.tiers.together: return _unsent(name, e)
+                run.res = JobResult(False, f"the model could not be sent to a worker process ({type(e).__name__}: {e})") # Every rank's failure
         run.to(TierStage.COMPILE)
 
     def _on_compile(self, run, learn, model, st):
-        "Wait for the worker: the tier's code, or why it failed"
-        if (res := self.tiers.aside.poll(run.job)) is None: return
-        self.tiers.aside.warm_starts.compiled(run.record, res)
-        if not res.ok:
+        "Wait for the worker, under DDP every device's: the tier's code, or why it failed"
+        if run.res is None and run.job is not None and (res := self.tiers.aside.poll(run.job)) is not None:
+            self.tiers.aside.warm_starts.compiled(run.record, res)
+            run.res = res
+        mine = run.res or (None if run.job is not None else JobResult(True)) # A rank without a job: its device's worker compiles
+        run.vote = ('compile', None if mine is None else dict(ok=mine.ok, error=mine.error, oom=mine.oom, took_s=mine.took_s))
+        if (decided := self.tiers.decision(run)) is None or (res := decided[1]) is None: return
+        if not res['ok']:
             run.to(TierStage.DONE)
-            return self.tiers.notes.append(_worker_failed(run.tier, res))
-        run.res = res
+            return self.tiers.notes.append(_worker_failed(run.tier, JobResult(False, res['error'], res['oom'], took_s=res['took_s'])))
         self._switch(run, learn)
 
     def _switch(self, run, learn):
@@ -465,7 +534,7 @@ class TierStages:
             self.tiers.run_tier(learn, run, counted=True)
             return self.tiers.timer.start(run.tier_times)
         if st.probe is not None and st.probe.seen and faster(run.tier_times, st.probe.times):
-            return self._keep_faster(run, learn, st, _vs_eager(run, st.probe.times), st.probe.times, 'the eager step')
+            return self._keep_faster(run, learn, st, _vs_eager(run, st.probe.times), median(st.probe.times), 'the eager step')
         run.to(TierStage.WAIT) # Not faster than eager, or the eager step unmeasured in this fit: the default's code decides
         self._on_wait(run, learn, model, st)
 
@@ -491,26 +560,29 @@ class TierStages:
 
     def _on_ab(self, run, learn, model, st):
         "Alternate the tier and the default, a batch each, each timed alone; then keep the faster"
-        if run.n == 2*self.tiers.ab_batches: return self._verdict(run, learn, model, st)
+        if run.n == 2*self.tiers.ab_batches:
+            run.to(TierStage.AGREE)
+            run.vote = ('verdict', dict(keep=faster(run.tier_times, run.ab_base), tier_s=median(run.tier_times), base_s=median(run.ab_base)))
+            return self._on_agree(run, learn, model, st)
         on = run.n % 2 == 0
         if on: self.tiers.run_tier(learn, run)
         self.tiers.timer.start(run.tier_times if on else run.ab_base)
         run.n += 1
 
-    def _verdict(self, run, learn, model, st):
-        "Keep the faster tier for the rest of the fit; drop the slower one's graphs"
-        if faster(run.tier_times, run.ab_base): return self._keep_faster(run, learn, st, _ab(run), run.ab_base, 'the default')
+    def _verdict(self, run, learn, model, st, keep:bool, tier_s:float, base_s:float):
+        "Keep the faster tier for the rest of the fit, as the A/B (under DDP, rank 0's) found; else drop its graphs"
+        if keep: return self._keep_faster(run, learn, st, _ab(tier_s, base_s), base_s, 'the default')
         run.to(TierStage.DONE)
         self.tiers.drop(run.tier, model)
-        self.tiers.notes.append(f"tier {run.tier} not kept: {_ab(run)}; its graphs were dropped")
+        self.tiers.notes.append(f"tier {run.tier} not kept: {_ab(tier_s, base_s)}; its graphs were dropped")
 
-    def _keep_faster(self, run, learn, st, against:str, other:list|None=None, of:str=''):
-        "Keep the tier, faster than `other`'s steps (`of`), for the rest of the fit; recorded, later fits of the state keep it at once"
+    def _keep_faster(self, run, learn, st, against:str, other_s:float|None=None, of:str=''):
+        "Keep the tier, faster than `other_s`, the seconds of `of`'s step, for the rest of the fit; recorded, later fits of the state keep it at once"
         run.to(TierStage.DONE)
         run.kept = True
         self.tiers.run_tier(learn, run, counted=True)
-        if other is not None: self.tiers.aside.warm_starts.kept(run.record, median(run.tier_times), median(other), of)
-        self.tiers.notes.append(_took_over(run, where(learn), against, st.path))
+        if other_s is not None: self.tiers.aside.warm_starts.kept(run.record, median(run.tier_times), other_s, of)
+        self.tiers.notes.append(_took_over(run, where(learn) + self.tiers.aside.ranks.together(False), against, st.path))
 
     def _on_done(self, run, learn, model, st):
         if run.kept: self.tiers.run_tier(learn, run, counted=True)
@@ -518,7 +590,7 @@ class TierStages:
     on = {TierStage.PROBE: _on_probe, TierStage.FIRST: _on_first, TierStage.SETTLE: _on_settle, TierStage.TIME: _on_time,
           TierStage.PROFILE: _on_profile, TierStage.COMPILE: _on_compile, TierStage.WARMUP: _on_warmup, TierStage.CHECK: _on_check,
           TierStage.WAIT: _on_wait,
-          TierStage.AB: _on_ab, TierStage.DONE: _on_done} # What each stage does with a batch
+          TierStage.AB: _on_ab, TierStage.AGREE: _on_agree, TierStage.DONE: _on_done} # What each stage does with a batch
 
 
 def _calls(model:nn.Module)->list:
@@ -540,9 +612,8 @@ def _worker_failed(name:str, res)->str:
     return (f"tier {name} not tried: compiling it in a worker process failed after {res.took_s:.1f}s ({full}{res.error}); the "
             "default tier trains on")
 
-def _ab(run:TierRun)->str:
-    return (f"{median(run.tier_times)*1e3:.1f} ms a step against {median(run.ab_base)*1e3:.1f} ms for the default, alternating "
-            "on the fit's batches")
+def _ab(tier_s:float, base_s:float)->str:
+    return f"{tier_s*1e3:.1f} ms a step against {base_s*1e3:.1f} ms for the default, alternating on the fit's batches"
 
 def _vs_eager(run:TierRun, eager:list)->str:
     return f"{median(run.tier_times)*1e3:.1f} ms a step against {median(eager)*1e3:.1f} ms for the eager step, each timed alone"

@@ -3,8 +3,10 @@
 Started once per rank with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` set, on the CPU with
 `gloo`, sharing one inductor cache: a first fit (cold: the host's worker compiles while every rank trains eagerly), a
 second of a new `Learner` of the same model (warm: compiled at once), one of the model with its first layer frozen (a
-new state: the worker again), one whose worker fails, and eager DDP fits for reference; then an agreement that rank 1
-never comes to, and a fit that rank 1 ends with an exception while rank 0's worker compiles. It writes what the test checks to `OUT/rank{RANK}.pt`.
+new state: the worker again), on 2 ranks fits that try a faster tier (kept, failing in the worker, raising in rank 1's
+path), one whose worker fails, and eager DDP fits for reference; then an agreement that rank 1 never comes to, and
+a fit that rank 1 ends with an exception while rank 0's worker compiles. It writes what the test checks to
+`OUT/rank{RANK}.pt`.
 """
 import argparse, math, os, time, warnings
 os.environ.setdefault('OMP_NUM_THREADS', '1') # Before torch loads; else accelerate sets the thread count and warns
@@ -16,6 +18,9 @@ from fastxtend_compile import *
 from fastxtend_compile.background import BackgroundCompile
 from fastxtend_compile.worker import Worker
 from fastxtend_compile.agreement import DDP
+from fastxtend_compile import tiers
+from fastxtend_compile.tiers import Tiers
+from tier_backends import sleepy, refused, flaky
 from ddp_worker import learner, model, dls, nn, Learner, SGD, ProgressCallback # Its `DistributedDL` patch for `gloo` too
 
 BackgroundCompile.cold_cost_s = 0 # A worker for a fit of any length
@@ -24,15 +29,16 @@ CompileReport.pays_back = lambda self, batches: False # Validation runs eagerly,
 class Batches(Callback):
     "Which training batches ran eagerly while their code compiled elsewhere, and, at `wait`, wait for the worker to finish"
     order = 20 # After `CompilerCallback`, which decides in `before_batch` and forgets in `after_batch`
-    def __init__(self, wait:bool=False): self.wait, self.eager = wait, []
+    def __init__(self, wait:bool=False): self.wait, self.eager, self.tier = wait, [], []
     def before_batch(self):
-        if self.training and (cb := self.learn.__dict__.get('compiler')) is not None: self.eager.append(cb.policy.waiting)
+        if self.training and (cb := self.learn.__dict__.get('compiler')) is not None:
+            self.eager.append(cb.policy.waiting)
+            self.tier.append(cb.tiers.switch.tier is not None) # The batch runs a faster tier
     def after_batch(self):
         cb = self.learn.__dict__.get('compiler')
-        if not self.training or cb is None: return
-        aside = cb.aside
-        if self.wait and aside.compiling is not None: # Rank 0 waits here, the other ranks at DDP's next all-reduce
-            while aside.poll(aside.compiling.job) is None: time.sleep(0.05)
+        if not self.training or cb is None or not self.wait: return
+        for job in list(cb.aside.worker.waiting): # Rank 0 waits here for its worker's jobs, the other ranks at DDP's next all-reduce
+            while cb.aside.poll(job) is None: time.sleep(0.05)
 
 starts = [] # The worker processes started since the last fit ended
 _start = Worker.start
@@ -44,24 +50,40 @@ def in_process(learn):
     for dl in learn.dls: dl.num_workers, dl.fake_l.num_workers = 1, 0
     return learn
 
-def fit(wait=False, compiled=True, frozen=False):
-    "A fit of 28 training batches or more: rank 0 probes the first 8, and the ranks agree every 8; `frozen`: its first layer"
+def fit(wait=False, compiled=True, frozen=False, batches=28, backend='aot_eager'):
+    "A fit of `batches` training batches or more: rank 0 probes the first 8, and the ranks agree every 8; `frozen`: its first layer"
     world = num_distrib()
     # The optimizer's step stays fastai's: these fits check the model's compile and switch (tests/test_optimizer.py, the step's)
-    learn = learner(world, 'sequential', 'aot_eager', background=True, compile_opt=False) if compiled else eager_learner(world)
+    learn = learner(world, 'sequential', backend, background=True, compile_opt=False) if compiled else eager_learner(world)
     if frozen: learn.model[0].requires_grad_(False) # Another model state, as `fine_tune`'s frozen epochs are
-    epochs = math.ceil(28 / len(learn.dls.train) * world) # `DistributedDL` deals each rank 1/world of the batches
+    epochs = math.ceil(batches / len(learn.dls.train) * world) # `DistributedDL` deals each rank 1/world of the batches
     in_process(learn)
     cb = Batches(wait)
     with warnings.catch_warnings(record=True) as ws:
         warnings.simplefilter('always')
         with learn.distrib_ctx(cpu=True): learn.fit(epochs, cbs=cb)
     n = len(starts)
-    res = dict(eager=cb.eager, starts=n, warnings=[str(w.message) for w in ws if 'background' in str(w.message)],
+    res = dict(eager=cb.eager, tier=cb.tier, starts=n, warnings=[str(w.message) for w in ws if 'background' in str(w.message)],
                params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
     if compiled: res.update(notes=learn.compiler.report.background, graphs=learn.compiler.report.graphs)
     starts.clear()
     return res
+
+def tiered(tier_backend, fails_on=None, batches=60, **settings):
+    "A fit whose faster tier, compiled with `tier_backend`, is tried against a default 100 ms slower a call; `fails_on`: the rank where the tier raises"
+    saved = {k: getattr(Tiers, k) for k in ('default_on', 'settle_batches', 'time_batches', 'warmup_batches', 'ab_batches', 'try_cost_s', 'pick')}
+    why = tiers.why_no_tiers
+    for k,v in dict(default_on=('cpu',), settle_batches=1, time_batches=3, warmup_batches=1, ab_batches=6, try_cost_s=0).items(): setattr(Tiers, k, v)
+    Tiers.pick = staticmethod(lambda busy: 'plain') # Whatever the step: the GPU's share of a CPU step isn't measured
+    tiers.why_no_tiers = lambda settings: None # The test's backends have no modes
+    tiers.TIERS['plain'] = dict(backend=tier_backend, **settings)
+    if fails_on == rank_distrib(): os.environ['FXC_TIER_FAILS'] = '1'
+    try: return fit(wait=True, batches=batches, backend=sleepy)
+    finally:
+        for k,v in saved.items(): setattr(Tiers, k, v)
+        tiers.why_no_tiers = why
+        del tiers.TIERS['plain']
+        os.environ.pop('FXC_TIER_FAILS', None)
 
 def eager_learner(world):
     learn = Learner(dls(world), model('sequential'), loss_func=nn.MSELoss(), opt_func=SGD, lr=0.1)
@@ -107,6 +129,11 @@ def main():
     res['warm'] = fit()
     res['eager'] = fit(compiled=False)
     res['frozen'], res['frozen_eager'] = fit(wait=True, frozen=True), fit(compiled=False, frozen=True)
+    if world == 2: # 4 ranks would run the same code
+        res['tier_eager'] = fit(compiled=False, batches=60)
+        # `fullgraph=True`: the model's one graph, as the default's, in a record of its own, so the worker compiles it
+        res['tier_kept'], res['tier_refused'] = tiered('aot_eager', fullgraph=True), tiered(refused, batches=40)
+        res['tier_raised'] = tiered(flaky, fails_on=1, batches=48)
     Worker.code = "raise SystemExit('no compiler here')"
     os.environ['TORCHINDUCTOR_CACHE_DIR'] += '-empty' # No record: a worker
     res['failed'] = fit(wait=True)

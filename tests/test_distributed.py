@@ -3,7 +3,7 @@
 One run starts three processes at once: the two ranks of a DDP fit and, for reference, the same fit in one process on
 the same global batches. tests/ddp_worker.py is what each runs; the checks read what they wrote.
 """
-import os, socket, subprocess, sys, time
+import os, re, socket, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
 
@@ -275,6 +275,49 @@ def test_a_failed_worker_leaves_every_rank_eager_with_one_warning_on_rank0(backg
         "torch.compile failed in a background worker process (no compiler here; on "), failed[0]['warnings']
     assert all(f['warnings'] == [] for f in failed[1:])
     assert all("compiling in a worker process failed after" in f['notes'][0] for f in failed)
+
+def _two_ranks(background_runs)->list:
+    "The ranks of the 2-rank launch, which alone tries faster tiers"
+    if len(background_runs) != 2: pytest.skip('the faster tiers under DDP are tried on 2 ranks')
+    return background_runs
+
+def test_the_ranks_agree_on_a_faster_tier_and_switch_to_it_together(background_runs):
+    ranks = _two_ranks(background_runs)
+    kept = [r['tier_kept'] for r in ranks]
+    ran = kept[0]['tier']
+    assert kept[1]['tier'] == ran and any(ran) and ran[-1], ran # Each batch ran the tier on both ranks, or on neither; kept to the end
+    first = ran.index(True)
+    assert first % 8 == 0 and not any(ran[:first]), ran # From an agreement's batch: the tier compiled on the device's worker
+    note = next(n for n in kept[0]['notes'] if n.startswith('tier plain took over'))
+    at = re.search(r"^tier plain took over at epoch (\d+), batch (\d+), on all 2 ranks at once: compiled in a worker process in [\d.]+s \(.+\); "
+                   r"compiling it in the fit's path took [\d.]+s; ([\d.]+) ms a step against ([\d.]+) ms for the default, alternating on the "
+                   r"fit's batches$", note)
+    assert at, kept[0]['notes']
+    per_epoch = 64 // (8*2) # tests/ddp_worker.py's 64 training samples, 8 a batch on each rank
+    kept_at = int(at[1])*per_epoch + int(at[2])
+    assert kept_at % 8 == 0 and all(ran[kept_at:]) and not all(ran[first:kept_at]), ran # Kept at an agreement, after an A/B
+    assert float(at[3]) < float(at[4]) - 50 # The default's backend sleeps 100 ms a call
+    for r in ranks: # The tier's backend and the default's run eager's arithmetic
+        for k,v in r['tier_eager']['params'].items(): assert torch.equal(r['tier_kept']['params'][k], v), k
+
+def test_a_tier_that_fails_in_a_devices_worker_leaves_every_rank_on_the_default(background_runs):
+    ranks = _two_ranks(background_runs)
+    refused = [r['tier_refused'] for r in ranks]
+    assert not any(refused[0]['tier']) and not any(refused[1]['tier'])
+    assert any(n.startswith("tier plain not tried: compiling it in a worker process failed after ") and
+               "this tier has no kernels for the model" in n for n in refused[0]['notes']), refused[0]['notes']
+
+def test_a_tier_that_raises_on_one_rank_is_dropped_on_every_rank(background_runs):
+    ranks = _two_ranks(background_runs)
+    raised = [r['tier_raised'] for r in ranks]
+    on0, on1 = raised[0]['tier'], raised[1]['tier']
+    first = on0.index(True)
+    assert on1.index(True) == first and not any(on1[first + 1:]), on1 # Rank 1 dropped it at once, rerunning its batch without it
+    assert not any(on0[first + 8:]), on0 # Rank 0 at the next agreement
+    assert "tier plain failed in the fit's path (RuntimeError: the tier fails now); the default tier trains on" in raised[1]['notes'], raised[1]['notes']
+    assert ("tier plain failed in the fit's path of another rank (RuntimeError: the tier fails now); every rank trains on with the "
+            "default") in raised[0]['notes'], raised[0]['notes']
+    for k,v in raised[0]['params'].items(): assert torch.equal(raised[1]['params'][k], v), k
 
 def test_a_rank_that_never_comes_to_an_agreement_raises_a_clear_error(background_runs):
     ranks = background_runs

@@ -38,7 +38,7 @@ def cpu_tiers(cold_cache, monkeypatch):
     def use(name, settings):
         monkeypatch.setitem(tiers.TIERS, name, settings)
         monkeypatch.setattr(Tiers, 'pick', staticmethod(lambda busy: name))
-        monkeypatch.setattr(tiers, 'why_no_tiers', lambda settings, ddp=False: None) # The test's backends have no modes
+        monkeypatch.setattr(tiers, 'why_no_tiers', lambda settings: None) # The test's backends have no modes
     return use
 
 class PythonBound(nn.Module):
@@ -270,12 +270,11 @@ def test_a_tier_compiled_first_that_fails_in_the_worker_leaves_the_default_to_ta
     assert learn.compiler.report.graphs >= 1
     assert_fit_close(eager.model, learn.model)
 
-def test_an_explicit_mode_or_ddp_or_dynamic_shapes_try_no_tier():
+def test_an_explicit_mode_or_dynamic_shapes_try_no_tier():
     settings = lambda **kw: {'backend': 'inductor', 'mode': None, 'options': None, 'dynamic': False, **kw}
     assert why_no_tiers(settings()) is None
     assert why_no_tiers(settings(mode='reduce-overhead')) == '' # The user's choice, kept exactly, without a word
     assert why_no_tiers(settings(options={'max_autotune': True})) == ''
-    assert why_no_tiers(settings(), ddp=True).startswith("no faster tier under DDP")
     assert why_no_tiers(settings(dynamic=True)).startswith("no faster tier with `dynamic=True`")
     assert why_no_tiers(settings(backend='aot_eager')) == '' # A backend without inductor's modes: nothing to climb
     t = Tiers(settings(mode='default'))
