@@ -27,8 +27,8 @@ def fail(step, msg): failures.append(f'[{step}] {msg}'); print(f'  FAIL [{step}]
 # Chromium through the DevTools protocol, over --remote-debugging-pipe (fd 3: commands in, fd 4: replies out)
 
 class Chromium:
-    def __init__(self, exe, timeout=30):
-        self.timeout, self.ids, self.replies, self.events = timeout, 0, {}, Queue()
+    def __init__(self, exe, timeout=30, start_timeout=180):
+        self.timeout, self.start_timeout, self.ids, self.replies, self.events = timeout, start_timeout, 0, {}, Queue()
         self.profile = tempfile.mkdtemp(prefix='site-check-chromium-')
         cmd_r, self.cmd_w = os.pipe()
         self.out_r, out_w = os.pipe()
@@ -44,7 +44,9 @@ class Chromium:
         self.cond = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(target=self.proc.stderr.read, daemon=True).start() # Drain Chromium's log
-        self.version = self.send('Browser.getVersion')['product']
+        # Its first answer waits for Chromium to start: on a loaded machine (CI's legs, two at a time on 2 cores) that
+        # took over 30 s once, so the start has a wait of its own
+        self.version = self.send('Browser.getVersion', wait=self.start_timeout)['product']
         tid = self.send('Target.createTarget', url='about:blank')['targetId']
         self.session = self.send('Target.attachToTarget', targetId=tid, flatten=True)['sessionId']
 
@@ -60,14 +62,16 @@ class Chromium:
                 else: self.events.put(msg)
         with self.cond: self.replies[None] = 'closed'; self.cond.notify_all()
 
-    def send(self, method, session=False, **params):
+    def send(self, method, session=False, wait=None, **params):
+        "Call `method` and return its result, waiting `wait` seconds for it (`None`: `timeout`)"
+        wait = self.timeout if wait is None else wait
         self.ids += 1
         i, msg = self.ids, {'id': self.ids, 'method': method, 'params': params}
         if session: msg['sessionId'] = self.session
         os.write(self.cmd_w, json.dumps(msg).encode() + b'\0')
         with self.cond:
-            if not self.cond.wait_for(lambda: i in self.replies or None in self.replies, self.timeout):
-                raise TimeoutError(f'Chromium did not answer {method} in {self.timeout}s')
+            if not self.cond.wait_for(lambda: i in self.replies or None in self.replies, wait):
+                raise TimeoutError(f'Chromium did not answer {method} in {wait}s')
             if i not in self.replies: raise RuntimeError(f'Chromium exited (answering {method})')
             r = self.replies.pop(i)
         if 'error' in r: raise RuntimeError(f'{method}: {r["error"].get("message")}')
