@@ -300,18 +300,12 @@ def test_the_ranks_agree_on_a_faster_tier_and_switch_to_it_together(background_r
     for r in ranks: # The tier's backend and the default's run eager's arithmetic
         for k,v in r['tier_eager']['params'].items(): assert torch.equal(r['tier_kept']['params'][k], v), k
 
-def test_a_tier_that_fails_in_a_devices_worker_leaves_every_rank_on_the_default(background_runs):
-    ranks = _two_ranks(background_runs)
-    refused = [r['tier_refused'] for r in ranks]
-    assert not any(refused[0]['tier']) and not any(refused[1]['tier'])
-    assert any(n.startswith("tier plain not tried: compiling it in a worker process failed after ") and
-               "this tier has no kernels for the model" in n for n in refused[0]['notes']), refused[0]['notes']
-
 def test_a_tier_that_raises_on_one_rank_is_dropped_on_every_rank(background_runs):
     ranks = _two_ranks(background_runs)
     raised = [r['tier_raised'] for r in ranks]
     on0, on1 = raised[0]['tier'], raised[1]['tier']
     first = on0.index(True)
+    assert first % 8 == 0, on0 # In inductor's cache from the fit before: it runs at once from an agreement's batch
     assert on1.index(True) == first and not any(on1[first + 1:]), on1 # Rank 1 dropped it at once, rerunning its batch without it
     assert not any(on0[first + 8:]), on0 # Rank 0 at the next agreement
     assert "tier plain failed in the fit's path (RuntimeError: the tier fails now); the default tier trains on" in raised[1]['notes'], raised[1]['notes']
