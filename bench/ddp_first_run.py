@@ -8,12 +8,19 @@ On the CPU (the default), an MLP regression on `gloo` processes, also compiling 
 On GPUs, a GPU-bound transformer classifier (bench/arm.py's `TextClassifier`: 6 layers, d=512, bf16), in-memory tokens,
 torch's fused AdamW and `fit_one_cycle`, on NCCL; `--world 1` trains on one GPU without DDP:
 
-    python bench/ddp_first_run.py --device cuda --world 1 2 4 --arms eager,compile_cold,compile_warm --out OUT
+    python bench/ddp_first_run.py --device cuda --world 1 2 4 --arms eager,compile_cold,compile_warm --repeat 2 --out OUT
+
+`--workload vision` runs the vision workflow's `fine_tune` instead (bench/workflow.py's JPEG files, `vision_learner`,
+bf16 on GPUs), with torch's fused AdamW in every arm and `sync_bn=False`. The `default_cold` arm names the default mode
+(`mode='default'`), which tries no faster tier: on one GPU its worker hands over the default's code, as each device's
+worker does under DDP, so the two hand-overs can be compared.
 
 Each rank trains the same number of batches an epoch whatever the number of ranks (the data grows with them), so the
-fits of every world size run as many steps. Writes `results.json` and `README.md` to `--out`: each arm's fit time (the
-slowest rank's), the training batch at which each rank first ran compiled code and how far into the fit that was, and
-how far each arm's final weights are from eager's, and from each other's across ranks.
+fits of every world size run as many steps. `--repeat` runs every arm again, in turn, each run's warm arm on that run's
+cold cache. Writes `results.json` and `README.md` to `--out`: each arm's fit time (the slowest rank's; the median of the
+runs), the training batch at which each rank first ran compiled code and how far into the fit that was, the worker's
+hand-over, the tier the ranks kept, and how far each arm's final weights are from eager's, and from each other's across
+ranks.
 """
 import argparse, json, os, platform, socket, subprocess, sys, time
 from pathlib import Path
@@ -21,14 +28,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # An arm's `learn.compile` arguments (`None`: eager). `learn.compile()` compiles in a worker by default on a GPU alone
 ARMS = {'eager': None, 'in_path': dict(background=False), 'background_cold': dict(background=True),
-        'background_warm': dict(background=True), 'compile_cold': {}, 'compile_warm': {}}
+        'background_warm': dict(background=True), 'compile_cold': {}, 'compile_warm': {}, 'default_cold': dict(mode='default')}
 COLD_OF = {'background_warm': 'background_cold', 'compile_warm': 'compile_cold'} # Warm arms start on their cold arm's cache
 WORKLOADS = {
     'mlp': dict(n_batches=512, bs=64, hidden=512, epochs=4), # Batches an epoch on each rank
     'text': dict(n_batches=640, bs=32, seq=256, vocab=8000, d=512, layers=6, heads=8, classes=4, epochs=7, valid=2048, lr=1e-3),
+    # Images a rank trains on (with `valid_pct` more to validate), as the vision workflow's; `num_workers` `None`: fastai's
+    'vision': dict(n=6000, stored=160, size=128, bs=64, epochs=3, arch='resnet34', classes=5, valid_pct=0.2, num_workers=None),
 }
 
-def _mlp(c:dict, world:int, device:str):
+def _mlp(c:dict, world:int, device:str, data=None):
     import torch
     from torch import nn
     from torch.utils.data import TensorDataset
@@ -45,7 +54,7 @@ def _mlp(c:dict, world:int, device:str):
     learn = Learner(dls, model, loss_func=nn.MSELoss(), opt_func=SGD, lr=1e-3)
     return learn, lambda: learn.fit(c['epochs'])
 
-def _text(c:dict, world:int, device:str):
+def _text(c:dict, world:int, device:str, data=None):
     import torch
     from torch.utils.data import TensorDataset
     from fastai.data.core import DataLoaders
@@ -69,7 +78,22 @@ def _text(c:dict, world:int, device:str):
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, opt_func=fused_adamw()).to_bf16()
     return learn, lambda: learn.fit_one_cycle(c['epochs'], c['lr'])
 
-BUILD = {'mlp': _mlp, 'text': _text}
+def _vision(c:dict, world:int, device:str, data:Path):
+    from fastai.torch_core import set_seed
+    from workflow import build_vision, fused_adamw
+    set_seed(0) # The model's weights, the augmentations and the order of the images, as eager's
+    learn, fit = build_vision('vision', c, data, 'cuda' if device.startswith('cuda') else device, c['num_workers'])
+    learn.opt_func = fused_adamw() # Made at `fine_tune`'s freeze
+    return learn, fit
+
+def vision_data(base:Path, c:dict, world:int)->Path:
+    "The vision workflow's JPEG files for `world` ranks, written once: each rank trains on `n` of them"
+    from workflow import write_images
+    data = base/'images'
+    if not (data/'train').exists(): write_images(data, {**c, 'n': c['n'] * world})
+    return data
+
+BUILD = {'mlp': _mlp, 'text': _text, 'vision': _vision}
 
 def rank_main(out:Path, arm:str, workload:str, config:dict, device_type:str):
     "One rank of one arm (or the one process of a one-device arm): the workload's fit, under `distrib_ctx` where there are ranks"
@@ -93,7 +117,7 @@ def rank_main(out:Path, arm:str, workload:str, config:dict, device_type:str):
             t = torch.LongTensor(t); torch.distributed.broadcast(t, rank); return t.tolist()
         DistributedDL._broadcast = _broadcast
         device = 'cpu'
-    learn, fit = BUILD[workload](config, max(world, 1), device)
+    learn, fit = BUILD[workload](config, max(world, 1), device, out/'images')
     learn.remove_cb(ProgressCallback)
     settings = ARMS[arm]
     if settings is not None: learn.add_cb(CompilerCallback(**settings))
@@ -108,7 +132,8 @@ def rank_main(out:Path, arm:str, workload:str, config:dict, device_type:str):
     sw = Switch()
     learn.add_cb(sw)
     sync = torch.cuda.synchronize if device_type == 'cuda' else (lambda: None)
-    ctx = learn.distrib_ctx(cpu=device_type == 'cpu') if world > 1 else nullcontext()
+    # No SyncBatchNorm (fastai's default converts to it): it needs a GPU, and no workload here compares it
+    ctx = learn.distrib_ctx(cpu=device_type == 'cpu', sync_bn=False) if world > 1 else nullcontext()
     with ctx, learn.no_logging():
         sync()
         t0 = time.perf_counter()
@@ -151,6 +176,52 @@ def compare(out:Path, arm:str, world:int, base:str='eager')->tuple:
         diff = max((w0[k].float() - b[k].float()).abs().max().item() for k in w0 if w0[k].is_floating_point())
     return diff, same
 
+def _handover(notes:list)->str|None:
+    "Seconds the worker took to hand over the state's code, and its start-up's share, from the report's note"
+    import re
+    for n in notes:
+        if (m := re.match(r"compiled in a worker process in ([\d.]+)s.*?start-up took ([\d.]+)s", n)): return float(m[1]), float(m[2])
+    return None
+
+def _tier(notes:list)->str:
+    "The tier the ranks kept, and its step against the default's, from the report's notes"
+    import re
+    for n in notes:
+        if (m := re.match(r"tier (\S+) took over at (.*?)(?:, on all \d+ ranks at once)?: .*?([\d.]+ ms a step against [\d.]+ ms for [^,;]*)", n)):
+            return f"{m[1]} from {m[2]}: {m[3]}"
+        if n.startswith(('no faster tier', 'tier ')): return n.split(':')[0]
+    return ''
+
+def _median(xs:list):
+    from statistics import median
+    return median(xs) if xs else None
+
+def table(results:dict, worlds:list, arms:list)->list:
+    "The README's rows: each world size and arm, the median of its runs"
+    rows = []
+    fit = lambda run: max(r['fit_s'] for r in run['ranks'])
+    for world in worlds:
+        eager = _median([fit(r) for r in results.get(f'{world}/eager', [])])
+        for arm in arms:
+            runs = results.get(f'{world}/{arm}', [])
+            if not runs: continue
+            fits = [fit(r) for r in runs]
+            m = _median(fits)
+            vs = f"{m / eager:.2f}" if eager and arm != 'eager' else '—'
+            firsts = sorted({None if r['first_compiled'] is None else tuple(r['first_compiled'][:3]) for run in runs for r in run['ranks']}, key=str)
+            at = '; '.join('none' if f is None else f'epoch {f[0]}, batch {f[1]} (training batch {f[2]})' for f in firsts)
+            when = [r['first_compiled'][3] for run in runs for r in run['ranks'] if r['first_compiled']]
+            when = f"{min(when):.1f}–{max(when):.1f} s" if when else '—'
+            hands = [h for run in runs if (h := _handover(run['ranks'][0]['notes']))]
+            hand = ', '.join(f"{h:.1f} s ({s:.1f})" for h,s in hands) or '—'
+            tiers = '; '.join(sorted({t for run in runs if (t := _tier(run['ranks'][0]['notes']))})) or '—'
+            diffs = [run['diff'] for run in runs if run['diff'] is not None]
+            diff = f"{max(diffs):.1e}" if diffs and arm != 'eager' else '—'
+            same = 'yes' if all(run['same'] for run in runs) else 'no'
+            rows.append(f"| {world} | {arm} | {m:.1f} s | {', '.join(f'{f:.1f}' for f in fits)} | {vs} | {at} | {when} | {hand} | "
+                        f"{tiers} | {diff} | {same} |")
+    return rows
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument('--world', type=int, nargs='+', default=[2, 4])
@@ -159,6 +230,8 @@ def main():
     ap.add_argument('--arms', default=None, help='comma-separated, of ' + ', '.join(ARMS))
     ap.add_argument('--config', default='{}', help="JSON over the workload's sizes")
     ap.add_argument('--timeout', type=float, default=1800, help="seconds a launch may take")
+    ap.add_argument('--repeat', type=int, default=1, help="runs of every arm, in turn")
+    ap.add_argument('--resume', action='store_true', help="add the runs to `--out`'s results.json")
     ap.add_argument('--out', default='bench/results/ddp/latest_first_run')
     ap.add_argument('--rank-of'); a = ap.parse_args()
     a.workload = a.workload or ('mlp' if a.device == 'cpu' else 'text')
@@ -166,41 +239,47 @@ def main():
     out = Path(a.out).resolve(); out.mkdir(parents=True, exist_ok=True) # Absolute: inductor needs its cache directory so
     if a.rank_of: return rank_main(out, a.rank_of, a.workload, a.cfg, a.device)
     arms = (a.arms or ('eager,in_path,background_cold,background_warm' if a.device == 'cpu' else 'eager,compile_cold,compile_warm')).split(',')
+    results = json.loads((out/'results.json').read_text()) if a.resume and (out/'results.json').exists() else {}
+    done = max((len(runs) for runs in results.values()), default=0) # Runs kept from before: the new ones follow them
+    for rep in range(done, done + a.repeat):
+        for world in a.world:
+            base = out/f'world{world}'; base.mkdir(exist_ok=True)
+            data = vision_data(base, a.cfg, world) if a.workload == 'vision' else None
+            for arm in arms:
+                cache = base/f'cache_{COLD_OF.get(arm, arm)}_{rep}'
+                t0 = time.perf_counter()
+                ranks = launch(base, arm, world, cache, a)
+                diff, same = compare(base, arm, world)
+                results.setdefault(f'{world}/{arm}', []).append(dict(ranks=ranks, diff=diff, same=same, launch_s=time.perf_counter() - t0))
+                print(f'run {rep + 1}, {world} rank(s), {arm}: fit {max(r["fit_s"] for r in ranks):.1f}s, launch {time.perf_counter() - t0:.1f}s, '
+                      f'first compiled {[r["first_compiled"] for r in ranks]}', flush=True)
+                write(out, results, a, arms)
+            for f in base.glob('*.pt'): f.unlink()
+    print((out/'README.md').read_text())
+
+def scaling(results:dict, worlds:list, arms:list)->list:
+    "Each arm's scaling from one device to each world size: one device's fit time over the world's, the same steps on every device"
+    fit = lambda k: _median([max(r['fit_s'] for r in run['ranks']) for run in results.get(k, [])])
+    return [f"- {arm}, 1 → {w} devices: {one / n:.0%} ({one:.1f} s against {n:.1f} s)" for arm in arms for w in worlds
+            if w > 1 and (one := fit(f'1/{arm}')) and (n := fit(f'{w}/{arm}'))]
+
+def write(out:Path, results:dict, a, arms:list):
+    "`results.json`, and the README's table of what ran so far, kept runs of other arms and world sizes included"
     import torch, fastai
-    rows, results = [], {}
-    for world in a.world:
-        base = out/f'world{world}'; base.mkdir(exist_ok=True)
-        for arm in arms:
-            cache = base/f'cache_{COLD_OF.get(arm, arm)}'
-            t0 = time.perf_counter()
-            ranks = launch(base, arm, world, cache, a)
-            diff, same = compare(base, arm, world)
-            results[f'{world}/{arm}'] = dict(ranks=ranks, diff=diff, same=same, launch_s=time.perf_counter() - t0)
-            print(f'{world} rank(s), {arm}: fit {max(r["fit_s"] for r in ranks):.1f}s, launch {time.perf_counter() - t0:.1f}s, '
-                  f'first compiled {[r["first_compiled"] for r in ranks]}', flush=True)
-            (out/'results.json').write_text(json.dumps(results, indent=1))
-        for f in base.glob('*.pt'): f.unlink()
-        eager = results.get(f'{world}/eager')
-        for arm in arms:
-            res = results[f'{world}/{arm}']; ranks = res['ranks']
-            fit = max(r['fit_s'] for r in ranks)
-            vs = f"{fit / max(r['fit_s'] for r in eager['ranks']):.2f}" if eager else '—'
-            firsts = sorted({None if r['first_compiled'] is None else tuple(r['first_compiled'][:3]) for r in ranks}, key=str)
-            at = ', '.join('none' if s is None else f'epoch {s[0]}, batch {s[1]} (training batch {s[2]})' for s in firsts)
-            when = [r['first_compiled'][3] for r in ranks if r['first_compiled']]
-            when = f"{min(when):.1f}–{max(when):.1f} s" if when else '—'
-            diff = '—' if res['diff'] is None else f"{res['diff']:.1e}"
-            rows.append(f"| {world} | {arm} | {fit:.1f} s | {vs} | {at} | {when} | {diff} | "
-                        f"{'yes' if res['same'] else 'no'} | {ranks[0]['loss']:.4f} |")
+    worlds = sorted({int(k.split('/')[0]) for k in results})
+    arms = list(dict.fromkeys([k.split('/')[1] for k in results] + arms))
+    (out/'results.json').write_text(json.dumps(results, indent=1))
     env = (f"{torch.cuda.get_device_name(0)} × {torch.cuda.device_count()}" if a.device == 'cuda' else
            f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
     head = (f"{env} · torch {torch.__version__} · fastai {fastai.__version__} · Python {platform.python_version()} · "
             f"{time.strftime('%Y-%m-%d')} · {a.workload} {json.dumps(a.cfg)}\n\n"
-            "| ranks | arm | fit (slowest rank) | × eager | first compiled training batch, every rank | when, from the fit's start | "
-            "max abs weight difference from eager | ranks' weights identical | last loss, rank 0 |\n"
-            "|---|---|---:|---:|---|---:|---:|---|---:|\n")
-    notes = '\n'.join(f"- {k}: " + '; '.join(v['ranks'][0]['notes']) for k,v in results.items() if v['ranks'][0]['notes'])
-    (out/'README.md').write_text(head + '\n'.join(rows) + '\n\nReports (rank 0):\n\n' + notes + '\n')
-    print((out/'README.md').read_text())
+            "| ranks | arm | fit (slowest rank), median | each run | × eager | first compiled training batch, every rank | "
+            "when, from the fit's start | the worker's hand-over (its start-up) | tier | max abs weight difference from eager | "
+            "ranks' weights identical |\n|---|---|---:|---|---:|---|---:|---|---|---:|---|\n")
+    scale = '\n'.join(scaling(results, worlds, arms))
+    notes = '\n'.join(f"- {k}, run {i + 1}: " + '; '.join(run['ranks'][0]['notes'])
+                      for k,runs in results.items() for i,run in enumerate(runs) if run['ranks'][0]['notes'])
+    (out/'README.md').write_text(head + '\n'.join(table(results, worlds, arms)) + (f'\n\nScaling:\n\n{scale}' if scale else '')
+                                 + '\n\nReports (rank 0):\n\n' + notes + '\n')
 
 if __name__ == '__main__': main()
