@@ -22,10 +22,12 @@ runs), the training batch at which each rank first ran compiled code and how far
 hand-over, the tier the ranks kept, and how far each arm's final weights are from eager's, and from each other's across
 ranks.
 """
-import argparse, json, os, platform, socket, subprocess, sys, time
+import argparse, json, os, platform, re, socket, subprocess, sys, time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from workflow import median # noqa: E402 (bench/workflow.py, beside this script)
 # An arm's `learn.compile` arguments (`None`: eager). `learn.compile()` compiles in a worker by default on a GPU alone
 ARMS = {'eager': None, 'in_path': dict(background=False), 'background_cold': dict(background=True),
         'background_warm': dict(background=True), 'compile_cold': {}, 'compile_warm': {}, 'default_cold': dict(mode='default')}
@@ -98,7 +100,6 @@ BUILD = {'mlp': _mlp, 'text': _text, 'vision': _vision}
 def rank_main(out:Path, arm:str, workload:str, config:dict, device_type:str):
     "One rank of one arm (or the one process of a one-device arm): the workload's fit, under `distrib_ctx` where there are ranks"
     os.environ.setdefault('OMP_NUM_THREADS', '1')
-    sys.path.insert(0, str(HERE))
     import torch
     from contextlib import nullcontext
     from fastai.callback.core import Callback
@@ -176,37 +177,34 @@ def compare(out:Path, arm:str, world:int, base:str='eager')->tuple:
         diff = max((w0[k].float() - b[k].float()).abs().max().item() for k in w0 if w0[k].is_floating_point())
     return diff, same
 
-def _handover(notes:list)->str|None:
-    "Seconds the worker took to hand over the state's code, and its start-up's share, from the report's note"
-    import re
+def _handover(notes:list)->tuple|None:
+    "(seconds the worker took to hand over the state's code, its start-up's share), from the report's note"
     for n in notes:
         if (m := re.match(r"compiled in a worker process in ([\d.]+)s.*?start-up took ([\d.]+)s", n)): return float(m[1]), float(m[2])
     return None
 
 def _tier(notes:list)->str:
     "The tier the ranks kept, and its step against the default's, from the report's notes"
-    import re
     for n in notes:
         if (m := re.match(r"tier (\S+) took over at (.*?)(?:, on all \d+ ranks at once)?: .*?([\d.]+ ms a step against [\d.]+ ms for [^,;]*)", n)):
             return f"{m[1]} from {m[2]}: {m[3]}"
         if n.startswith(('no faster tier', 'tier ')): return n.split(':')[0]
     return ''
 
-def _median(xs:list):
-    from statistics import median
-    return median(xs) if xs else None
+def _fits(results:dict, key:str)->list:
+    "Each run's fit time of arm `key` ('world/arm'): its slowest rank's"
+    return [max(r['fit_s'] for r in run['ranks']) for run in results.get(key, [])]
 
 def table(results:dict, worlds:list, arms:list)->list:
     "The README's rows: each world size and arm, the median of its runs"
     rows = []
-    fit = lambda run: max(r['fit_s'] for r in run['ranks'])
     for world in worlds:
-        eager = _median([fit(r) for r in results.get(f'{world}/eager', [])])
+        eager = median(_fits(results, f'{world}/eager'))
         for arm in arms:
             runs = results.get(f'{world}/{arm}', [])
             if not runs: continue
-            fits = [fit(r) for r in runs]
-            m = _median(fits)
+            fits = _fits(results, f'{world}/{arm}')
+            m = median(fits)
             vs = f"{m / eager:.2f}" if eager and arm != 'eager' else '—'
             firsts = sorted({None if r['first_compiled'] is None else tuple(r['first_compiled'][:3]) for run in runs for r in run['ranks']}, key=str)
             at = '; '.join('none' if f is None else f'epoch {f[0]}, batch {f[1]} (training batch {f[2]})' for f in firsts)
@@ -231,7 +229,7 @@ def main():
     ap.add_argument('--config', default='{}', help="JSON over the workload's sizes")
     ap.add_argument('--timeout', type=float, default=1800, help="seconds a launch may take")
     ap.add_argument('--repeat', type=int, default=1, help="runs of every arm, in turn")
-    ap.add_argument('--resume', action='store_true', help="add the runs to `--out`'s results.json")
+    ap.add_argument('--resume', action='store_true', help="add the runs to `--out`'s results.json, of the same workload and sizes")
     ap.add_argument('--out', default='bench/results/ddp/latest_first_run')
     ap.add_argument('--rank-of'); a = ap.parse_args()
     a.workload = a.workload or ('mlp' if a.device == 'cpu' else 'text')
@@ -244,7 +242,7 @@ def main():
     for rep in range(done, done + a.repeat):
         for world in a.world:
             base = out/f'world{world}'; base.mkdir(exist_ok=True)
-            data = vision_data(base, a.cfg, world) if a.workload == 'vision' else None
+            if a.workload == 'vision': vision_data(base, a.cfg, world)
             for arm in arms:
                 cache = base/f'cache_{COLD_OF.get(arm, arm)}_{rep}'
                 t0 = time.perf_counter()
@@ -259,9 +257,8 @@ def main():
 
 def scaling(results:dict, worlds:list, arms:list)->list:
     "Each arm's scaling from one device to each world size: one device's fit time over the world's, the same steps on every device"
-    fit = lambda k: _median([max(r['fit_s'] for r in run['ranks']) for run in results.get(k, [])])
     return [f"- {arm}, 1 → {w} devices: {one / n:.0%} ({one:.1f} s against {n:.1f} s)" for arm in arms for w in worlds
-            if w > 1 and (one := fit(f'1/{arm}')) and (n := fit(f'{w}/{arm}'))]
+            if w > 1 and (one := median(_fits(results, f'1/{arm}'))) and (n := median(_fits(results, f'{w}/{arm}')))]
 
 def write(out:Path, results:dict, a, arms:list):
     "`results.json`, and the README's table of what ran so far, kept runs of other arms and world sizes included"
