@@ -51,17 +51,24 @@ def log_process(log, title:str, cmd:list, fin:Finished, lines=60)->str:
     return tail
 
 def run_jobs(jobs:list, keys:tuple, run_one, write, progress, budget:float|None=None)->list:
-    "Each job's record from `run_one(job)`, in order; after each, print `progress(record)` and `write(records)`"
+    "The records `run_one(job)` returns for each job (one, or a list of copies run at once), in order; after each job, print `progress(record)` and `write(records)`"
     records, t0 = [], time.perf_counter()
     for i, job in enumerate(jobs):
         print(f"[{i+1}/{len(jobs)} {time.perf_counter()-t0:4.0f}s] {' '.join(map(str, job)):<46}", end=' ', flush=True)
         if budget and time.perf_counter() - t0 > budget:
-            rec = dict(zip(keys, job), status='skipped', reason=f'over the --budget of {budget:.0f}s')
-        else: rec = run_one(job)
-        records.append(rec)
-        print(progress(rec) if rec.get('status') == 'ok' else f"{rec['status'].upper()}: {str(rec.get('reason', ''))[:200]}", flush=True)
+            recs = dict(zip(keys, job), status='skipped', reason=f'over the --budget of {budget:.0f}s')
+        else: recs = run_one(job)
+        recs = recs if isinstance(recs, list) else [recs]
+        records += recs
+        print(' | '.join(progress(r) if r.get('status') == 'ok' else f"{r['status'].upper()}: {str(r.get('reason', ''))[:200]}" for r in recs), flush=True)
         write(records) # So a killed run leaves what it measured
     return records
+
+def core_share(slot:int, slots:int)->list:
+    "The cores of this process that the `slot`-th of `slots` processes run at once is pinned to: an equal share, in order"
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else list(range(os.cpu_count() or 1))
+    n = max(len(cores) // slots, 1)
+    return cores[slot*n:(slot+1)*n] or cores[-n:]
 
 def git_commit()->str|None:
     "The checkout's short commit, `+dirty` when the library has uncommitted changes"

@@ -60,12 +60,13 @@ after every arm. Exits with status 1 when an arm failed.
 """
 from __future__ import annotations
 import argparse, datetime, json, os, shutil, statistics, sys, tempfile, time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from procs import ROOT, arm_env, env_line, git_commit, log_process, run_jobs, run_process, versions
+from procs import ROOT, arm_env, core_share, env_line, git_commit, log_process, run_jobs, run_process, versions
 
 # A compiled arm is a kind of `learn.compile()` call started one of three ways: `cold`, with a fresh inductor cache;
 # `warm`, a new process on the cold run's cache; `saved`, a fresh cache after `learn.load_compile_cache()` of the file
@@ -487,7 +488,8 @@ def plan(workflows, arms, repeat, smoke_default=False)->list:
                 jobs.append((w, a, rep))
     return jobs
 
-def run_job(args, job, spec_base, caches:dict, tmp:Path, log)->dict:
+def run_job(args, job, spec_base, caches:dict, tmp:Path, log, slot:int|None=None)->dict:
+    "Run one arm's process; `slot` i of `--gpus`: on GPU i alone, pinned to its share of the cores"
     w, arm, rep = job
     if arm == 'compile-ro' and args.device != 'cuda':
         return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason="reduce-overhead (CUDA graphs) needs a GPU")
@@ -503,8 +505,11 @@ def run_job(args, job, spec_base, caches:dict, tmp:Path, log)->dict:
     if arm.endswith('-saved'): spec['load_cache'] = str(tmp/f'{w}-{COLD_OF[arm]}-{rep}')
     spec_path, result = tmp/f'{w}-{arm}-{rep}.spec.json', tmp/f'{w}-{arm}-{rep}.json'
     spec_path.write_text(json.dumps(spec))
-    cmd = [sys.executable, Path(__file__).resolve(), '--child', spec_path, '--result', result]
-    fin = run_process(cmd, arm_env(cache), args.timeout, cwd=ROOT)
+    cmd, env = [sys.executable, Path(__file__).resolve(), '--child', spec_path, '--result', result], arm_env(cache)
+    if slot is not None:
+        env['CUDA_VISIBLE_DEVICES'] = str(slot)
+        if shutil.which('taskset'): cmd = ['taskset', '-c', ','.join(map(str, core_share(slot, args.gpus)))] + cmd
+    fin = run_process(cmd, env, args.timeout, cwd=ROOT)
     tail = log_process(log, f"{w} {arm} run {rep} (TORCHINDUCTOR_CACHE_DIR={cache})", cmd, fin, lines=80)
     if result.exists() and fin.rc == 0: rec = json.loads(result.read_text())
     else:
@@ -513,6 +518,13 @@ def run_job(args, job, spec_base, caches:dict, tmp:Path, log)->dict:
                    log_tail=tail[-3000:])
     rec['process_wall_s'] = fin.wall
     return rec
+
+def run_copies(args, job, spec_base, caches:dict, tmp:Path, log)->dict|list:
+    "`job` once, or with `--gpus` N as N runs at once, run i on GPU i (repeat `repeat*N + i`): every run of an arm meets the same neighbours"
+    if args.gpus == 1: return run_job(args, job, spec_base, caches, tmp, log)
+    w, arm, rep = job
+    with ThreadPoolExecutor(args.gpus) as ex:
+        return list(ex.map(lambda i: run_job(args, (w, arm, rep*args.gpus + i), spec_base, caches, tmp, log, slot=i), range(args.gpus)))
 
 def median(xs):
     xs = [x for x in xs if x is not None]
@@ -566,6 +578,8 @@ def render_md(data)->str:
              "the same epochs (all epochs when there is no steady one); in the eager arms fastai's `Recorder` waits for each "
              "batch's loss, so the GPU idles that long (with `learn.compile()` too). compile s, graphs, recompiles, fallbacks (frames that hit the recompile limit and run eagerly) and "
              "graph breaks come from `learn.compiler.report`. With several runs, each number is the median over the runs. "
+             + (f"The runs of each arm ran {meta['gpus']} at once, each on a GPU of its own, pinned to an equal share of the host's "
+                f"cores, with the same neighbours for every arm: {meta['gpus'] - 1} more run(s) of itself. " if meta.get('gpus', 1) > 1 else "") +
              f"Backend `{meta.get('backend') or 'inductor'}`" + (", bf16 (`to_bf16`) for vision and text" if env.get('cuda') and not smoke and 'CPU' not in str(env.get('device')) else "") + ".")
     L.append("")
     for w in dict.fromkeys(r['workflow'] for r in recs):
@@ -641,6 +655,8 @@ def main():
                    "on tabular only and no tiers arms; compile-ro is skipped on the CPU, where the tiers arms compile in the background without tiers)")
     p.add_argument('--out', default=None, help='folder for workflow.json, workflow.md, arms.log (default: bench/results/workflow/latest; smoke: fxc-workflow-smoke in the temp folder)')
     p.add_argument('--repeat', type=int, default=1, help='runs of each arm (compile-warm reuses the same run\'s compile-cold cache)')
+    p.add_argument('--gpus', type=int, default=1, help='run each arm on this many GPUs at once, one process on each GPU pinned to its '
+                   'share of the cores: --repeat 1 --gpus 4 gives 4 runs of each arm, every arm beside three runs of itself')
     p.add_argument('--smoke', action='store_true', help='tiny sizes on the CPU: checks that every workflow and arm runs')
     p.add_argument('--device', default=None, choices=['cuda', 'cpu'], help='default: cuda when available (cpu with --smoke)')
     p.add_argument('--num-workers', type=int, default=None, help="DataLoader workers (default: fastai's default; 0 with --smoke)")
@@ -682,10 +698,10 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     configs = {w: {**WORKFLOWS[w]['smoke' if args.smoke else 'gpu'], **overrides.get(w, {})} for w in workflows}
     meta = dict(date=datetime.datetime.now().isoformat(timespec='seconds'), git=git_commit(), argv=sys.argv[1:], smoke=args.smoke,
-                device=args.device, backend=args.backend or 'inductor', num_workers=num_workers, configs=configs, data={})
+                device=args.device, backend=args.backend or 'inductor', num_workers=num_workers, configs=configs, data={}, gpus=args.gpus)
     jobs = plan(workflows, arms, args.repeat, smoke_default=args.smoke and not arms_given)
-    print(f"{len(jobs)} arm processes on {args.device}: {','.join(workflows)} x {','.join(a for a in ARMS if a in arms)}, "
-          f"{args.repeat} run(s) each; timeout {args.timeout:.0f}s each", flush=True)
+    print(f"{len(jobs)*args.gpus} arm processes on {args.device}: {','.join(workflows)} x {','.join(a for a in ARMS if a in arms)}, "
+          f"{args.repeat*args.gpus} run(s) each{f', {args.gpus} at once' if args.gpus > 1 else ''}; timeout {args.timeout:.0f}s each", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix='fxc-workflow-'))
     caches, t0 = {}, time.perf_counter()
     try:
@@ -710,7 +726,7 @@ def main():
                 spec['data'] = str(data)
             spec_base[w] = spec
         with open(out/'arms.log', 'w') as log:
-            records = run_jobs(jobs, ('workflow', 'arm', 'repeat'), lambda job: run_job(args, job, spec_base, caches, tmp, log),
+            records = run_jobs(jobs, ('workflow', 'arm', 'repeat'), lambda job: run_copies(args, job, spec_base, caches, tmp, log),
                                lambda recs: write_outputs(results(meta, recs), out), fmt_progress, args.budget)
     finally: shutil.rmtree(tmp, ignore_errors=True)
     write_outputs(results(meta, records), out)
