@@ -3,7 +3,7 @@
     python bench/profile_fit.py --workflow text --epochs 3 --arm tiers   # learn.compile(), profiled in the last epoch
     python bench/profile_fit.py --workflow text --arm eager-fused        # torch's fused AdamW, eagerly
 
-Prints each epoch's training time and its wait for the DataLoader; for the profiled batches, their wall time, the GPU's
+Prints each epoch's training time and its time between batches (the DataLoader, and the callbacks' `before_batch`); for the profiled batches, their wall time, the GPU's
 busy time in them, the host calls that can wait for the GPU (synchronizations, copies, launches), the top host
 operations, the processes beside the fit, and the Python lines that called `Tensor.item` or `torch.cuda.synchronize`
 (an `.item()` of a GPU tensor waits for the GPU). `--smoke` runs it tiny on the CPU.
@@ -44,7 +44,7 @@ torch.cuda.synchronize = spy('synchronize', torch.cuda.synchronize)
 class Prof(Callback):
     "Profiles `--batches` training batches from the middle of the last epoch"
     order = 2000
-    def __init__(self): self.on, self.p, self.t = False, None, None
+    def __init__(self): self.on, self.p, self.t, self.first = False, None, None, None
     def before_batch(self):
         if self.training and self.epoch == self.n_epoch - 1 and self.iter == self.n_iter // 3:
             if cuda: torch.cuda.synchronize()
@@ -75,8 +75,8 @@ class Prof(Callback):
 prof = Prof()
 learn.add_cb(prof)
 class Epochs(Callback):
-    "Each epoch's training time and the share of it spent waiting for batches"
-    order = 1999
+    "Each epoch's training time, and its time between batches: from this callback's `after_batch` to its next `before_batch`"
+    order = 1999 # Last but one at each event: between batches counts the DataLoader and the other callbacks' `before_batch`
     def before_train(self): self.t, self.wait, self.mark = time.perf_counter(), 0., time.perf_counter()
     def before_batch(self):
         if self.training: self.wait += time.perf_counter() - self.mark
@@ -84,7 +84,7 @@ class Epochs(Callback):
         if self.training: self.mark = time.perf_counter()
     def after_train(self):
         if cuda: torch.cuda.synchronize()
-        print(f"epoch {self.epoch}: train {time.perf_counter()-self.t:.2f}s, waiting for batches {self.wait:.2f}s")
+        print(f"epoch {self.epoch}: train {time.perf_counter()-self.t:.2f}s, between batches {self.wait:.2f}s")
 learn.add_cb(Epochs())
 t = time.perf_counter()
 with learn.no_bar(): fit()
