@@ -15,7 +15,7 @@ from .core import model_fingerprint
 from .internals import inductor_cache_dir
 from .worker import Worker, Job, JobResult, job_payload, read_json, write_json
 from .state import StateKey, Stage, Probe, ModelState, state_key
-from .payoff import SAVING, batches_left, pays_back, rest_needed, warm_cost
+from .payoff import SAVING, WORKER_HANDOVER_S, WORKER_SLOWDOWN, batches_left, pays_back, rest_needed, warm_cost, worker_rest
 from .agreement import Local, DDP
 
 # %% auto #0
@@ -85,10 +85,13 @@ class _Probes:
         cost = aside.cold_cost_s if rec is None else warm_cost(rec, aside.warm_s)
         left, step_s, self.fastest_s = batches_left(learn), st.probe.step_s, st.probe.fastest
         # A tier compiled first in the fit's path was found to pay back its compile there, by the tier's own saving
-        if (rec is None and st.path) or pays_back(left, SAVING*step_s, cost): return True
+        if rec is None and st.path: return True
+        # A cold compile goes to the worker: its code serves only the batches left after its hand-over
+        if pays_back(left if rec is not None else worker_rest(left, step_s, aside.handover_s), SAVING*step_s, cost): return True
         st.to(Stage.SHORT) # Not worth it: eager for the rest of this fit
         aside.worker.idle() # Not needed this fit, unless a job waits for it
-        aside.notes.append(_too_short(left, step_s*left, None if rec is None else cost, rest_needed(cost)))
+        needed_s = rest_needed(cost) + (0. if rec is not None else aside.handover_s / WORKER_SLOWDOWN) # Seconds of eager steps that pay
+        aside.notes.append(_too_short(left, step_s*left, None if rec is None else cost, needed_s))
         return False
 
     def timed(self, seconds:float):
@@ -192,10 +195,10 @@ class WarmStarts:
 class BackgroundCompile:
     "Compile a model state in a worker process, into the on-disk caches, while the fit trains eagerly; then take over warm"
     # A cold compile's cost to the fit's path: with a step `SAVING` faster, a fit with under 30 s of eager steps left
-    # trains eagerly without a worker (a cold compile beside the fit takes 40-50s on an H100, torch 2.11, and slows the
-    # fit's eager steps while it runs); 0 compiles every state without timing it first. A warm compile recorded without
-    # its time is taken to cost `warm_s`
-    probe_batches, cold_cost_s, warm_s = 8, 6., 5.
+    # once a cold worker hands its code over (`handover_s` after its job, start-up included) trains eagerly without a
+    # worker (the eager steps beside a compiling worker run slower); 0 compiles every state without timing it first. A
+    # warm compile recorded without its time is taken to cost `warm_s`
+    probe_batches, cold_cost_s, warm_s, handover_s = 8, 6., 5., WORKER_HANDOVER_S
     default_on = ('cuda',) # Device types where `background=None` compiles in a worker: beside the fit, not in its path
     def __init__(self,
         settings:dict, # `torch.compile` settings, from `compile_settings`

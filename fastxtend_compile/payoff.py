@@ -8,8 +8,8 @@ from statistics import median
 
 # %% auto #0
 __all__ = ['SAVING', 'MARGIN', 'AUTOTUNE_SAVING', 'WORKER_HANDOVER_S', 'WORKER_SLOWDOWN', 'batches_left', 'pays_back',
-           'rest_needed', 'warm_cost', 'tier_saving', 'pick_tier', 'first_saving', 'first_tier', 'first_in_path',
-           'cudagraphs_fit', 'faster']
+           'rest_needed', 'warm_cost', 'tier_saving', 'pick_tier', 'first_saving', 'first_tier', 'worker_rest',
+           'first_in_path', 'cudagraphs_fit', 'faster']
 
 # %% ../nbs/14_payoff.ipynb #23d4101a
 SAVING = 0.2 # The share of a step a compiled one is expected to save, until a fit has measured it
@@ -85,6 +85,15 @@ def first_tier(
 # A cold worker's hand-over (start-up 11-17s, then a compile beside the fit) came 32-41s after its job was sent, and the
 # launch-bound eager steps beside it ran 20-40% slower: an H100 and an H200, torch 2.11, a transformer fit
 WORKER_HANDOVER_S, WORKER_SLOWDOWN = 35., 1.3
+
+def worker_rest(
+    left:int, # The fit's training batches left
+    step_s:float, # Seconds of an eager step
+    handover_s:float=WORKER_HANDOVER_S, # Seconds a cold worker takes from its job to its hand-over
+    slowdown:float=WORKER_SLOWDOWN, # How much slower an eager step runs beside the worker compiling
+)->int:
+    "The training batches left once a cold worker hands its code over: those before run eagerly, slowed, beside it"
+    return max(left - int(handover_s / (step_s * slowdown)), 0)
 
 def first_in_path(
     busy:float|None, # The share of an eager training step in which the GPU runs work; `None` where not measured

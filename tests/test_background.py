@@ -55,6 +55,7 @@ class MeasuredEagerly(Callback):
 def test_the_probes_eager_batches_are_the_reports_eager_step(cold_cache, monkeypatch):
     "A new state's probe times its eager batches alone once, for the background's verdict and the report: no eager batch after the hand-over"
     monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 1e-9) # The probe runs, and any fit pays back the compile
+    monkeypatch.setattr(BackgroundCompile, 'handover_s', 0) # Its code serves the fit's rest from the job on
     spy, n = MeasuredEagerly(), BackgroundCompile.probe_batches
     comp = _fit(True, cbs=[spy, WaitForWorker(at=n)], epochs=1)
     r = comp.compiler.report
@@ -308,6 +309,24 @@ def test_the_hand_overs_compile_is_timed_within_its_epoch_and_phase(tmp_path, mo
     warm.times_warm = False # Under DDP, a rank other than 0: timed, not recorded
     warm.time('third', 10., 0, at(0, 5))
     assert warm.timed(14., at(0, 7), 0.5) == (0, 3.) and warm.get('third') is None
+
+@pytest.mark.parametrize('batches', [2000, 4000])
+def test_a_cold_compile_pays_back_only_with_the_batches_left_after_the_workers_hand_over(tmp_path, monkeypatch, batches):
+    "Its code serves the batches after the worker's hand-over: a fit whose rest would pay back the compile, but not after that, trains eagerly"
+    from types import SimpleNamespace
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
+    learn = SimpleNamespace(n_epoch=1, n_iter=batches, epoch=0, iter=0, training=True)
+    aside, model = BackgroundCompile({'backend': 'eager'}), nn.Linear(2, 2)
+    st, n = aside.state(state_key(model, (torch.randn(1, 2),), True), model), BackgroundCompile.probe_batches
+    for _ in range(n):
+        assert not aside.probes.judge(aside, st, learn)
+        aside.probed(0.02) # A 20 ms eager step
+    learn.iter = n
+    # 1992 batches left save 8s against a 6s cold compile, but 1346 of them run before the worker's 35s hand-over
+    assert aside.probes.judge(aside, st, learn) == (batches == 4000)
+    if batches == 2000:
+        assert st.stage is Stage.SHORT and aside.notes == ["trained eagerly: the fit's 1992 training batches left, about 40s eagerly, are too "
+            "few to pay back a compile (under 57s; `background=False` compiles in the fit's path)"], aside.notes
 
 def test_the_probe_times_the_fastest_eager_step_for_the_hand_overs_timing(tmp_path, monkeypatch):
     "A fit's slow first batch (its loader starting) weighs on the probe's mean, not on what the hand-over's timing takes off"
