@@ -30,7 +30,8 @@ sys.path.insert(0, str(HERE))
 from workflow import median # noqa: E402 (bench/workflow.py, beside this script)
 # An arm's `learn.compile` arguments (`None`: eager). `learn.compile()` compiles in a worker by default on a GPU alone
 ARMS = {'eager': None, 'in_path': dict(background=False), 'background_cold': dict(background=True),
-        'background_warm': dict(background=True), 'compile_cold': {}, 'compile_warm': {}, 'default_cold': dict(mode='default')}
+        'background_warm': dict(background=True), 'compile_cold': {}, 'compile_warm': {}, 'default_cold': dict(mode='default'),
+        'ro': dict(mode='reduce-overhead', background=False)} # CUDA graphs picked by hand, compiled in the fit's path
 COLD_OF = {'background_warm': 'background_cold', 'compile_warm': 'compile_cold'} # Warm arms start on their cold arm's cache
 WORKLOADS = {
     'mlp': dict(n_batches=512, bs=64, hidden=512, epochs=4), # Batches an epoch on each rank
@@ -97,7 +98,7 @@ def vision_data(base:Path, c:dict, world:int)->Path:
 
 BUILD = {'mlp': _mlp, 'text': _text, 'vision': _vision}
 
-def rank_main(out:Path, arm:str, workload:str, config:dict, device_type:str):
+def rank_main(out:Path, arm:str, workload:str, config:dict, device_type:str, a=None):
     "One rank of one arm (or the one process of a one-device arm): the workload's fit, under `distrib_ctx` where there are ranks"
     os.environ.setdefault('OMP_NUM_THREADS', '1')
     import torch
@@ -132,9 +133,19 @@ def rank_main(out:Path, arm:str, workload:str, config:dict, device_type:str):
                 self.first = (self.epoch, self.iter, self.train_iter, time.perf_counter() - self.t0)
     sw = Switch()
     learn.add_cb(sw)
+    phases = None
+    if a is not None and a.phases:
+        from phases import Phases
+        phases = Phases(profile=a.profile and not rank_distrib())
+        learn.add_cb(phases)
+    if a is not None and a.loss == 'local': _local_smooth_loss()
     sync = torch.cuda.synchronize if device_type == 'cuda' else (lambda: None)
+    ddp = {}
+    if a is not None and a.ddp_kwargs:
+        from accelerate import DistributedDataParallelKwargs
+        ddp = dict(kwargs_handlers=[DistributedDataParallelKwargs(**json.loads(a.ddp_kwargs))])
     # No SyncBatchNorm (fastai's default converts to it): it needs a GPU, and no workload here compares it
-    ctx = learn.distrib_ctx(cpu=device_type == 'cpu', sync_bn=False) if world > 1 else nullcontext()
+    ctx = learn.distrib_ctx(cpu=device_type == 'cpu', sync_bn=False, **ddp) if world > 1 else nullcontext()
     with ctx, learn.no_logging():
         sync()
         t0 = time.perf_counter()
@@ -146,8 +157,18 @@ def rank_main(out:Path, arm:str, workload:str, config:dict, device_type:str):
     report = None if settings is None else learn.compiler.report
     res = dict(rank=rank, fit_s=fit_s, first_compiled=sw.first, batches=learn.train_iter, loss=float(learn.recorder.losses[-1]),
                notes=[] if report is None else report.background,
-               summary=None if report is None else report.summary(), device=device)
+               summary=None if report is None else report.summary(), device=device,
+               phases=None if phases is None else phases.summary())
     (out/f'{arm}_rank{rank}.json').write_text(json.dumps(res))
+
+def _local_smooth_loss():
+    "Each rank's smooth loss from its own batches, kept on its device: no gather across ranks and no wait for the GPU a batch"
+    import torch
+    from fastai.learner import AvgSmoothLoss
+    def accumulate(self, learn):
+        self.count += 1
+        self.val = torch.lerp(learn.loss.detach().mean().float(), self.val.to(learn.loss.device), self.beta)
+    AvgSmoothLoss.accumulate = accumulate
 
 def launch(out:Path, arm:str, world:int, cache:Path, a)->list:
     "Start `world` processes of `arm` (one, without DDP, where `world` is 1) and wait for them: what each wrote"
@@ -161,7 +182,9 @@ def launch(out:Path, arm:str, world:int, cache:Path, a)->list:
         env = dict(base) if world == 1 else dict(base, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
                                                  LOCAL_WORLD_SIZE=str(world), MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, __file__, '--rank-of', arm, '--out', str(out), '--device', a.device,
-                                       '--workload', a.workload, '--config', json.dumps(a.cfg)], env=env))
+                                       '--workload', a.workload, '--config', json.dumps(a.cfg), '--loss', a.loss]
+                                      + ['--phases'] * a.phases + ['--profile'] * a.profile
+                                      + (['--ddp-kwargs', a.ddp_kwargs] if a.ddp_kwargs else []), env=env))
     for pr in procs: pr.wait(timeout=a.timeout)
     return [json.loads((out/f'{arm}_rank{r}.json').read_text()) for r in range(world)]
 
@@ -231,11 +254,16 @@ def main():
     ap.add_argument('--repeat', type=int, default=1, help="runs of every arm, in turn")
     ap.add_argument('--resume', action='store_true', help="add the runs to `--out`'s results.json, of the same workload and sizes")
     ap.add_argument('--out', default='bench/results/ddp/latest_first_run')
+    ap.add_argument('--phases', action='store_true', help="time each training batch's phases, host and device, in the last epoch")
+    ap.add_argument('--profile', action='store_true', help="with --phases, profile 30 training batches of the last epoch on rank 0")
+    ap.add_argument('--loss', default='fastai', choices=['fastai', 'local'],
+                    help="'local': the smooth loss of each rank's own batches, on its device (no gather, no wait a batch)")
+    ap.add_argument('--ddp-kwargs', default=None, help="JSON of DistributedDataParallel's arguments, through accelerate")
     ap.add_argument('--rank-of'); a = ap.parse_args()
     a.workload = a.workload or ('mlp' if a.device == 'cpu' else 'text')
     a.cfg = {**WORKLOADS[a.workload], **json.loads(a.config)}
     out = Path(a.out).resolve(); out.mkdir(parents=True, exist_ok=True) # Absolute: inductor needs its cache directory so
-    if a.rank_of: return rank_main(out, a.rank_of, a.workload, a.cfg, a.device)
+    if a.rank_of: return rank_main(out, a.rank_of, a.workload, a.cfg, a.device, a)
     arms = (a.arms or ('eager,in_path,background_cold,background_warm' if a.device == 'cpu' else 'eager,compile_cold,compile_warm')).split(',')
     results = json.loads((out/'results.json').read_text()) if a.resume and (out/'results.json').exists() else {}
     done = max((len(runs) for runs in results.values()), default=0) # Runs kept from before: the new ones follow them
