@@ -138,6 +138,7 @@ def rank_main(out:Path, arm:str, workload:str, config:dict, device_type:str, a=N
         from phases import Phases
         phases = Phases(profile=a.profile and not rank_distrib())
         learn.add_cb(phases)
+        _time_agreements(phases)
     if a is not None and a.loss == 'local': _local_smooth_loss()
     sync = torch.cuda.synchronize if device_type == 'cuda' else (lambda: None)
     ddp = {}
@@ -158,8 +159,18 @@ def rank_main(out:Path, arm:str, workload:str, config:dict, device_type:str, a=N
     res = dict(rank=rank, fit_s=fit_s, first_compiled=sw.first, batches=learn.train_iter, loss=float(learn.recorder.losses[-1]),
                notes=[] if report is None else report.background,
                summary=None if report is None else report.summary(), device=device,
-               phases=None if phases is None else phases.summary())
+               phases=None if phases is None else {**phases.summary(), 'agreements': getattr(phases, 'agreements', None)})
     (out/f'{arm}_rank{rank}.json').write_text(json.dumps(res))
+
+def _time_agreements(phases):
+    "Count the ranks' agreements (`agreement.DDP.gather`) and their time into `phases.agreements`"
+    from fastxtend_compile import agreement
+    phases.agreements, gather = dict(n=0, s=0.), agreement.DDP.gather
+    def timed(self, obj, where):
+        t = time.perf_counter()
+        try: return gather(self, obj, where)
+        finally: phases.agreements['n'] += 1; phases.agreements['s'] += time.perf_counter() - t
+    agreement.DDP.gather = timed
 
 def _local_smooth_loss():
     "Each rank's smooth loss from its own batches, kept on its device: no gather across ranks and no wait for the GPU a batch"
