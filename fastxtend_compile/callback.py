@@ -31,6 +31,7 @@ from .optimizer import compile_optimizer, uncompile_optimizer
 from .background import BackgroundCompile
 from .state import state_key
 from .tiers import Tiers, own_grads
+from .gradsync import GradSync
 
 # %% auto #0
 __all__ = ['CompilerCallback']
@@ -132,6 +133,8 @@ class _DDPStrategy:
         self.in_backward = False # This fit's backwards run through compiled autograd, with DDP's all-reduces in their graphs
         self.captures = 0 # Backward graphs compiled autograd had captured in this process when the fit began
         self.backward = None # The compiled autograd context of the backward running
+        self.sync = GradSync() # With whole graphs, the compiled batches' gradients averaged in one all-reduce
+        self.reducer = None # Why DDP's reducer averages the compiled batches' gradients instead (`why_ddp_syncs`)
 
     def before_wrap(self):
         "Before DDP wraps the model: with `compiled_autograd`, choose DDP's Python reducer (DDP reads the setting as it wraps)"
@@ -155,7 +158,18 @@ class _DDPStrategy:
                           "the graphs stay whole and the gradients are all-reduced after the backward")
         if self.old is None: self.old = optimize_ddp()
         set_optimize_ddp('no_optimization') # Whole graphs: splitting them at DDP's buckets was slower in every launch measured
+        self.reducer = self.sync.start(model)
         return True
+
+    def before_batch(self,
+        compiled:bool, # This training batch runs compiled code
+    ):
+        "A training batch starts: DDP's reducer averages an eager one; a compiled one's gradients, all ready at once, `GradSync`"
+        self.sync.before_batch(compiled)
+
+    def params_changed(self):
+        "The parameters that train changed during the fit"
+        self.sync.params_changed()
 
     def backward_graphs(self)->int|None:
         "The backward graphs compiled autograd captured in this fit; `None` when it does not run the backwards"
@@ -168,15 +182,17 @@ class _DDPStrategy:
         self.backward.__enter__()
 
     def exit_backward(self):
-        "Leave compiled autograd once the backward is done"
+        "The backward is done: leave compiled autograd, or average the compiled batch's gradients"
+        self.sync.after_backward()
         if self.backward is None: return
         backward, self.backward = self.backward, None
         backward.__exit__(None, None, None)
 
     def restore(self):
         "Put back what the fit changed"
-        self.exit_backward()
-        self.in_backward = False
+        if self.backward is not None: self.backward.__exit__(None, None, None)
+        self.backward, self.in_backward, self.reducer = None, False, None
+        self.sync.stop()
         if self.old is not None: set_optimize_ddp(self.old)
         if self.old_reducer is not None: restore_python_reducer_settings(self.old_reducer)
         if self.old_cache is not None: set_aot_autograd_cache(self.old_cache)
@@ -259,7 +275,7 @@ class CompilerCallback(Callback):
         model, rec = self.learn.model, self.compile_recorder
         rec.model_name, rec.show = type(inner_model(model)).__name__, self._show
         ddp = self.ddp.set(model)
-        rec.start(partial(torch.cuda.synchronize, device) if device.type == 'cuda' else None, ddp=ddp,
+        rec.start(partial(torch.cuda.synchronize, device) if device.type == 'cuda' else None, ddp=ddp, ddp_reducer=self.ddp.reducer,
                   compiled_backward=self.ddp.in_backward, train=self.learn.dls.train, epochs=getattr(self.learn, 'n_epoch', 1))
         self.precision.set(device)
         self.precompile.set(inner_model(model), ddp=isinstance(model, DistributedDataParallel))
@@ -317,6 +333,7 @@ class CompilerCallback(Callback):
         self.freeze_changed = True
         self.compile_recorder.note_freeze_change()
         if self.active: self._own_grads() # Parameters unfrozen during the fit
+        self.ddp.params_changed()
 
     def before_batch(self):
         if not self.active: return
@@ -326,6 +343,7 @@ class CompilerCallback(Callback):
         key = None if p.aside is None else state_key(model, self.learn.xb, self.training) # Once a batch, for every part that asks
         p.start_batch(self.learn, key, measure=rec.wants_eager_step(getattr(self.learn, 'n_iter', 0)), whole_backward=self.ddp.in_backward)
         self.tiers.before_batch(self.learn, p.eager, key, model)
+        if self.training: self.ddp.before_batch(not p.eager)
         if p.timed: rec.batch_start(self.training, self.learn.xb, p.measuring or p.probing, p.valid_eager)
 
     def _own_grads(self):

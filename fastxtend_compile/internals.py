@@ -23,10 +23,11 @@ __all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'precompile_guard_log
            'frame_compile', 'is_fx_code', 'graph_break_reasons', 'graphs_compiled', 'hook_dicts', 'optimize_ddp',
            'set_optimize_ddp', 'uses_python_reducer', 'python_reducer_settings', 'restore_python_reducer_settings',
            'compiled_autograd', 'aot_autograd_cache', 'set_aot_autograd_cache', 'compiled_autograd_captures',
-           'without_dynamo_marks', 'fused_kernel_devices', 'fused_adam_kernel', 'dynamo_supported', 'inductor_cxx',
-           'inductor_options', 'guarded_code', 'explain', 'explained_break', 'inductor_fallback_random',
-           'inductor_cache_dir', 'import_inductor', 'cpp_kernel_files', 'precompile_supported', 'caching_precompile',
-           'set_caching_precompile', 'precompiled_loads', 'dropped_guard', 'mark_dynamic', 'gpu_sleep', 'backend_error']
+           'ddp_comm_hooks', 'copy_into', 'without_dynamo_marks', 'fused_kernel_devices', 'fused_adam_kernel',
+           'dynamo_supported', 'inductor_cxx', 'inductor_options', 'guarded_code', 'explain', 'explained_break',
+           'inductor_fallback_random', 'inductor_cache_dir', 'import_inductor', 'cpp_kernel_files',
+           'precompile_supported', 'caching_precompile', 'set_caching_precompile', 'precompiled_loads', 'dropped_guard',
+           'mark_dynamic', 'gpu_sleep', 'backend_error']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
 def own_function(
@@ -269,6 +270,15 @@ def set_aot_autograd_cache(enabled:bool):
 def compiled_autograd_captures()->int:
     "How many backward graphs compiled autograd has captured in this process"
     return torch._dynamo.utils.counters['compiled_autograd']['captures']
+
+# %% ../nbs/06_internals.ipynb #cd39d63e
+def ddp_comm_hooks(ddp:nn.Module)->list:
+    "The communication hooks registered with DDP's `register_comm_hook`, as (hook, state): DDP keeps them for its reducer"
+    return list(getattr(ddp, '_comm_hooks', []))
+
+def copy_into(dsts:list, srcs:list):
+    "Copy each of `srcs` into the tensor of `dsts` at its place, in as few kernels as the device allows (`torch._foreach_copy_`)"
+    torch._foreach_copy_(dsts, srcs)
 
 # %% ../nbs/06_internals.ipynb #83ef7efd
 _dynamo_marks = ('_dynamo_static_input_type',) # What TorchDynamo writes on the parameters and buffers it traces

@@ -98,6 +98,7 @@ class CompileReport:
     precompiled:int = 0 # Compiled functions whose code TorchDynamo loaded precompiled from the compile cache, not traced again
     ddp:bool = False # The compiled model ran under DistributedDataParallel, as this library sets it up
     ddp_backward_graphs:int|None = None # The backward graphs compiled autograd captured, with `ddp_compiled_autograd`
+    ddp_reducer:str|None = None # Why DDP's reducer averaged the compiled batches' gradients; `None` where this library did
     background:list = field(default_factory=list) # What compiling outside the fit's path did, a line each (`background`)
 
     @property
@@ -185,7 +186,8 @@ class CompileReport:
         if self.ddp_backward_graphs is not None:
             return (f"DDP: whole graphs, each backward compiled by compiled autograd with DDP's all-reduces in its graph "
                     f"(DDP's Python reducer, `ddp_compiled_autograd=True`): {self.ddp_backward_graphs} backward graph(s)")
-        return "DDP: whole graphs, gradients all-reduced after the backward"
+        how = "in one all-reduce" if self.ddp_reducer is None else f"by DDP's reducer ({self.ddp_reducer})"
+        return f"DDP: whole graphs, gradients all-reduced after the backward, {how}"
 
     def data_advice(self, threshold:float=0.25)->str|None:
         "What to do when the model waits for the DataLoader for more than `threshold` of training time, else `None`"
@@ -317,13 +319,14 @@ class CompileRecorder:
     def start(self,
         sync:Callable|None=None, # Waits for the device, where its work is asynchronous
         ddp:bool=False, # The model runs under DDP, as this library sets it up
+        ddp_reducer:str|None=None, # Why DDP's reducer averages the compiled batches' gradients; `None` where this library does
         compiled_backward:bool=False, # Compiled autograd compiles the backwards (`ddp_compiled_autograd`)
         train=None, # The fit's training `DataLoader`
         epochs:int=1, # The fit's epochs
     ):
         "Start recording compiles"
         self.compiled_backward, self.compiled_s = compiled_backward, 0.
-        self.report.ddp = ddp
+        self.report.ddp, self.report.ddp_reducer = ddp, ddp_reducer
         if train is not None: # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
             r = self.report
             r.epoch_steps, r.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)

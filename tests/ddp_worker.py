@@ -15,6 +15,7 @@ from fastai.data.core import TfmdDL, DataLoaders
 from fastai.learner import Learner
 from fastai.callback.progress import ProgressCallback
 from fastai.optimizer import SGD
+from fastai.callback.core import Callback
 from fastai.torch_core import rank_distrib, num_distrib, distrib_barrier
 from fastai.distributed import DistributedDL
 from accelerate.utils import DistributedDataParallelKwargs
@@ -92,8 +93,33 @@ def learner(world, model_kind, backend, **kwargs):
     learn.remove_cb(ProgressCallback)
     return learn.compile(backend=backend, **kwargs)
 
+class _CountingReducer:
+    "DDP's reducer, counting the backwards DDP prepares it for: those whose gradients DDP's reducer averages"
+    def __init__(self, reducer): self.reducer, self.prepared = reducer, 0
+    def prepare_for_backward(self, *args, **kwargs):
+        self.prepared += 1
+        return self.reducer.prepare_for_backward(*args, **kwargs)
+    def __getattr__(self, name): return getattr(self.reducer, name)
+
+class SyncSpy(Callback):
+    "For each training batch: whether it ran compiled code, whether DDP's reducer averaged it, and how many times the library did"
+    order = 13 # After DDP wraps the model (11) and the compiler chose this batch's code (12)
+    def __init__(self): self.batches, self.counter, self.before = [], None, None
+    def before_fit(self):
+        if hasattr(self.learn.model, 'reducer'): self.learn.model.reducer = self.counter = _CountingReducer(self.learn.model.reducer)
+    def before_batch(self):
+        if self.counter is not None and self.training:
+            self.before = (not self.learn.compiler.policy.eager, self.counter.prepared, self.learn.compiler.ddp.sync.synced)
+    def after_batch(self):
+        if self.before is None: return
+        compiled, prepared, synced = self.before
+        self.batches.append((compiled, self.counter.prepared - prepared, self.learn.compiler.ddp.sync.synced - synced))
+        self.before = None
+    def after_fit(self): self.counter = None # DDP goes with the fit, and an export pickles the Learner's callbacks
+
 def fit(world, model_kind, backend, epochs=2, **kwargs):
     learn = learner(world, model_kind, backend, **kwargs)
+    learn.add_cb(SyncSpy())
     with learn.distrib_ctx(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=1)]): learn.fit(epochs)
     return learn
 
@@ -123,6 +149,16 @@ def compiled_autograd(world, model_kind, backend):
                 ca_captures=torch._dynamo.utils.counters['compiled_autograd']['captures'] - captures,
                 ca_settings=(before, settings()), ca_params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
 
+def gradsync_check(rank):
+    "`all_reduce_grads` on two ranks: one gradient each has, one only rank 1 has, one neither has, and one of another dtype"
+    from fastxtend_compile.gradsync import all_reduce_grads, by_kind
+    a, b, c = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1))
+    d = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    a.grad, d.grad = torch.full((3,), rank + 1.), torch.full((2,), 2. * rank, dtype=torch.float64)
+    if rank == 1: b.grad = torch.tensor([2., 4.])
+    all_reduce_grads(by_kind([a, b, c, d]))
+    return dict(gs_a=a.grad, gs_b=b.grad, gs_c=c.grad, gs_d=d.grad)
+
 def explain(world, model_kind, backend):
     "A fit with `DynamoExplainCallback`, which explains on rank 0 and cancels the fit on every rank"
     learn = learner(world, model_kind, backend).add_cb(DynamoExplainCallback(print_results=False))
@@ -145,7 +181,7 @@ def main():
     res = dict(rank=rank, world=world, fit_seconds=time.time()-t0, model_type=type(learn.model).__name__,
                compiled_after_fit=is_compiled(learn.model), events=events(report), graph_breaks=report.graph_breaks,
                ddp_buckets=list(_ddp_buckets), ddp=report.ddp,
-               summary=report.summary(), losses=[float(l) for l in learn.recorder.losses],
+               summary=report.summary(), losses=[float(l) for l in learn.recorder.losses], sync_batches=learn.sync_spy.batches,
                params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
     res['export_saves'], loaded = export_and_load(learn, os.path.join(a.out, f'export{world}.pkl'), rank, world)
     x = data()[2][:4]
@@ -153,6 +189,7 @@ def main():
     res['loaded_compiled'] = is_compiled(loaded.model)
     res['optimize_ddp_after'] = torch._dynamo.config.optimize_ddp
     res.update(compiled_autograd(world, a.model, a.backend))
+    if world > 1: res.update(gradsync_check(rank))
     if world > 1 and not a.no_explain:
         res.update(explain(world, a.model, a.backend))
         distrib_barrier() # Every rank got here: none is left waiting in a collective

@@ -253,6 +253,26 @@ def test_python_reducer_is_seen_and_what_it_changes_is_restored():
         restore_python_reducer_settings(saved)
         torch.distributed.destroy_process_group()
 
+def test_ddp_comm_hooks_are_read_from_ddp():
+    import socket
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+    torch.distributed.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(nn.Linear(2, 2))
+        assert ddp_comm_hooks(ddp) == []
+        ddp.register_comm_hook(None, allreduce_hook)
+        assert ddp_comm_hooks(ddp) == [(allreduce_hook, None)]
+    finally: torch.distributed.destroy_process_group()
+
+def test_copy_into_copies_each_source_into_its_destination_in_place():
+    a, b = torch.zeros(2, 3).t(), torch.zeros(4) # A destination need not be contiguous
+    ids = (a.data_ptr(), b.data_ptr())
+    copy_into([a, b], [torch.arange(6.).view(3, 2), torch.ones(4)])
+    assert torch.equal(a, torch.arange(6.).view(3, 2)) and torch.equal(b, torch.ones(4))
+    assert (a.data_ptr(), b.data_ptr()) == ids
+
 def test_compiled_autograd_compiles_the_backward():
     torch.manual_seed(0)
     lin, x = nn.Linear(4, 3), torch.randn(8, 4)
