@@ -31,8 +31,9 @@ from workflow import median # noqa: E402 (bench/workflow.py, beside this script)
 # An arm's `learn.compile` arguments (`None`: eager). `learn.compile()` compiles in a worker by default on a GPU alone
 ARMS = {'eager': None, 'in_path': dict(background=False), 'background_cold': dict(background=True),
         'background_warm': dict(background=True), 'compile_cold': {}, 'compile_warm': {}, 'default_cold': dict(mode='default'),
-        'ro': dict(mode='reduce-overhead', background=False)} # CUDA graphs picked by hand, compiled in the fit's path
-COLD_OF = {'background_warm': 'background_cold', 'compile_warm': 'compile_cold'} # Warm arms start on their cold arm's cache
+        'ro': dict(mode='reduce-overhead', background=False), # CUDA graphs picked by hand, compiled in the fit's path
+        'compile_warm_reducer': {}} # Warm, with DDP's reducer averaging the compiled batches' gradients, as before `GradSync`
+COLD_OF = {'background_warm': 'background_cold', 'compile_warm': 'compile_cold', 'compile_warm_reducer': 'compile_cold'} # On its cache
 WORKLOADS = {
     'mlp': dict(n_batches=512, bs=64, hidden=512, epochs=4), # Batches an epoch on each rank
     'text': dict(n_batches=640, bs=32, seq=256, vocab=8000, d=512, layers=6, heads=8, classes=4, epochs=7, valid=2048, lr=1e-3),
@@ -123,6 +124,9 @@ def rank_main(out:Path, arm:str, workload:str, config:dict, device_type:str, a=N
     learn.remove_cb(ProgressCallback)
     settings = ARMS[arm]
     if settings is not None: learn.add_cb(CompilerCallback(**settings))
+    if arm.endswith('_reducer'): # The arm compared with `GradSync`: DDP's reducer averages every batch
+        from fastxtend_compile.gradsync import GradSync
+        GradSync.start = lambda self, ddp: "the benchmark's choice"
     class Switch(Callback):
         "The first training batch that ran compiled code, and when"
         order, first, t0 = 20, None, 0.
