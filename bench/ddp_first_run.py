@@ -102,6 +102,8 @@ BUILD = {'mlp': _mlp, 'text': _text, 'vision': _vision}
 def rank_main(out:Path, arm:str, workload:str, config:dict, device_type:str, a=None):
     "One rank of one arm (or the one process of a one-device arm): the workload's fit, under `distrib_ctx` where there are ranks"
     os.environ.setdefault('OMP_NUM_THREADS', '1')
+    if (dump := os.environ.get('BENCH_DUMP_AFTER')): # Every thread's stack to the log after this many seconds: where a rank waits
+        import faulthandler; faulthandler.dump_traceback_later(float(dump), exit=False)
     import torch
     from contextlib import nullcontext
     from fastai.callback.core import Callback
