@@ -68,7 +68,7 @@ class GradSync:
     def __init__(self):
         self.ddp = None # The fit's DDP model, whose compiled batches' gradients this library averages
         self.groups = [] # Its trained parameters by device and dtype (`by_kind`)
-        self.on = False # The batch running is averaged here, not by DDP's reducer
+        self.on = False # From the fit's first compiled batch on, its batches are averaged here, not by DDP's reducer
         self.synced = 0 # Backwards of this fit whose gradients were averaged here
 
     def start(self, ddp:DistributedDataParallel)->str|None:
@@ -85,10 +85,12 @@ class GradSync:
     def before_batch(self,
         compiled:bool, # This training batch runs compiled code
     ):
-        "A training batch starts: DDP's reducer averages an eager one, overlapped with its backward; a compiled one is averaged here"
+        "A training batch starts: DDP's reducer averages the eager ones before the first compiled batch, this library every one from it on"
         if self.ddp is None: return
-        self.on = compiled
-        self.ddp.require_backward_grad_sync = not compiled # As DDP's `no_sync()` sets it
+        # Every rank must average each batch the same way. The ranks run their first compiled batch together, but later a
+        # rank may run an eager batch alone (rank 0 times the eager step): from the first compiled batch on, each is here
+        self.on = self.on or compiled
+        self.ddp.require_backward_grad_sync = not self.on # As DDP's `no_sync()` sets it
         self.ddp.require_forward_param_sync = True # DDP broadcasts rank 0's buffers before the forward, as without `no_sync()`
 
     def after_backward(self):
