@@ -133,7 +133,7 @@ class _DDPStrategy:
         self.in_backward = False # This fit's backwards run through compiled autograd, with DDP's all-reduces in their graphs
         self.captures = 0 # Backward graphs compiled autograd had captured in this process when the fit began
         self.backward = None # The compiled autograd context of the backward running
-        self.sync = GradSync() # With whole graphs, the compiled batches' gradients averaged in one all-reduce
+        self.sync = GradSync() # With whole graphs, the gradients averaged in one all-reduce from the first compiled batch on
         self.reducer = None # Why DDP's reducer averages the compiled batches' gradients instead (`why_ddp_syncs`)
 
     def before_wrap(self):
@@ -164,7 +164,7 @@ class _DDPStrategy:
     def before_batch(self,
         compiled:bool, # This training batch runs compiled code
     ):
-        "A training batch starts: DDP's reducer averages an eager one; a compiled one's gradients, all ready at once, `GradSync`"
+        "A training batch starts: from the fit's first compiled batch on, `GradSync` averages the gradients, all ready at once"
         self.sync.before_batch(compiled)
 
     def params_changed(self):

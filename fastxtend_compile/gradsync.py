@@ -64,7 +64,7 @@ def why_ddp_syncs(ddp:DistributedDataParallel)->str|None:
 
 # %% ../nbs/17_gradsync.ipynb #b1f62596
 class GradSync:
-    "Under DDP, a compiled training batch's gradients averaged after its backward in one all-reduce, in place of DDP's reducer"
+    "Under DDP, from a fit's first compiled batch on, each batch's gradients averaged after its backward in one all-reduce, in place of DDP's reducer"
     def __init__(self):
         self.ddp = None # The fit's DDP model, whose compiled batches' gradients this library averages
         self.groups = [] # Its trained parameters by device and dtype (`by_kind`)
@@ -87,8 +87,8 @@ class GradSync:
     ):
         "A training batch starts: DDP's reducer averages the eager ones before the first compiled batch, this library every one from it on"
         if self.ddp is None: return
-        # Every rank must average each batch the same way. The ranks run their first compiled batch together, but later a
-        # rank may run an eager batch alone (rank 0 times the eager step): from the first compiled batch on, each is here
+        # Every rank must average each batch the same way. The ranks run their first compiled batch together, but after it
+        # a rank may run an eager batch alone (ranks time the eager step at different batches): from it on, each is here
         self.on = self.on or compiled
         self.ddp.require_backward_grad_sync = not self.on # As DDP's `no_sync()` sets it
         self.ddp.require_forward_param_sync = True # DDP broadcasts rank 0's buffers before the forward, as without `no_sync()`

@@ -380,7 +380,7 @@ def test_grad_sync_takes_compiled_batches_from_ddps_reducer_unless_the_fit_asked
         grads = [p.grad.clone() for p in ddp.parameters()]
         sync.after_backward()
         assert sync.synced == 1 and all(torch.equal(p.grad, g) for p,g in zip(ddp.parameters(), grads)) # One rank: its own
-        # An eager batch after a compiled one, as rank 0 alone may run to time the eager step: still averaged here, so
+        # An eager batch after a compiled one, as a rank may run alone to time the eager step: still averaged here, so
         # that every rank averages each batch the same way
         sync.before_batch(False)
         assert not ddp.require_backward_grad_sync and sync.on
