@@ -60,6 +60,7 @@ def why_ddp_syncs(ddp:DistributedDataParallel)->str|None:
     if getattr(ddp, 'static_graph', False): return "DDP's static graph"
     if ddp_comm_hooks(ddp): return "a communication hook registered with DDP"
     if getattr(ddp, 'mixed_precision', None) is not None: return "DDP's own mixed precision"
+    if any(getattr(m, 'sparse', False) is True for m in ddp.module.modules()): return "sparse gradients" # An embedding's
     return None
 
 # %% ../nbs/17_gradsync.ipynb #b1f62596

@@ -399,4 +399,6 @@ def test_grad_sync_takes_compiled_batches_from_ddps_reducer_unless_the_fit_asked
         assert sync.start(static) == "DDP's static graph"
         sync.before_batch(True)
         assert static.require_backward_grad_sync # Left to DDP
+        sparse = DistributedDataParallel(torch.nn.Sequential(torch.nn.EmbeddingBag(10, 2, sparse=True), torch.nn.Linear(2, 2)))
+        assert sync.start(sparse) == "sparse gradients"
     finally: torch.distributed.destroy_process_group()
