@@ -133,7 +133,7 @@ class _DDPStrategy:
         self.in_backward = False # This fit's backwards run through compiled autograd, with DDP's all-reduces in their graphs
         self.captures = 0 # Backward graphs compiled autograd had captured in this process when the fit began
         self.backward = None # The compiled autograd context of the backward running
-        self.sync = GradSync() # With whole graphs, the gradients averaged in one all-reduce from the first compiled batch on
+        self.sync = GradSync() # With whole graphs, the gradients averaged in one all-reduce once compiled code ran
         self.reducer = None # Why DDP's reducer averages the compiled batches' gradients instead (`why_ddp_syncs`)
 
     def before_wrap(self):
@@ -158,13 +158,20 @@ class _DDPStrategy:
                           "the graphs stay whole and the gradients are all-reduced after the backward")
         if self.old is None: self.old = optimize_ddp()
         set_optimize_ddp('no_optimization') # Whole graphs: splitting them at DDP's buckets was slower in every launch measured
-        self.reducer = self.sync.start(model)
         return True
+
+    def start_sync(self,
+        model:nn.Module, # The fit's model: DDP's, where this strategy is this library's
+        aside=None, # The fit's background compile, if it compiles in the background: the ranks switch at its agreements
+    ):
+        "With whole graphs, `GradSync` averages the gradients once compiled code runs; `reducer` says why DDP's reducer does instead"
+        if self.in_backward or not isinstance(model, DistributedDataParallel) or uses_python_reducer(model): return
+        self.reducer = self.sync.start(model, None if aside is None else aside.ranks)
 
     def before_batch(self,
         compiled:bool, # This training batch runs compiled code
     ):
-        "A training batch starts: from the fit's first compiled batch on, `GradSync` averages the gradients, all ready at once"
+        "A training batch starts: once the ranks ran compiled code, `GradSync` averages the gradients, all ready at once"
         self.sync.before_batch(compiled)
 
     def params_changed(self):
@@ -275,12 +282,14 @@ class CompilerCallback(Callback):
         model, rec = self.learn.model, self.compile_recorder
         rec.model_name, rec.show = type(inner_model(model)).__name__, self._show
         ddp = self.ddp.set(model)
-        rec.start(partial(torch.cuda.synchronize, device) if device.type == 'cuda' else None, ddp=ddp, ddp_reducer=self.ddp.reducer,
+        rec.start(partial(torch.cuda.synchronize, device) if device.type == 'cuda' else None, ddp=ddp,
                   compiled_backward=self.ddp.in_backward, train=self.learn.dls.train, epochs=getattr(self.learn, 'n_epoch', 1))
         self.precision.set(device)
         self.precompile.set(inner_model(model), ddp=isinstance(model, DistributedDataParallel))
         self.policy.start_fit(self.aside if self._compiles_in_background(device, model) else None, self.report.pays_back)
         self.tiers.start(self.policy.aside, device)
+        self.ddp.start_sync(model, self.policy.aside) # After the background compile started: the ranks switch at its agreements
+        rec.report.ddp_reducer = self.ddp.reducer
 
     def _compile_optimizer(self,
         fused_only:bool=False, # PyTorch's fused kernel alone, with nothing compiled: for a fit that runs eagerly

@@ -319,14 +319,13 @@ class CompileRecorder:
     def start(self,
         sync:Callable|None=None, # Waits for the device, where its work is asynchronous
         ddp:bool=False, # The model runs under DDP, as this library sets it up
-        ddp_reducer:str|None=None, # Why DDP's reducer averages the compiled batches' gradients; `None` where this library does
         compiled_backward:bool=False, # Compiled autograd compiles the backwards (`ddp_compiled_autograd`)
         train=None, # The fit's training `DataLoader`
         epochs:int=1, # The fit's epochs
     ):
         "Start recording compiles"
         self.compiled_backward, self.compiled_s = compiled_backward, 0.
-        self.report.ddp, self.report.ddp_reducer = ddp, ddp_reducer
+        self.report.ddp = ddp
         if train is not None: # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
             r = self.report
             r.epoch_steps, r.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)

@@ -162,8 +162,10 @@ def test_ddp_strategy_leaves_a_users_python_reducer_alone():
         for reducer, mode, ours in ((True, 'python_reducer', False), (False, 'ddp_optimizer', True), (False, True, True)):
             set_optimize_ddp(mode)
             strategy = _DDPStrategy(False, compile_settings(backend='aot_eager'))
-            assert strategy.set(_ddp(reducer)) is ours
+            ddp = _ddp(reducer)
+            assert strategy.set(ddp) is ours
             assert optimize_ddp() == ('no_optimization' if ours else mode) # Whole graphs, unless the user's reducer is left alone
+            strategy.start_sync(ddp)
             assert (strategy.sync.ddp is not None) is ours and strategy.reducer is None # The library averages whole graphs' gradients
             strategy.restore()
             assert strategy.sync.ddp is None
@@ -391,6 +393,19 @@ def test_grad_sync_takes_compiled_batches_from_ddps_reducer_unless_the_fit_asked
         assert sync.start(ddp) is None
         sync.before_batch(False) # A new fit: DDP's reducer until its first compiled batch
         assert ddp.require_backward_grad_sync and not sync.on
+        sync.stop()
+        class Ranks: # The background compile's agreements, as `agreement.DDP` offers them to the fit's parts
+            agrees, parts = True, []
+            def join(self, part): self.parts.append(part)
+        ranks = Ranks()
+        assert sync.start(ddp, ranks) is None and ranks.parts == [sync]
+        sync.before_batch(True) # Compiled on this rank: the ranks switch at their next agreement, together
+        assert ddp.require_backward_grad_sync and not sync.on and sync.view(None) == dict(compiled=True)
+        sync.agreed(None, [dict(compiled=False), dict(compiled=False)], None, None)
+        assert not sync.on
+        sync.agreed(None, [dict(compiled=False), dict(compiled=True)], None, None) # Another rank ran compiled code
+        sync.before_batch(False)
+        assert sync.on and not ddp.require_backward_grad_sync
         sync.stop()
         hooked = DistributedDataParallel(torch.nn.Linear(2, 2))
         hooked.register_comm_hook(None, allreduce_hook)

@@ -235,8 +235,8 @@ def test_ddp_strategy_lines():
     rec.start(ddp=True); rec.stop()
     assert report.ddp and report.ddp_strategy() == "DDP: whole graphs, gradients all-reduced after the backward, in one all-reduce"
     assert report.ddp_strategy() in report.summary()
-    rec.start(ddp=True, ddp_reducer="a communication hook registered with DDP"); rec.stop()
-    assert report.ddp_strategy() == ("DDP: whole graphs, gradients all-reduced after the backward, by DDP's reducer "
+    hooked = CompileReport(ddp=True, ddp_reducer="a communication hook registered with DDP")
+    assert hooked.ddp_strategy() == ("DDP: whole graphs, gradients all-reduced after the backward, by DDP's reducer "
                                      "(a communication hook registered with DDP)")
     assert 'DDP:' not in CompileReport().summary()
     r = CompileReport(ddp=True, ddp_backward_graphs=2)
