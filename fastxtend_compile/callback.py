@@ -32,6 +32,7 @@ from .background import BackgroundCompile
 from .state import state_key
 from .tiers import Tiers, own_grads
 from .gradsync import GradSync
+from .gcfreeze import GCFreeze
 
 # %% auto #0
 __all__ = ['CompilerCallback']
@@ -237,6 +238,7 @@ class CompilerCallback(Callback):
         self.policy = EagerPolicy(compile_valid) # Decides which calls of the model run eagerly, each batch
         self.tiers = Tiers(self.settings, regional) # With `background` and no `mode`: a faster tier where the measured step has one
         self.report = CompileReport()
+        self.collector = GCFreeze() # Keeps Python's full garbage collections short during a fit
         self.compile_recorder = CompileRecorder(self.report)
         self.compiled_model = None # Weak reference to the model this callback compiled
         self.freeze_changed = True # Parameters were frozen or unfrozen since the last compile (`recompile=True`)
@@ -278,8 +280,9 @@ class CompilerCallback(Callback):
         self.freeze_changed = False
 
     def _start_parts(self, device:torch.device):
-        "Start this fit's parts: the recorder, the DDP strategy, the matmul precision, precompiling and the eager policy"
+        "Start this fit's parts: the recorder, the DDP strategy, the matmul precision, precompiling, the eager policy and the collector"
         model, rec = self.learn.model, self.compile_recorder
+        self.collector.start()
         rec.model_name, rec.show = type(inner_model(model)).__name__, self._show
         ddp = self.ddp.set(model)
         rec.start(partial(torch.cuda.synchronize, device) if device.type == 'cuda' else None, ddp=ddp,
@@ -412,7 +415,7 @@ class CompilerCallback(Callback):
             self.aside.stop() # A worker still compiling, and its files
             self.compile_recorder.note_background(*self.aside.take_notes(), *self.tiers.take_notes())
             p = self.policy
-            self.compile_recorder.stop(p.compiled_calls(), self.ddp.backward_graphs(), p.eager_eval, p.eager_lr_find)
+            self.compile_recorder.stop(p.compiled_calls(), self.ddp.backward_graphs(), p.eager_eval, p.eager_lr_find, self.collector.stop())
             self.policy.stop()
             self.precision.restore()
             self.precompile.restore()

@@ -141,12 +141,13 @@ def last_recompile(
     return (guard, *frames[-1]) if frames else (guard, None, None, None)
 
 # %% ../nbs/06_internals.ipynb #04c06fd6
-def add_compile_callbacks(on_start:Callable, on_end:Callable):
+def add_compile_callbacks(on_start:Callable|None=None, on_end:Callable|None=None):
     "Have TorchDynamo call `on_start` and `on_end` around each compile"
     cbs = torch._dynamo.callback.callback_handler
-    cbs.register_start_callback(on_start); cbs.register_end_callback(on_end)
+    if on_start is not None: cbs.register_start_callback(on_start)
+    if on_end is not None: cbs.register_end_callback(on_end)
 
-def remove_compile_callbacks(on_start:Callable, on_end:Callable):
+def remove_compile_callbacks(on_start:Callable|None=None, on_end:Callable|None=None):
     "Undo `add_compile_callbacks`; callbacks not registered are ignored"
     cbs = torch._dynamo.callback.callback_handler
     for lst,f in ((cbs.start_callbacks,on_start), (cbs.end_callbacks,on_end)):

@@ -100,6 +100,7 @@ class CompileReport:
     ddp_backward_graphs:int|None = None # The backward graphs compiled autograd captured, with `ddp_compiled_autograd`
     ddp_reducer:str|None = None # Why DDP's reducer averaged the compiled batches' gradients; `None` where this library did
     background:list = field(default_factory=list) # What compiling outside the fit's path did, a line each (`background`)
+    gc_pauses:list = field(default_factory=list) # Seconds of each of Python's full garbage collections during the fits (`GCFreeze`)
 
     @property
     def graph_breaks(self)->int:
@@ -348,9 +349,11 @@ class CompileRecorder:
         ddp_backward_graphs:int|None=None, # The backward graphs compiled autograd captured in the fit, if it ran the backwards
         eager_eval:int=0, # Batches of an evaluation outside a fit run eagerly, too few to pay back their graph
         eager_lr_find:int=0, # Batches of an `lr_find` run eagerly, alike
+        gc_pauses:list=(), # Seconds of each full garbage collection during the fit
     ):
         "Stop recording and collect what is left"
         r = self.report
+        r.gc_pauses += gc_pauses
         r.eager_eval += eager_eval
         r.eager_lr_find += eager_lr_find
         r.ddp_backward_graphs = ddp_backward_graphs
