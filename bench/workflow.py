@@ -39,6 +39,8 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
                   faster tier (CUDA graphs for a launch-bound step, autotuned kernels for a GPU-bound one) compiles in
                   the worker and takes over where an A/B on the fit's batches finds it faster. Tiers are tried on
                   CUDA alone: on the CPU these arms are a background compile of the default mode
+    unfrozen-cold, unfrozen-warm   as tiers-cold and tiers-warm, with Python's collector left unfrozen during the fit
+                  (`GCFreeze.on = False`), so its full collections visit every object the compiles made
     Every other compiled arm passes background=False: it compiles in the fit's path.
     --get-preds   also times learn.get_preds() on the validation set right after the fit, in every arm
     precompile-cold, precompile-warm, precompile-saved   the same with learn.compile(precompile=True): TorchDynamo's traced
@@ -82,6 +84,8 @@ KINDS = {
                    'compiles; the default mode named, so no faster tier', ('cold', 'warm')),
     'tiers':      (dict(background=True), '`learn.compile(background=True)`, `mode` unset: the default tier takes over, then a faster '
                    'tier where the measured step has one (tried on CUDA alone)', ('cold', 'warm')),
+    'unfrozen':   (dict(background=True), "as *tiers*, with Python's collector left unfrozen during the fit (`GCFreeze.on = False`): "
+                   "its full collections visit every object", ('cold', 'warm')),
 }
 EAGER = ('eager', 'eager-fused') # Arms that compile nothing: fastai's `Adam`, and torch's fused AdamW (`fused_adamw`)
 ARMS = (*EAGER, *(f'compile-{s}' for s in KINDS['compile'][2]), 'compile-ro',
@@ -367,6 +371,9 @@ def child(spec:dict)->dict:
     t = time.perf_counter()
     learn, fit = BUILDERS[w](w, c, spec.get('data'), device, spec.get('num_workers'))
     if arm == 'eager-fused': learn.opt_func = fused_adamw() # The builders' Learners make their optimizer at the fit (or `fine_tune`'s freeze)
+    if arm.startswith('unfrozen-'):
+        from fastxtend_compile.gcfreeze import GCFreeze
+        GCFreeze.on = False
     setup_s = time.perf_counter() - t
 
     epochs = []
@@ -461,6 +468,7 @@ def child(spec:dict)->dict:
                 eager_step_s=get('eager_step'), report_data_share=get('data_share'),
                 compiled_batches=get('batch_times', len),
                 events=get('events', lambda es: [dict(kind=e.kind, frame=e.frame, seconds=e.seconds, reason=e.reason, during=e.during) for e in es]),
+                gc=get('gc_pauses', lambda v: dict(n=len(v), s=round(sum(v), 3))),
                 background=get('background'), payoff=r.payoff() if hasattr(r, 'payoff') else None, summary=r.summary() if hasattr(r, 'summary') else str(r),
                 phases=compile_phases())
             print(res['compile']['summary'])
@@ -690,7 +698,7 @@ def main():
             args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
     args.backend = args.backend or ('aot_eager' if args.smoke else None)
     if not arms_given and args.backend not in (None, 'inductor'): arms = [a for a in arms if a.split('-')[0] not in INDUCTOR_ONLY]
-    if not arms_given and args.smoke: arms = [a for a in arms if not a.startswith('tiers-')]
+    if not arms_given and args.smoke: arms = [a for a in arms if not a.startswith(('tiers-', 'unfrozen-'))]
     args.timeout = args.timeout or (120 if args.smoke else 600)
     num_workers = args.num_workers if args.num_workers is not None else (0 if args.smoke or args.device == 'cpu' else None)
     overrides = json.loads(args.config)

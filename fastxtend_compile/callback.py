@@ -183,23 +183,25 @@ class _DDPStrategy:
         "The backward graphs compiled autograd captured in this fit; `None` when it does not run the backwards"
         return compiled_autograd_captures() - self.captures if self.in_backward else None
 
-    def enter_backward(self):
-        "Run this backward through compiled autograd, where it runs the fit's backwards"
+    def enter_backward(self,
+        loss:torch.Tensor, # What the backward starts from: `learn.loss_grad`
+    ):
+        "Run this backward through compiled autograd, where it runs the fit's backwards; or average its gradients as it ends"
+        self.sync.before_backward(loss)
         if not self.in_backward: return
         self.backward = compiled_autograd(self.compiler)
         self.backward.__enter__()
 
     def exit_backward(self):
-        "The backward is done: leave compiled autograd, or average the compiled batch's gradients"
-        self.sync.after_backward()
+        "The backward is done: leave compiled autograd"
         if self.backward is None: return
         backward, self.backward = self.backward, None
         backward.__exit__(None, None, None)
 
     def restore(self):
         "Put back what the fit changed"
-        if self.backward is not None: self.backward.__exit__(None, None, None)
-        self.backward, self.in_backward, self.reducer = None, False, None
+        self.exit_backward()
+        self.in_backward, self.reducer = False, None
         self.sync.stop()
         if self.old is not None: set_optimize_ddp(self.old)
         if self.old_reducer is not None: restore_python_reducer_settings(self.old_reducer)
@@ -363,7 +365,7 @@ class CompilerCallback(Callback):
         if self.cudagraph_grads: own_grads(self.learn.opt)
 
     def before_backward(self):
-        if self.active: self.ddp.enter_backward()
+        if self.active: self.ddp.enter_backward(self.learn.loss_grad)
         self.compile_recorder.part = 'backward' # What a compile now compiles, for its notice
 
     def after_backward(self):

@@ -23,9 +23,9 @@ __all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'precompile_guard_log
            'frame_compile', 'is_fx_code', 'graph_break_reasons', 'graphs_compiled', 'hook_dicts', 'optimize_ddp',
            'set_optimize_ddp', 'uses_python_reducer', 'python_reducer_settings', 'restore_python_reducer_settings',
            'compiled_autograd', 'aot_autograd_cache', 'set_aot_autograd_cache', 'compiled_autograd_captures',
-           'ddp_comm_hooks', 'copy_into', 'without_dynamo_marks', 'fused_kernel_devices', 'fused_adam_kernel',
-           'dynamo_supported', 'inductor_cxx', 'inductor_options', 'guarded_code', 'explain', 'explained_break',
-           'inductor_fallback_random', 'inductor_cache_dir', 'import_inductor', 'cpp_kernel_files',
+           'ddp_comm_hooks', 'copy_into', 'at_backward_end', 'without_dynamo_marks', 'fused_kernel_devices',
+           'fused_adam_kernel', 'dynamo_supported', 'inductor_cxx', 'inductor_options', 'guarded_code', 'explain',
+           'explained_break', 'inductor_fallback_random', 'inductor_cache_dir', 'import_inductor', 'cpp_kernel_files',
            'precompile_supported', 'caching_precompile', 'set_caching_precompile', 'precompiled_loads', 'dropped_guard',
            'mark_dynamic', 'gpu_sleep', 'backend_error']
 
@@ -280,6 +280,10 @@ def ddp_comm_hooks(ddp:nn.Module)->list:
 def copy_into(dsts:list, srcs:list):
     "Copy each of `srcs` into the tensor of `dsts` at its place, in as few kernels as the device allows (`torch._foreach_copy_`)"
     torch._foreach_copy_(dsts, srcs)
+
+def at_backward_end(fn:Callable):
+    "Have the autograd engine call `fn` once the backward running now is done, before `backward()` returns (as DDP's reducer does)"
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 # %% ../nbs/06_internals.ipynb #83ef7efd
 _dynamo_marks = ('_dynamo_static_input_type',) # What TorchDynamo writes on the parameters and buffers it traces

@@ -117,9 +117,16 @@ class SyncSpy(Callback):
         self.before = None
     def after_fit(self): self.counter = None # DDP goes with the fit, and an export pickles the Learner's callbacks
 
+class EarlyGrads(Callback):
+    "The gradients a callback that runs before `CompilerCallback` sees at `after_backward`, each training batch"
+    order = 5
+    def __init__(self): self.grads = []
+    def after_backward(self):
+        if self.training: self.grads.append(torch.cat([p.grad.flatten() for p in self.learn.model.parameters()]).clone())
+
 def fit(world, model_kind, backend, epochs=2, **kwargs):
     learn = learner(world, model_kind, backend, **kwargs)
-    learn.add_cb(SyncSpy())
+    learn.add_cbs([SyncSpy(), EarlyGrads()])
     with learn.distrib_ctx(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=1)]): learn.fit(epochs)
     return learn
 
@@ -182,6 +189,7 @@ def main():
                compiled_after_fit=is_compiled(learn.model), events=events(report), graph_breaks=report.graph_breaks,
                ddp_buckets=list(_ddp_buckets), ddp=report.ddp,
                summary=report.summary(), losses=[float(l) for l in learn.recorder.losses], sync_batches=learn.sync_spy.batches,
+               early_grads=learn.early_grads.grads,
                params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
     res['export_saves'], loaded = export_and_load(learn, os.path.join(a.out, f'export{world}.pkl'), rank, world)
     x = data()[2][:4]

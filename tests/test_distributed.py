@@ -79,6 +79,14 @@ def test_two_processes_match_one_on_the_same_global_batch(runs):
     assert len(one) == 8 # 2 epochs of 4 global batches
     torch.testing.assert_close(r, one, rtol=1e-4, atol=1e-5)
 
+def test_callbacks_before_the_compiler_see_averaged_gradients_at_after_backward(runs):
+    (r0, r1), single = runs
+    assert len(r0['early_grads']) == len(single['early_grads']) == 8
+    for i,(g0, g1, one) in enumerate(zip(r0['early_grads'], r1['early_grads'], single['early_grads'])):
+        # Each rank's own half batch gives gradients of its own: averaged, the ranks' are equal, and the whole batch's
+        assert torch.equal(g0, g1), i
+        torch.testing.assert_close(g0, one, rtol=1e-5, atol=1e-5, msg=f'batch {i}')
+
 def test_graphs_stay_whole_by_default(runs):
     ranks, single = runs
     for r in ranks: # DDPOptimizer did not split the graphs at DDP's buckets, and the report says they stayed whole
@@ -378,21 +386,26 @@ def test_grad_sync_takes_compiled_batches_from_ddps_reducer_unless_the_fit_asked
         assert sync.start(ddp) is None
         sync.before_batch(True) # A compiled batch: DDP skips its reducer, as in `no_sync()`, and the library averages
         assert not ddp.require_backward_grad_sync and sync.on
-        ddp(torch.ones(3, 2)).sum().backward()
-        grads = [p.grad.clone() for p in ddp.parameters()]
-        sync.after_backward()
-        assert sync.synced == 1 and all(torch.equal(p.grad, g) for p,g in zip(ddp.parameters(), grads)) # One rank: its own
+        loss = ddp(torch.ones(3, 2)).sum()
+        sync.before_backward(loss)
+        loss.backward()
+        assert sync.synced == 1 # Averaged as the backward ended, before `backward()` returned
+        assert all(torch.equal(p.grad, g) for p,g in zip(ddp.parameters(), (torch.full((2, 2), 3.), torch.full((2,), 3.)))) # One rank: its own
         # An eager batch after a compiled one, as a rank may run alone to time the eager step: still averaged here, so
         # that every rank averages each batch the same way
         sync.before_batch(False)
-        assert not ddp.require_backward_grad_sync and sync.on
-        sync.after_backward()
+        assert not ddp.require_backward_grad_sync and ddp.require_forward_param_sync and sync.on
+        loss = ddp(torch.ones(3, 2)).sum()
+        sync.before_backward(loss)
+        loss.backward()
         assert sync.synced == 2
+        sync.before_backward(torch.ones(1)) # A loss without a backward: nothing to average
         sync.stop()
         assert ddp.require_backward_grad_sync and sync.ddp is None # After the fit, DDP averages every batch again
         assert sync.start(ddp) is None
-        sync.before_batch(False) # A new fit: DDP's reducer until its first compiled batch
-        assert ddp.require_backward_grad_sync and not sync.on
+        ddp.require_forward_param_sync = False
+        sync.before_batch(False) # A new fit: DDP's reducer until its first compiled batch, DDP's settings as DDP left them
+        assert ddp.require_backward_grad_sync and not ddp.require_forward_param_sync and not sync.on
         sync.stop()
         class Ranks: # The background compile's agreements, as `agreement.DDP` offers them to the fit's parts
             agrees, parts = True, []

@@ -273,6 +273,15 @@ def test_copy_into_copies_each_source_into_its_destination_in_place():
     assert torch.equal(a, torch.arange(6.).view(3, 2)) and torch.equal(b, torch.ones(4))
     assert (a.data_ptr(), b.data_ptr()) == ids
 
+def test_at_backward_end_runs_once_the_backward_is_done_before_it_returns():
+    w = nn.Parameter(torch.ones(3))
+    seen = []
+    y = (w * 2).sum()
+    y.register_hook(lambda g: at_backward_end(lambda: seen.append(w.grad.clone())))
+    y.backward()
+    assert len(seen) == 1 and torch.equal(seen[0], torch.full((3,), 2.)) # Every gradient is ready when it runs
+    with pytest.raises(RuntimeError): at_backward_end(lambda: None) # Only during a backward
+
 def test_compiled_autograd_compiles_the_backward():
     torch.manual_seed(0)
     lin, x = nn.Linear(4, 3), torch.randn(8, 4)
