@@ -106,6 +106,7 @@ def rank_main(out:Path, arm:str, workload:str, config:dict, device_type:str, a=N
     os.environ.setdefault('OMP_NUM_THREADS', '1')
     if (dump := os.environ.get('BENCH_DUMP_AFTER')): # Every thread's stack to the log after this many seconds: where a rank waits
         import faulthandler; faulthandler.dump_traceback_later(float(dump), exit=False)
+    gc_trace = _trace_full_collections() if os.environ.get('BENCH_GC_TRACE') else None
     import torch
     from contextlib import nullcontext
     from fastai.callback.core import Callback
@@ -171,8 +172,22 @@ def rank_main(out:Path, arm:str, workload:str, config:dict, device_type:str, a=N
                notes=[] if report is None else report.background,
                summary=None if report is None else report.summary(), device=device,
                gc=None if report is None else dict(n=len(report.gc_pauses), s=round(sum(report.gc_pauses), 3)),
-               phases=None if phases is None else {**phases.summary(), 'agreements': getattr(phases, 'agreements', None)})
+               phases=None if phases is None else {**phases.summary(), 'agreements': getattr(phases, 'agreements', None)},
+               gc_trace=gc_trace)
     (out/f'{arm}_rank{rank}.json').write_text(json.dumps(res))
+
+def _trace_full_collections()->list:
+    "Each of Python's full collections from now on: its seconds, the objects frozen then, and the code that ran it"
+    import gc, traceback
+    trace = []
+    def on_gc(phase, info):
+        if info['generation'] != 2: return
+        if phase == 'start':
+            stack = [f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}" for f in traceback.extract_stack(limit=8)[:-1]]
+            trace.append(dict(t=time.perf_counter(), frozen=gc.get_freeze_count(), counts=gc.get_count(), stack=stack))
+        elif trace: trace[-1]['s'] = round(time.perf_counter() - trace[-1].pop('t'), 4)
+    gc.callbacks.append(on_gc)
+    return trace
 
 def _time_agreements(phases):
     "Count the ranks' agreements (`agreement.DDP.gather`) and their time into `phases.agreements`"
