@@ -45,8 +45,7 @@ class GCFreeze:
     def start(self):
         "A fit starts: freeze what the process holds now, and after each compile what it made; time the full collections"
         self.timer.on()
-        # Left alone: a collector off, or frozen by its user, whose `gc.unfreeze()` this fit's end would undo
-        if not self.on or self.frozen or not gc.isenabled() or gc.get_freeze_count(): return
+        if not self.on or self.frozen or not gc.isenabled(): return # A collector turned off is left alone
         self.frozen = True
         gc.freeze()
         add_compile_callbacks(on_end=self.compiled)
