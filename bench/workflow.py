@@ -40,7 +40,8 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
                   the worker and takes over where an A/B on the fit's batches finds it faster. Tiers are tried on
                   CUDA alone: on the CPU these arms are a background compile of the default mode
     unfrozen-cold, unfrozen-warm   as tiers-cold and tiers-warm, with Python's collector left unfrozen during the fit
-                  (`GCFreeze.on = False`), so its full collections visit every object the compiles made
+                  (`GCFreeze.on = False`), so its full collections visit every object the compiles made; unfrozen-warm
+                  starts from tiers-cold's cache, as tiers-warm does
     Every other compiled arm passes background=False: it compiles in the fit's path.
     --get-preds   also times learn.get_preds() on the validation set right after the fit, in every arm
     precompile-cold, precompile-warm, precompile-saved   the same with learn.compile(precompile=True): TorchDynamo's traced
@@ -92,7 +93,8 @@ ARMS = (*EAGER, *(f'compile-{s}' for s in KINDS['compile'][2]), 'compile-ro',
         *(f'{k}-{s}' for k,(_,_,starts) in KINDS.items() if k != 'compile' for s in starts))
 ARM_MODE = {a: None if a in EAGER else 'reduce-overhead' if a == 'compile-ro' else 'default' for a in ARMS}
 ARM_KWARGS = {a: {'background': False, **KINDS[a.split('-')[0]][0]} for a in ARMS if a not in EAGER}
-COLD_OF = {a: a.rsplit('-', 1)[0] + '-cold' for a in ARMS if a.endswith(('-warm', '-saved'))} # Arms that start from what a cold run left
+# Arms that start from what a cold run left; *unfrozen-warm* from *tiers-cold*'s, beside *tiers-warm*
+COLD_OF = {a: ('tiers' if a.startswith('unfrozen-') else a.rsplit('-', 1)[0]) + '-cold' for a in ARMS if a.endswith(('-warm', '-saved'))}
 INDUCTOR_ONLY = ('precompile',) # Kinds left out of a default run with another backend
 
 # Sizes: `gpu` is the default, `smoke` a tiny CPU check of the same code paths. `--config` overrides either.
