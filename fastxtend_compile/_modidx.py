@@ -495,6 +495,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                               'fastxtend_compile/gcfreeze.py'),
                                             'fastxtend_compile.gcfreeze.GCFreeze.compiled': ( 'gcfreeze.html#gcfreeze.compiled',
                                                                                               'fastxtend_compile/gcfreeze.py'),
+                                            'fastxtend_compile.gcfreeze.GCFreeze.compiling': ( 'gcfreeze.html#gcfreeze.compiling',
+                                                                                               'fastxtend_compile/gcfreeze.py'),
                                             'fastxtend_compile.gcfreeze.GCFreeze.start': ( 'gcfreeze.html#gcfreeze.start',
                                                                                            'fastxtend_compile/gcfreeze.py'),
                                             'fastxtend_compile.gcfreeze.GCFreeze.stop': ( 'gcfreeze.html#gcfreeze.stop',

@@ -38,9 +38,10 @@ class GCFreeze:
     on = True # Freeze during compiled fits
     def __init__(self):
         self.frozen = False # This fit froze the collector's objects, to give back when it ends
+        self.paused = False # The collector is off while a compile runs
         self.timer = GCPauses() # Times the full collections during the fit
 
-    def __getstate__(self): return {'frozen': False, 'timer': GCPauses()}
+    def __getstate__(self): return {'frozen': False, 'paused': False, 'timer': GCPauses()}
 
     def start(self):
         "A fit starts: freeze what the process holds now, and after each compile what it made; time the full collections"
@@ -48,18 +49,23 @@ class GCFreeze:
         if not self.on or self.frozen or not gc.isenabled(): return # A collector turned off is left alone
         self.frozen = True
         gc.freeze()
-        add_compile_callbacks(on_end=self.compiled)
+        add_compile_callbacks(self.compiling, self.compiled)
+
+    def compiling(self, *args):
+        "A compile starts: no collections until it ends, as it makes a great many objects that live on"
+        if self.frozen and gc.isenabled(): gc.disable(); self.paused = True
 
     def compiled(self, *args):
-        "A compile ended: collect its young garbage, then freeze what it left"
+        "A compile ended: freeze what it made, its garbage with it until the fit ends"
         if not self.frozen: return
-        gc.collect(1)
+        if self.paused: gc.enable(); self.paused = False
         gc.freeze()
 
     def stop(self)->list:
         "The fit is over: give the frozen objects back to the collector; the seconds of each full collection during the fit"
         if self.frozen:
-            remove_compile_callbacks(on_end=self.compiled)
+            remove_compile_callbacks(self.compiling, self.compiled)
+            if self.paused: gc.enable(); self.paused = False # A compile that raised
             gc.unfreeze()
             self.frozen = False
         return self.timer.off()

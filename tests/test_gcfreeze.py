@@ -66,13 +66,29 @@ def test_garbage_frozen_during_a_fit_is_collected_after_it():
     gc.collect()
     assert ref() is None
 
+def test_the_collector_is_off_while_the_fit_compiles_and_on_again_after():
+    from fastxtend_compile.internals import add_compile_callbacks, remove_compile_callbacks
+    during, seen = [], []
+    def spy(*args): during.append(gc.isenabled())
+    class Seen(Callback):
+        "After `CompilerCallback`: its compile callbacks run first, then `spy`"
+        order = 13
+        def before_fit(self): add_compile_callbacks(spy)
+        def before_batch(self): seen.append(gc.isenabled())
+        def after_fit(self): remove_compile_callbacks(spy)
+    learn = tiny_learner(cbs=Seen())
+    learn.compile(backend='aot_eager')
+    learn.fit(1)
+    assert during and not any(during) # Off during each compile (the first batch's, and its backward's)...
+    assert all(seen) and gc.isenabled() # ...and on for every batch, and after the fit
+
 def test_a_fit_that_raises_gives_the_collector_back():
     class Boom(Callback):
         def after_batch(self): raise RuntimeError("boom")
     learn = tiny_learner(cbs=Boom())
     learn.compile(backend='aot_eager')
     with pytest.raises(RuntimeError, match="boom"): learn.fit(1)
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
 
 def test_a_collector_frozen_before_the_fit_is_frozen_too_and_one_turned_off_is_left_alone():
     # Objects frozen before the fit (some libraries freeze a few hundred on import) must not keep the fit's own unfrozen
