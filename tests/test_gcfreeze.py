@@ -42,15 +42,17 @@ def test_a_compiled_fit_freezes_the_collector_and_gives_it_back():
     learn.fit(1)
     assert all(n > 0 for n in spy.at_start), spy.at_start # What was there before the fit
     assert spy.at_end[0] > spy.at_start[0] # The first batch compiled: what it made is frozen too
-    assert gc.get_freeze_count() == 0
+    # Given back. Python 3.12 keeps its few hundred immortal objects where frozen ones go, and moves them there as it collects
+    assert gc.get_freeze_count() * 100 < spy.at_start[0]
     # Every training batch's collection was a full one, and each was timed
     assert len(learn.compiler.report.gc_pauses) >= len(spy.at_end) == 4
 
 def test_an_eager_fit_leaves_the_collector_alone():
-    learn, spy = tiny_learner(), FreezeSpy()
-    learn.add_cb(spy)
-    learn.fit(1)
-    assert spy.at_start == [0] * 4
+    eager, compiled = FreezeSpy(), FreezeSpy()
+    tiny_learner(cbs=eager).fit(1)
+    tiny_learner(cbs=compiled).compile(backend='aot_eager').fit(1)
+    # A compiled fit freezes every object the process holds; an eager one leaves the few that Python itself keeps there
+    assert max(eager.at_start) * 100 < min(compiled.at_start), (eager.at_start, compiled.at_start)
 
 def test_garbage_frozen_during_a_fit_is_collected_after_it():
     class Cycle:
@@ -88,19 +90,19 @@ def test_a_fit_that_raises_gives_the_collector_back():
     learn = tiny_learner(cbs=Boom())
     learn.compile(backend='aot_eager')
     with pytest.raises(RuntimeError, match="boom"): learn.fit(1)
-    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    assert gc.get_freeze_count() < 1_000 and gc.isenabled() # Given back (bar Python 3.12's immortal objects)
 
 def test_a_collector_frozen_before_the_fit_is_frozen_too_and_one_turned_off_is_left_alone():
-    # Objects frozen before the fit (some libraries freeze a few hundred on import) must not keep the fit's own unfrozen
+    # Objects frozen before the fit must not keep the fit's own unfrozen: Python 3.12 keeps a few hundred there itself
     learn, spy = tiny_learner(), FreezeSpy()
     learn.add_cb(spy)
     learn.compile(backend='aot_eager')
     gc.freeze()
     learn.fit(1)
     assert spy.at_end[0] > spy.at_start[0] # The compile's objects were frozen too
-    assert gc.get_freeze_count() == 0 # And given back, with those frozen before
+    assert gc.get_freeze_count() * 100 < spy.at_start[0] # And given back, with those frozen before
     gc.disable()
     try:
         learn.fit(1)
-        assert not gc.isenabled() and gc.get_freeze_count() == 0 and spy.at_start[-1] == 0
+        assert not gc.isenabled() and max(spy.at_start[4:]) * 100 < spy.at_start[0], spy.at_start
     finally: gc.enable()
