@@ -64,14 +64,17 @@ class Local:
 def decide(
     views:list, # Each rank's view of its batch's state (`DDP.view`), by rank; `None` for a state settled on that rank
 )->str|None:
-    "What every rank does with the state: 'start', 'failed', 'ready' or 'warm'; `None` while there is nothing to agree on"
+    "What every rank does with the state: 'start', 'failed', 'ready', 'warm' or 'path'; `None` while there is nothing to agree on"
     # A rank whose state is settled, ranks that train different states, or rank 0 still judging: nothing yet
     if any(v is None for v in views) or len({v['key'] for v in views}) > 1 or not views[0]['worth']: return None
+    # Rank 0 compiles a tier first, which the others adopt at this agreement (`Tiers.agreed`): the state starts at the next
+    if any(v['first'] != views[0]['first'] for v in views) and all(v['worker'] in ('none', 'warm') for v in views): return None
     workers = [v['worker'] for v in views if v['leader']]
     if 'failed' in workers: return 'failed'
     if all(w == 'warm' for w in workers): return 'warm'
     if all(w in ('done', 'warm') for w in workers): return 'ready'
-    return 'start'
+    # Rank 0 found a worker beside the eager step would cost more than the tier compiled first in the fit's path
+    return 'path' if views[0]['path'] else 'start'
 
 # %% ../nbs/16_agreement.ipynb #0d3b7e21
 def device_leader(
@@ -99,7 +102,7 @@ class DDP(Local):
         self.parts = [] # Other parts of the fit that agree at the same agreements (`join`): each gives a `view` and takes the `agreed` views
 
     def join(self, part):
-        "`part` of the fit decides with the other ranks at their agreements: `part.view(st)` is gathered, `part.agreed(st, views, learn, model)` acts"
+        "`part` of the fit decides with the other ranks at their agreements: `part.view(st)` is gathered, `part.agreed(st, views, learn, model, decision)` acts"
         self.parts.append(part)
 
     def start(self, device:torch.device):
@@ -146,23 +149,25 @@ class DDP(Local):
         if st.stage in (Stage.READY, Stage.FAILED, Stage.SHORT): return None
         if st.stage is Stage.DONE: worker = 'done' if st.result.ok else 'failed'
         elif aside.compiling is not None: worker = 'compiling'
-        elif aside.warm_starts.get(st.record) is not None: worker = 'warm' # Inductor's cache on this host has its code
+        elif aside.warm_starts.get(st.compiled_record) is not None: worker = 'warm' # Inductor's cache on this host has its code
         else: worker = 'none'
         failure = None if st.result is None or st.result.ok else (st.result.took_s, st.result.error, st.result.oom, f'{self.host} ({self.device})')
-        return dict(key=st.record, worth=st.stage is not Stage.PROBING, worker=worker, leader=self.leader, failure=failure)
+        return dict(key=st.record, worth=st.stage is not Stage.PROBING, worker=worker, leader=self.leader, failure=failure,
+                    first=None if st.first is None else st.first[1], path=st.path)
 
     def agree(self, aside, learn, st:ModelState, model):
         "At every `every`-th training batch, on every rank: gather the views, decide, and act on the decision together"
         if learn.train_iter % self.every: return
         gathered = self.gather([self.view(aside, st), *[p.view(st) for p in self.parts]], f"epoch {learn.epoch}, batch {learn.iter}")
         views = [g[0] for g in gathered]
-        for i,p in enumerate(self.parts): p.agreed(st, [g[i + 1] for g in gathered], learn, model)
         decision = decide(views)
+        for i,p in enumerate(self.parts): p.agreed(st, [g[i + 1] for g in gathered], learn, model, decision)
         if decision == 'failed':
             took, error, oom, host = next(v['failure'] for v in views if v['leader'] and v['failure'])
             aside.handover.settle(st, JobResult(False, f"{error}; on {host}", oom, took_s=took))
-        elif decision == 'warm': aside.handover.warm(st, aside.warm_starts.get(st.record) or {}, learn, None)
+        elif decision == 'warm': aside.handover.warm(st, aside.warm_starts.get(st.compiled_record) or {}, learn, None)
         elif decision == 'ready': aside.handover.settle(st)
+        elif decision == 'path': aside.handover.in_path(st, learn, next_batch=True) # Every rank in its own path: all devices at once
         elif decision == 'start' and self.leader and views[self.rank]['worker'] == 'none': aside.send(st, learn, model)
 
     def together(self, worker:bool)->str:

@@ -362,11 +362,11 @@ class Handover:
         else: a.warm_starts.time(st.compiled_record, now, len(a.notes) - 1, learn)
         return False
 
-    def in_path(self, st:ModelState, learn)->bool:
-        "Compile `st` in the fit's path from this batch, with the faster tier compiled first: a worker beside its eager step would cost the fit more"
+    def in_path(self, st:ModelState, learn, next_batch:bool=False)->bool:
+        "Compile `st` in the fit's path from this batch (or the next), the faster tier first: a worker beside its eager step would cost the fit more"
         st.to(Stage.READY)
         self.aside.worker.idle() # Not needed for this state
-        self.aside.notes.append(_in_path(st.key.training, where(learn)))
+        self.aside.notes.append(_in_path(st.key.training, where(learn, next_batch), self.aside.ranks.together(False)))
         return False
 
     def settle(self,
@@ -436,9 +436,9 @@ def _warm(rec:dict, training:bool, where:str, together:str)->str:
     return (f"compiled{_phase(training)} at once, in the fit's path at {where}{together}: inductor's cache has this model "
             f"state's code ({last})")
 
-def _in_path(training:bool, where:str)->str:
-    return (f"compiled{_phase(training)} in the fit's path at {where}, the faster tier first: a worker compiling beside the "
-            "eager step would slow it more than the compile costs here")
+def _in_path(training:bool, where:str, together:str='')->str:
+    return (f"compiled{_phase(training)} in the fit's path at {where}{together}, the faster tier first: a worker compiling beside "
+            "the eager step would slow it more than the compile costs here")
 
 def _took_over(st:ModelState, where:str, together:str)->str:
     return (f"compiled{_phase(st.key.training)} in a worker process in {st.result.took_s:.1f}s while {st.eager_batches} training "

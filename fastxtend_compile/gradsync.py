@@ -98,7 +98,8 @@ class GradSync:
         # Every rank must average each batch the same way, where each decides for itself whether a batch runs compiled
         # code: a rank times the eager step at batches of its own, and ranks whose batches differ in shape train different
         # model states. Compiling in the fit's path, every rank compiles at its first batch; in the background, the ranks
-        # switch at the agreement after any of them ran compiled code (`agreed`), and stay switched
+        # switch at the agreement that has them all run compiled code from the next batch, or after any of them ran it
+        # (`agreed`), and stay switched
         self.compiled = self.compiled or compiled
         if not self.agrees: self.on = self.on or compiled
         self.ddp.require_backward_grad_sync = not self.on # As DDP's `no_sync()` sets it
@@ -109,9 +110,12 @@ class GradSync:
         "This rank's part of an agreement of the ranks: whether it ran compiled code"
         return dict(compiled=self.compiled)
 
-    def agreed(self, st, views:list, learn, model:nn.Module):
-        "At an agreement, on every rank: once any rank ran compiled code, every rank averages its batches here, from this one on"
-        if self.ddp is not None and any(v['compiled'] for v in views): self.on = True
+    def agreed(self, st, views:list, learn, model:nn.Module,
+        decision:str|None=None, # What the ranks decided on the state at this agreement (`agreement.decide`)
+    ):
+        "At an agreement, on every rank: once any rank ran compiled code, or all switch to it at the next batch, every rank averages its batches here, from this one on"
+        # DDP's reducer never averages a compiled batch the ranks switched to together: CUDA graphs run beside this all-reduce alone
+        if self.ddp is not None and (any(v['compiled'] for v in views) or decision in ('warm', 'ready', 'path')): self.on = True
 
     def before_backward(self,
         loss:torch.Tensor, # What the backward starts from: `learn.loss_grad`

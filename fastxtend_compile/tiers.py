@@ -187,6 +187,7 @@ class TierRun:
         self.grads = False # Its parameters' gradients are memory of their own, for CUDA graphs, in this fit
         self.kept = kept is not None # The A/B kept the tier: it runs this state's training batches
         self.first = False # The tier was compiled first, before the default's code
+        self.step_bytes = None # Bytes the eager step allocated at its peak, where the tier compiled first runs CUDA graphs
         self.batches, self.since = 0, '' # Training batches the tier ran in this fit, and where it started
         self.vote = None # (kind, value) of what this process measured, for a decision: 'pick', 'compile' or 'verdict'
         self.agreed = None # (kind, value) the ranks decided on, under DDP, for this rank to act on
@@ -255,13 +256,37 @@ class FirstTier:
         busy = None if gpu_s is None else min(gpu_s / step_s, 1.)
         if (name := self.choose(busy, step_s, left, t.try_cost_s)) is None: return
         if t.graphs(name) and not cudagraphs_fit(torch.cuda.mem_get_info(t.device)[0], step_bytes): return
-        run.tier, run.record, run.first, saving = name, t.record(model, st, name), True, first_saving(busy, step_s)
-        run.why = _share(busy, step_s, 'the eager') + f"so CUDA graphs, compiled first, would save about {saving*1e3:.1f} ms of it"
+        saving = first_saving(busy, step_s)
+        why = _share(busy, step_s, 'the eager') + f"so CUDA graphs, compiled first, would save about {saving*1e3:.1f} ms of it"
         # Cold, in the fit's path where the fit's rest pays back standing still for it, and a worker would cost more
-        st.path = (self.in_path(busy, t.compile_guess_s, t.aside.warm_s) and pays_back(left, saving, t.compile_guess_s)
-                   and t.aside.warm_starts.get(run.record) is None)
-        st.first = (t.settings_of(name), run.record)
+        path = (self.in_path(busy, t.compile_guess_s, t.aside.warm_s) and pays_back(left, saving, t.compile_guess_s)
+                and t.aside.warm_starts.get(t.record(model, st, name)) is None)
+        self._set(run, st, model, name, path, why, step_bytes if t.graphs(name) else None)
+
+    def _set(self, run, st, model:nn.Module, name:str, path:bool, why:str, step_bytes:int|None):
+        "Compile tier `name` first for `st`, in the fit's path or the worker"
+        run.tier, run.record, run.first, run.why, run.step_bytes = name, self.tiers.record(model, st, name), True, why, step_bytes
+        st.tier, st.path, st.first = run, path, (self.tiers.settings_of(name), run.record)
         run.to(TierStage.FIRST)
+
+    def offer(self, st)->dict|None:
+        "The tier this rank compiles first for `st`, for the other ranks to adopt (`adopt`); `None` where it compiles none"
+        run = st.tier
+        if run is None or not run.first or st.first is None or run.stage is not TierStage.FIRST: return None
+        if st.stage not in (Stage.PROBING, Stage.JUDGED): return None # Settled: compiled, or too short to pay
+        return dict(tier=run.tier, path=st.path, why=run.why, step_bytes=run.step_bytes)
+
+    def adopt(self,
+        st, # The state rank 0 judged, on this rank
+        model:nn.Module, # The model being compiled (not DDP's wrapper)
+        offer:dict, # Rank 0's `offer`
+        free:list, # Bytes each rank's GPU has free, where measured
+    )->str|None:
+        "Under DDP, on every rank: compile rank 0's tier first, where its CUDA graphs fit every rank's GPU; else why not (rank 0 drops it)"
+        if offer['step_bytes'] is not None and free and not cudagraphs_fit(min(free), offer['step_bytes']):
+            st.first, st.path, st.tier = None, False, TierRun() # The default's code first, its tier tried once it runs
+            return _no_room_first(offer['tier'], offer['step_bytes'], min(free))
+        if self.offer(st) is None: self._set(st.tier or TierRun(), st, model, offer['tier'], offer['path'], offer['why'], offer['step_bytes'])
 
 class Tiers:
     "Once the compiled code runs a state's training batches, a faster tier compiled in the worker, kept where an A/B on the fit's batches says so"
@@ -316,8 +341,8 @@ class Tiers:
         if (raised := self.switch.take_error()) is not None: self._raised(*raised, model)
         # An epoch's last batch too: one of the state's shape runs its tier (a smaller one is a state of its own)
         if self.aside is None or not learn.training or (st := self.aside.states.get(key)) is None: return
-        # Under DDP the default's code goes first: rank 0 alone probes the eager step, and a tier follows once it runs
-        if st.stage is Stage.PROBING: return None if self.together else self.first.batch(st, learn, model)
+        # Under DDP rank 0 alone probes the eager step: the others learn of a tier compiled first at an agreement (`agreed`)
+        if st.stage is Stage.PROBING: return self.first.batch(st, learn, model)
         if eager or not self.aside.ready(key): return # The compiled code doesn't run it yet
         if st.tier is None: st.tier = TierRun()
         self.stages.batch(st.tier, learn, model, st)
@@ -333,10 +358,12 @@ class Tiers:
         return decided
 
     def view(self, st)->dict:
-        "This rank's part of an agreement of the ranks: its vote on its batch's state's tier, and a tier that raised here"
-        return dict(key=st.record, vote=None if st.tier is None else st.tier.vote, raised=self.raised)
+        "This rank's part of an agreement of the ranks: its vote on its batch's state's tier, a tier that raised here, the tier it compiles first, its GPU's free memory"
+        first = self.first.offer(st)
+        return dict(key=st.record, vote=None if st.tier is None else st.tier.vote, raised=self.raised, first=first,
+                    free=None if first is not None else self.free())
 
-    def agreed(self, st, views:list, learn, model:nn.Module):
+    def agreed(self, st, views:list, learn, model:nn.Module, decision:str|None=None):
         "At an agreement, on every rank: a tier that raised on any rank is dropped on all; a vote all ranks cast is decided"
         if (raised := next((v['raised'] for v in views if v['raised'] is not None), None)) is not None:
             self.raised = None
@@ -344,6 +371,9 @@ class Tiers:
                                                                  f"another rank ({raised[1]}); every rank trains on with the default")
         if st.tier is not None and st.tier.vote is not None and (decided := decide_tier(views)) is not None:
             st.tier.vote, st.tier.agreed = None, decided
+        # Rank 0 compiles a tier first: every rank does, where its memory fits every rank's GPU; the state starts at the next agreement
+        if (offer := views[0]['first']) is not None and any(v['first'] is None for v in views) and st.stage in (Stage.PROBING, Stage.JUDGED):
+            if why := self.first.adopt(st, model, offer, [v['free'] for v in views if v['free'] is not None]): self.notes.append(why)
 
     def measure(self, profile:_Profile, learn, step_s:float)->tuple|bool|None:
         "Measure this batch's GPU work with `profile`, where it isn't done: `_Profile.batch`"
@@ -464,9 +494,13 @@ class TierStages:
 
     def _on_agree(self, run, learn, model, st):
         "Act on what was measured once it is decided: at once in one process; under DDP at the ranks' next agreement, the default's code running meanwhile"
-        if (decided := self.tiers.decision(run)) is None: return
+        if (decided := self.tiers.decision(run)) is None:
+            # A tier compiled first runs on meanwhile: the default's code may not be compiled
+            if run.first: self.tiers.run_tier(learn, run, counted=True)
+            return
         kind, v = decided
         if kind == 'verdict': return self._verdict(run, learn, model, st, **v)
+        if kind == 'check': return self._checked(run, learn, model, st, **v)
         run.to(TierStage.DONE)
         if why := self._decide(run, learn, model, st, **v): self.tiers.notes.append(why)
 
@@ -533,9 +567,17 @@ class TierStages:
         if len(run.tier_times) < self.tiers.time_batches:
             self.tiers.run_tier(learn, run, counted=True)
             return self.tiers.timer.start(run.tier_times)
-        if st.probe is not None and st.probe.seen and faster(run.tier_times, st.probe.times):
-            return self._keep_faster(run, learn, st, _vs_eager(run, st.probe.times), median(st.probe.times), 'the eager step')
-        run.to(TierStage.WAIT) # Not faster than eager, or the eager step unmeasured in this fit: the default's code decides
+        # Under DDP, rank 0's: it alone timed the eager step
+        keep = st.probe is not None and st.probe.seen > 0 and faster(run.tier_times, st.probe.times)
+        tier_s = median(run.tier_times)
+        run.to(TierStage.AGREE)
+        run.vote = ('check', dict(keep=keep, tier_s=tier_s, eager_s=median(st.probe.times) if keep else None))
+        self._on_agree(run, learn, model, st)
+
+    def _checked(self, run, learn, model, st, keep:bool, tier_s:float, eager_s:float|None):
+        "Keep the tier compiled first in the fit's path where its steps beat the eager step; else the default's code decides in an A/B"
+        if keep: return self._keep_faster(run, learn, st, _vs_eager(tier_s, eager_s), eager_s, 'the eager step')
+        run.to(TierStage.WAIT) # Not faster than eager, or the eager step unmeasured in this fit
         self._on_wait(run, learn, model, st)
 
     def _on_wait(self, run, learn, model, st):
@@ -604,6 +646,10 @@ def _no_room(share:str, name:str, step_bytes:int, free:int)->str:
     return (f"no faster tier: {share}so CUDA graphs ({name}) would be faster, but their memory, {step_bytes/2**30:.1f} GB a step, "
             f"doesn't fit in the {free/2**30:.1f} GB the GPU has free")
 
+def _no_room_first(name:str, step_bytes:int, free:int)->str:
+    return (f"no tier compiled first: CUDA graphs ({name}), about {step_bytes/2**30:.1f} GB a step, don't fit with room to spare "
+            f"in the {free/2**30:.1f} GB free on the fullest rank's GPU; the default's code goes first")
+
 def _unsent(name:str, e:Exception)->str:
     return f"tier {name} not tried: the model could not be sent to a worker process ({type(e).__name__}: {e})"
 
@@ -615,8 +661,8 @@ def _worker_failed(name:str, res)->str:
 def _ab(tier_s:float, base_s:float)->str:
     return f"{tier_s*1e3:.1f} ms a step against {base_s*1e3:.1f} ms for the default, alternating on the fit's batches"
 
-def _vs_eager(run:TierRun, eager:list)->str:
-    return f"{median(run.tier_times)*1e3:.1f} ms a step against {median(eager)*1e3:.1f} ms for the eager step, each timed alone"
+def _vs_eager(tier_s:float, eager_s:float)->str:
+    return f"{tier_s*1e3:.1f} ms a step against {eager_s*1e3:.1f} ms for the eager step, each timed alone"
 
 def _kept_before(tier_s:float, other_s:float, other:str)->str:
     return (f"kept without an A/B, as an earlier fit of this state on this kind of device found it faster: {tier_s*1e3:.1f} ms a "

@@ -3,8 +3,8 @@
 Started once per rank with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` set, on the CPU with
 `gloo`, sharing one inductor cache: a first fit (cold: the host's worker compiles while every rank trains eagerly), a
 second of a new `Learner` of the same model (warm: compiled at once), one of the model with its first layer frozen (a
-new state: the worker again), on 2 ranks fits that try a faster tier (kept, then raising in rank 1's path), one whose
-worker fails, and eager DDP fits for reference; then an agreement that rank 1 never comes to, and
+new state: the worker again), on 2 ranks fits that try a faster tier (kept, then raising in rank 1's path) and fits whose
+eager step rank 0 finds launch-bound (its tier compiled first in every rank's path, cold then warm), one whose worker fails, and eager DDP fits for reference; then an agreement that rank 1 never comes to, and
 a fit that rank 1 ends with an exception while rank 0's worker compiles. It writes what the test checks to
 `OUT/rank{RANK}.pt`.
 """
@@ -21,7 +21,8 @@ from fastxtend_compile.agreement import DDP
 from fastxtend_compile import tiers
 from fastxtend_compile.tiers import Tiers
 from tier_backends import sleepy, flaky
-from ddp_worker import learner, model, dls, nn, Learner, SGD, ProgressCallback # Its `DistributedDL` patch for `gloo` too
+import ddp_worker as learner_module
+from ddp_worker import learner, model as _model, dls, nn, Learner, SGD, ProgressCallback # Its `DistributedDL` patch for `gloo` too
 
 BackgroundCompile.cold_cost_s = 0 # A worker for a fit of any length
 CompileReport.pays_back = lambda self, batches: False # Validation runs eagerly, whatever the timings
@@ -85,8 +86,39 @@ def tiered(tier_backend, fails_on=None, batches=60):
         del tiers.TIERS['plain']
         os.environ.pop('FXC_TIER_FAILS', None)
 
+class SlowEager(nn.Sequential):
+    "The test's model, whose eager forward spends 30 ms in Python that its traced graph leaves out: a launch-bound step's stand-in"
+    def forward(self, x):
+        if not torch.compiler.is_compiling(): time.sleep(0.03)
+        return super().forward(x)
+
+class _IdleMeter:
+    "A busy meter for the CPU: the measured eager steps found the device idle throughout"
+    measures = staticmethod(lambda device: True)
+    def __init__(self): self.started = False
+    def start(self, device, hold_s): self.started = True; return True
+    def stop(self, device): return 0. if self.started else None
+    def peak_bytes(self, device): return 0
+
+def path_first(compiled=True, batches=48):
+    "A fit of `SlowEager` whose eager step rank 0 finds idle: the tier, the default's arithmetic, compiled first in the fit's path"
+    saved = [(o, k, getattr(o, k)) for o,ks in ((Tiers, ('default_on', 'settle_batches', 'time_batches', 'warmup_batches', 'compile_guess_s')),
+             (tiers.FirstTier, ('choose', 'in_path')), (tiers, ('_BusyMeter', 'why_no_tiers')),
+             (BackgroundCompile, ('cold_cost_s', 'handover_s')), (learner_module, ('model',))) for k in ks]
+    Tiers.default_on, Tiers.settle_batches, Tiers.time_batches, Tiers.warmup_batches, Tiers.compile_guess_s = ('cpu',), 1, 3, 1, 1e-3
+    tiers.FirstTier.choose = staticmethod(lambda busy, *_: 'plain' if busy == 0 else None)
+    tiers.FirstTier.in_path = staticmethod(lambda busy, compile_s, warm_s: True)
+    tiers._BusyMeter, tiers.why_no_tiers = _IdleMeter, lambda settings: None # The test's backends have no modes
+    BackgroundCompile.cold_cost_s, BackgroundCompile.handover_s = 1e-9, 0 # The probe runs, and any fit pays back a compile
+    learner_module.model = lambda kind: SlowEager(*_model(kind))
+    tiers.TIERS['plain'] = dict(backend='aot_eager')
+    try: return fit(compiled=compiled, batches=batches, backend=sleepy) # The default's code, 100 ms slower a call, never runs
+    finally:
+        for o,k,v in saved: setattr(o, k, v)
+        del tiers.TIERS['plain']
+
 def eager_learner(world):
-    learn = Learner(dls(world), model('sequential'), loss_func=nn.MSELoss(), opt_func=SGD, lr=0.1)
+    learn = Learner(dls(world), learner_module.model('sequential'), loss_func=nn.MSELoss(), opt_func=SGD, lr=0.1)
     learn.remove_cb(ProgressCallback)
     return learn
 
@@ -133,6 +165,7 @@ def main():
         res['tier_eager'] = fit(compiled=False, batches=60)
         # The worker compiles the tier; the next fit finds it in inductor's cache, kept, and rank 1's copy raises
         res['tier_kept'], res['tier_raised'] = tiered(flaky), tiered(flaky, fails_on=1, batches=40)
+        res['path_eager'], res['path_cold'], res['path_warm'] = path_first(compiled=False), path_first(), path_first()
     Worker.code = "raise SystemExit('no compiler here')"
     os.environ['TORCHINDUCTOR_CACHE_DIR'] += '-empty' # No record: a worker
     res['failed'] = fit(wait=True)

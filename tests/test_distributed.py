@@ -355,6 +355,35 @@ def test_a_tier_that_raises_on_one_rank_is_dropped_on_every_rank(background_runs
             "default") in raised[0]['notes'], raised[0]['notes']
     for k,v in raised[0]['params'].items(): assert torch.equal(raised[1]['params'][k], v), k
 
+def test_a_launch_bound_step_compiles_its_tier_first_in_every_ranks_path_at_once(background_runs):
+    "Rank 0 finds the eager step launch-bound: every rank compiles the tier in its own path at the same batch, no worker, and keeps it"
+    ranks = _two_ranks(background_runs)
+    cold = [r['path_cold'] for r in ranks]
+    ran = cold[0]['tier']
+    assert [c['starts'] for c in cold] == [0, 0] and cold[1]['tier'] == ran, (cold[0]['tier'], cold[1]['tier'])
+    first = ran.index(True)
+    # Rank 0 picks the tier after its probe (8 batches) and 3 measured ones; the ranks adopt it at the next agreement and
+    # start it at the one after: from the batch after an agreement, every training batch runs the tier on both ranks
+    assert first % 8 == 1 and first > 12 and all(ran[first:]), ran
+    assert all(c['eager'] == [True]*first + [False]*(len(ran) - first) for c in cold), cold[0]['eager'] # The default's code never ran
+    per_epoch = 64 // (8*2) # tests/ddp_worker.py's 64 training samples, 8 a batch on each rank
+    notes = cold[0]['notes']
+    assert notes[0] == (f"compiled in the fit's path at epoch {first // per_epoch}, batch {first % per_epoch}, on all 2 ranks at once, "
+                        "the faster tier first: a worker compiling beside the eager step would slow it more than the compile costs here"), notes
+    took = next(n for n in notes if n.startswith('tier plain took over'))
+    assert re.search(r", on all 2 ranks at once: the GPU ran work 0% of the eager [\d.]+ ms step, .+; compiled cold in the fit's path in "
+                     r"[\d.]+s; ([\d.]+) ms a step against ([\d.]+) ms for the eager step, each timed alone$", took), notes
+    tier_ms, eager_ms = map(float, re.search(r"([\d.]+) ms a step against ([\d.]+) ms", took).groups())
+    assert tier_ms < eager_ms - 15 # The eager forward spends 30 ms in Python
+    for r in ranks: _as_eager_ddp(r['path_cold'], r['path_eager'], 2, 'path_cold') # The tier runs eager's arithmetic
+    # A new Learner of the model: the tier's code is in inductor's cache, compiled at once on both ranks and kept without a check
+    warm = [r['path_warm'] for r in ranks]
+    assert [w['starts'] for w in warm] == [0, 0] and warm[1]['tier'] == warm[0]['tier'] and warm[0]['tier'].index(True) == first, warm[0]['tier']
+    assert warm[0]['notes'][0].startswith(f"compiled at once, in the fit's path at epoch {first // per_epoch}, batch {first % per_epoch}, "
+                                          "on all 2 ranks at once: inductor's cache has this model state's code (compiled in a fit's path in"), warm[0]['notes']
+    assert any("kept without an A/B, as an earlier fit of this state on this kind of device found it faster" in n for n in warm[0]['notes']), warm[0]['notes']
+    for r in ranks: _as_eager_ddp(r['path_warm'], r['path_eager'], 2, 'path_warm')
+
 def test_a_rank_that_never_comes_to_an_agreement_raises_a_clear_error(background_runs):
     ranks = background_runs
     assert ranks[1]['timeout'] is None
@@ -419,6 +448,12 @@ def test_grad_sync_takes_compiled_batches_from_ddps_reducer_unless_the_fit_asked
         sync.agreed(None, [dict(compiled=False), dict(compiled=True)], None, None) # Another rank ran compiled code
         sync.before_batch(False)
         assert sync.on and not ddp.require_backward_grad_sync
+        sync.stop()
+        for decision, on in (('start', False), ('path', True), ('warm', True), ('ready', True)):
+            sync.start(ddp, ranks) # Every rank runs compiled code from the next batch on, as they decided: switched at once
+            sync.agreed(None, [dict(compiled=False), dict(compiled=False)], None, None, decision)
+            sync.before_batch(False)
+            assert sync.on == on and ddp.require_backward_grad_sync == (not on), decision
         sync.stop()
         hooked = DistributedDataParallel(torch.nn.Linear(2, 2))
         hooked.register_comm_hook(None, allreduce_hook)
