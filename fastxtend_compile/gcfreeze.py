@@ -51,13 +51,13 @@ class GCFreeze:
         gc.freeze()
         add_compile_callbacks(self.compiling, self.compiled)
 
+    # TorchDynamo calls these two only while the fit is frozen: `start` registers them, `stop` removes them
     def compiling(self, *args):
         "A compile starts: no collections until it ends, as it makes a great many objects that live on"
-        if self.frozen and gc.isenabled(): gc.disable(); self.paused = True
+        if gc.isenabled(): gc.disable(); self.paused = True
 
     def compiled(self, *args):
         "A compile ended: freeze what it made, its garbage with it until the fit ends"
-        if not self.frozen: return
         if self.paused: gc.enable(); self.paused = False
         gc.freeze()
 

@@ -189,7 +189,7 @@ class TierRun:
         self.first = False # The tier was compiled first, before the default's code
         self.step_bytes = None # Bytes the eager step allocated at its peak, where the tier compiled first runs CUDA graphs
         self.batches, self.since = 0, '' # Training batches the tier ran in this fit, and where it started
-        self.vote = None # (kind, value) of what this process measured, for a decision: 'pick', 'compile' or 'verdict'
+        self.vote = None # (kind, value) of what this process measured, for a decision: 'pick', 'compile', 'check' or 'verdict'
         self.agreed = None # (kind, value) the ranks decided on, under DDP, for this rank to act on
 
     def to(self, stage:TierStage):
@@ -493,7 +493,7 @@ class TierStages:
         self._on_agree(run, learn, model, st)
 
     def _on_agree(self, run, learn, model, st):
-        "Act on what was measured once it is decided: at once in one process; under DDP at the ranks' next agreement, the default's code running meanwhile"
+        "Act on what was measured once it is decided: at once in one process; under DDP at the ranks' next agreement, the tier compiled first or the default's code running meanwhile"
         if (decided := self.tiers.decision(run)) is None:
             # A tier compiled first runs on meanwhile: the default's code may not be compiled
             if run.first: self.tiers.run_tier(learn, run, counted=True)
