@@ -20,7 +20,7 @@ from fastxtend_compile.worker import Worker
 from fastxtend_compile.agreement import DDP
 from fastxtend_compile import tiers, background
 from fastxtend_compile.tiers import Tiers
-from tier_backends import sleepy, flaky
+from tier_backends import sleepy, flaky, IdleMeter as _IdleMeter
 import ddp_worker as learner_module
 from ddp_worker import learner, model as _model, dls, nn, Learner, SGD, ProgressCallback # Its `DistributedDL` patch for `gloo` too
 
@@ -91,14 +91,6 @@ class SlowEager(nn.Sequential):
     def forward(self, x):
         if not torch.compiler.is_compiling(): time.sleep(0.03)
         return super().forward(x)
-
-class _IdleMeter:
-    "A busy meter for the CPU: the measured eager steps found the device idle throughout"
-    measures = staticmethod(lambda device: True)
-    def __init__(self): self.started = False
-    def start(self, device, hold_s): self.started = True; return True
-    def stop(self, device): return 0. if self.started else None
-    def peak_bytes(self, device): return 0
 
 def path_first(compiled=True, batches=48):
     "A fit of `SlowEager` whose eager step rank 0 finds idle: the tier, the default's arithmetic, compiled first in the fit's path"

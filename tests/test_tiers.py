@@ -13,7 +13,7 @@ from fastxtend_compile.background import BackgroundCompile
 from fastxtend_compile.internals import compiled_call
 from conftest import two_conv_cnn, digits_dls, EAGER_PRECISION, assert_fit_close
 from test_background import WaitForWorker, _leftovers, cold_cache # noqa: F401 (a fixture)
-from tier_backends import sleepy, refused, slow_to_compile, worker_only, flaky
+from tier_backends import sleepy, refused, slow_to_compile, worker_only, flaky, IdleMeter as _IdleMeter
 
 # Tiny models on a shared CPU (see conftest); the A/Bs compare a step against one 100 ms slower, whatever the machine's load
 pytestmark = pytest.mark.usefixtures('one_thread')
@@ -132,14 +132,6 @@ def test_a_short_fit_tries_no_tier(cpu_tiers, monkeypatch):
     assert any(re.search(r"^no faster tier: plain would save about [\d.]+ ms a step over the \d+ training batches left once it "
                          r"compiled, [\d.]+s in all, under the 6s trying it costs the fit$", n) for n in notes), notes
     assert ran == [] and learn.compiler.aside.worker.jobs == 1 # The default's job alone: no tier was sent to the worker
-
-class _IdleMeter:
-    "A busy meter for the CPU: the measured eager steps found the device idle throughout"
-    measures = staticmethod(lambda device: True)
-    def __init__(self): self.started = False
-    def start(self, device, hold_s): self.started = True; return True
-    def stop(self, device): return 0. if self.started else None
-    def peak_bytes(self, device): return 0
 
 @pytest.fixture
 def first_tiers(cpu_tiers, monkeypatch):
