@@ -377,6 +377,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                             'fastxtend_compile/core.py'),
                                         'fastxtend_compile.core.EagerPolicy._varies': ( 'core.html#eagerpolicy._varies',
                                                                                         'fastxtend_compile/core.py'),
+                                        'fastxtend_compile.core.EagerPolicy.begins_graph_step': ( 'core.html#eagerpolicy.begins_graph_step',
+                                                                                                  'fastxtend_compile/core.py'),
                                         'fastxtend_compile.core.EagerPolicy.compiled_calls': ( 'core.html#eagerpolicy.compiled_calls',
                                                                                                'fastxtend_compile/core.py'),
                                         'fastxtend_compile.core.EagerPolicy.eager': ( 'core.html#eagerpolicy.eager',

@@ -240,6 +240,7 @@ class EagerPolicy:
         self.unpaid = None # Whether this evaluation outside a fit, or `lr_find`, runs eagerly: decided at its first batch
         self.eager_eval = 0 # Batches of this evaluation outside a fit run eagerly, their graph not compiled and not worth it
         self.eager_lr_find = 0 # Batches of this `lr_find` run eagerly, alike
+        self.graph_step = None # In a batch, whether its CUDA graphs' step began; `None` outside one: each call begins one
 
     def __getstate__(self): return {**self.__dict__, 'calls': (), 'aside': None} # A copy decides for the calls it compiles
 
@@ -287,6 +288,7 @@ class EagerPolicy:
         if self.aside is not None and training: self.aside.agree(learn, key, get_model(learn.model)) # Under DDP, at every rank's same batches
         if self.evaluating and training: self.eager_lr_find += 1
         elif self.evaluating: self.eager_eval += 1
+        self.graph_step = False
 
     def _unpaid(self, learn, training:bool)->bool:
         "Whether this batch of an evaluation outside a training fit, or of an `lr_find`, runs eagerly: its graph wouldn't pay back"
@@ -334,6 +336,15 @@ class EagerPolicy:
         self.trained |= training
         self.measuring = self.valid_eager = self.waiting = self.evaluating = self.one_off = self.probing = False
         if training: self.validation = None # The next validation is judged afresh, with fewer batches left
+        self.graph_step = None
+
+    def begins_graph_step(self)->bool:
+        "Whether a compiled call with CUDA graphs begins a new step of them: a batch's first call, or any call outside a batch"
+        # A new step lets CUDA graphs reuse the memory of the last one's outputs. Within a batch, the outputs of its earlier
+        # calls (a regional model's blocks, a model called twice) are still needed by its backward
+        if self.graph_step is None: return True
+        begins, self.graph_step = not self.graph_step, True
+        return begins
 
     @property
     def timed(self)->bool:
@@ -520,7 +531,7 @@ class CompiledCall:
         entry = self._entry_for(args, kwargs, tier)
         cudagraphs = self.cudagraphs if tier is None else uses_cudagraphs({**self.settings, **tier[1]})
         graphs = graphs_compiled() if self.unchecked else 0
-        if cudagraphs: torch.compiler.cudagraph_mark_step_begin()
+        if cudagraphs and self.policy.begins_graph_step(): torch.compiler.cudagraph_mark_step_begin()
         try:
             # A model's own bug is logged by torch as it traces: held back until eager's run says whose bug it is
             with HeldRecords(fake_tensor_logger, traced_op_error()) as held, casts_deferred(self.casts):

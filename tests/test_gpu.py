@@ -202,3 +202,28 @@ def test_a_launch_bound_eager_step_compiles_cuda_graphs_first_in_the_fits_path(t
     assert any(re.match(r"tier reduce-overhead (took over at .*compiled cold in the fit's path|not kept)", n) for n in notes), notes
     assert np.allclose(losses(eager), losses(comp), rtol=5e-2, atol=5e-2), np.abs(losses(eager) - losses(comp)).max()
     assert comp.compiler.aside.worker.proc is None
+
+def test_regional_cuda_graphs_train_as_eager():
+    "A regional model's blocks under CUDA graphs: each block's outputs kept for the backward through the batch's one step of CUDA graphs"
+    from torch import nn
+    from torch.utils.data import TensorDataset
+    from fastai.data.core import DataLoaders
+    class Block(nn.Module):
+        def __init__(self): super().__init__(); self.lin = nn.Linear(64, 64)
+        def forward(self, x): return x + torch.relu(self.lin(x))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 64, generator=g); y = (x[:, :10] + 0.1*torch.randn(1024, 10, generator=g)).argmax(1)
+    def run(compile_kwargs):
+        set_seed(0, reproducible=True)
+        dls = DataLoaders.from_dsets(TensorDataset(x[256:], y[256:]), TensorDataset(x[:256], y[:256]), bs=64, num_workers=0, device='cuda')
+        model = nn.Sequential(nn.Sequential(*[Block() for _ in range(4)]), nn.Linear(64, 10))
+        learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), metrics=accuracy)
+        if compile_kwargs is not None: learn.compile(**compile_kwargs)
+        learn.fit(2, 1e-3)
+        return learn
+    eager, ro = run(None), run(dict(mode='reduce-overhead', regional=True, background=False))
+    assert len(ro.compiler.policy.compiled_calls()) == 4 and not ro.compiler.report.fallbacks
+    le, lr = losses(eager), losses(ro)
+    assert np.allclose(le, lr, rtol=5e-2, atol=5e-2), np.abs(le - lr).max() # TF32 matmuls against eager's float32
+    preds, _ = ro.get_preds()
+    torch.testing.assert_close(preds, ro.get_preds()[0])

@@ -240,6 +240,35 @@ def test_regional_blocks_share_the_callbacks_policy_which_pickles_without_its_ca
     copy = pickle.loads(pickle.dumps(cb))
     assert copy.policy is not cb.policy and copy.policy.compiled_calls() == [] and copy.policy.compile_valid
 
+def test_cuda_graphs_begin_one_step_a_batch_however_many_compiled_calls_it_makes(monkeypatch):
+    "A regional model's blocks share a batch's step of CUDA graphs: its backward needs every block's outputs; outside a batch each call begins one"
+    from fastai.learner import Learner
+    from fastai.data.core import DataLoaders
+    from fastai.callback.core import Callback
+    from torch.utils.data import TensorDataset
+    steps = []
+    monkeypatch.setattr(torch.compiler, 'cudagraph_mark_step_begin', lambda: steps.append(1))
+    class Steps(Callback):
+        "The steps of CUDA graphs each training batch began"
+        def before_fit(self): self.per_batch = []
+        def before_batch(self): self.start = len(steps)
+        def after_batch(self):
+            if self.training: self.per_batch.append(len(steps) - self.start)
+    class Block(nn.Module):
+        def __init__(self): super().__init__(); self.lin = nn.Linear(8, 8)
+        def forward(self, x): return x + torch.relu(self.lin(x))
+    torch.manual_seed(0)
+    x, y = torch.randn(96, 8), torch.randn(96, 1)
+    dls = DataLoaders.from_dsets(TensorDataset(x, y), TensorDataset(x[:32], y[:32]), bs=16, num_workers=0, device='cpu')
+    model = nn.Sequential(nn.Sequential(*[Block() for _ in range(3)]), nn.Linear(8, 1))
+    learn = Learner(dls, model, loss_func=nn.MSELoss(), cbs=Steps())
+    learn.compile(backend='aot_eager', mode='reduce-overhead', regional=True, background=False)
+    learn.fit(1)
+    assert len(learn.compiler.policy.compiled_calls()) == 3 and learn.steps.per_batch == [1] * len(dls.train)
+    steps.clear()
+    with torch.no_grad(): learn.model(x[:4].clone()) # No batch running: each block's call begins a step
+    assert len(steps) == 3
+
 def test_a_tiers_error_does_not_outlive_its_fit():
     "A tier that raised in a fit that then ended is not dropped again, nor reported, in the next fit"
     from fastxtend_compile.tiers import Tiers
