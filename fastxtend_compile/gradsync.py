@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .internals import ddp_comm_hooks, copy_into, at_backward_end
 
 # %% auto #0
-__all__ = ['trained_params', 'by_kind', 'all_reduce_grads', 'why_ddp_syncs', 'GradSync']
+__all__ = ['trained_params', 'by_kind', 'GradBuffer', 'all_reduce_grads', 'why_ddp_syncs', 'GradSync']
 
 # %% ../nbs/17_gradsync.ipynb #00380228
 def trained_params(
@@ -31,29 +31,56 @@ def by_kind(params:list)->list:
     return list(groups.values())
 
 # %% ../nbs/17_gradsync.ipynb #6c72b188
+def _all_reduce_some(ps:list, grads:list, world:int, group=None):
+    "Average `grads`, some of them `None` on this rank, as DDP does: a missing one counts as zeros; one no rank has stays `None`"
+    # Each rank adds a 1 for each gradient it has, so a gradient that only some ranks have is found on every rank
+    has = torch.tensor([g is not None for g in grads], device=ps[0].device, dtype=ps[0].dtype)
+    flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p,g in zip(ps, grads)] + [has])
+    flat.div_(world)
+    dist.all_reduce(flat, group=group)
+    parts = torch.split(flat, [p.numel() for p in ps] + [len(ps)])
+    for p,g,s,n in zip(ps, grads, parts, parts[-1].tolist()):
+        if g is not None: g.copy_(s.view(g.shape))
+        elif n: p.grad = s.view(p.shape).clone()
+
+class GradBuffer:
+    "One group's gradients averaged over the ranks in one all-reduce, through a flat buffer kept from batch to batch"
+    def __init__(self,
+        ps:list, # Parameters of one device and dtype (`by_kind`), in the same order on every rank
+    ):
+        self.ps = ps
+        self.flat = None # Every gradient of the group, then a 1 for each: made at the first all-reduce
+        self.parts = [] # The buffer's part for each parameter, in its shape
+        self.has = None # The buffer's last part: a 1 for each gradient this rank has
+
+    def _made(self)->torch.Tensor:
+        "The buffer, made once: a batch copies its gradients in and out, with no list of views to build"
+        if self.flat is None:
+            sizes = [p.numel() for p in self.ps] + [len(self.ps)]
+            self.flat = torch.empty(sum(sizes), device=self.ps[0].device, dtype=self.ps[0].dtype)
+            *parts, self.has = self.flat.split(sizes)
+            self.parts = [t.view(p.shape) for t,p in zip(parts, self.ps)]
+        return self.flat
+
+    def all_reduce(self,
+        group=None, # The process group: DDP's `process_group`
+    ):
+        "Average the group's gradients over the ranks; a gradient no rank has stays `None`"
+        world, grads = dist.get_world_size(group), [p.grad for p in self.ps]
+        if any(g is None for g in grads): return _all_reduce_some(self.ps, grads, world, group)
+        flat = self._made()
+        copy_into(self.parts, grads)
+        self.has.fill_(1) # Every rank sends its counts, so a gradient that only some ranks have is found on the others
+        flat.div_(world)
+        dist.all_reduce(flat, group=group)
+        copy_into(grads, self.parts)
+
 def all_reduce_grads(
-    groups:list, # The parameters whose gradients are averaged, by device and dtype (`by_kind`): the same on every rank
+    groups:list, # The parameters whose gradients are averaged, by device and dtype (`by_kind`), or their `GradBuffer`s: the same on every rank
     group=None, # The process group: DDP's `process_group`
 ):
     "Average `groups`' gradients over the ranks, one all-reduce for each group; a gradient no rank has stays `None`"
-    world = dist.get_world_size(group)
-    for ps in groups:
-        grads = [p.grad for p in ps]
-        local = all(g is not None for g in grads)
-        # Each rank adds a 1 for each gradient it has, so a gradient that only some ranks have is averaged as DDP does
-        # (its absence counts as zeros), and one that no rank has is found as such
-        has = torch.ones(len(ps), device=ps[0].device, dtype=ps[0].dtype) if local else torch.tensor(
-            [g is not None for g in grads], device=ps[0].device, dtype=ps[0].dtype)
-        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p,g in zip(ps, grads)] + [has])
-        flat.div_(world)
-        dist.all_reduce(flat, group=group)
-        parts = torch.split(flat, [p.numel() for p in ps] + [len(ps)])
-        if local: copy_into(grads, [s.view(g.shape) for s,g in zip(parts, grads)]) # The common case: nothing to read back
-        else:
-            seen = parts[-1].tolist()
-            for p,g,s,n in zip(ps, grads, parts, seen):
-                if g is not None: g.copy_(s.view(g.shape))
-                elif n: p.grad = s.view(p.shape).clone()
+    for g in groups: (g if isinstance(g, GradBuffer) else GradBuffer(g)).all_reduce(group)
 
 # %% ../nbs/17_gradsync.ipynb #9593fbca
 def why_ddp_syncs(ddp:DistributedDataParallel)->str|None:
@@ -69,7 +96,7 @@ class GradSync:
     "Under DDP, once the ranks ran compiled code, each batch's gradients averaged after its backward in one all-reduce, in place of DDP's reducer"
     def __init__(self):
         self.ddp = None # The fit's DDP model, whose batches' gradients this library averages once compiled code ran
-        self.groups = [] # Its trained parameters by device and dtype (`by_kind`)
+        self.groups = [] # Its trained parameters' `GradBuffer`s, by device and dtype (`by_kind`)
         self.agrees = False # The ranks switch at an agreement of the background compile, not at their first compiled batch
         self.compiled = False # This rank ran a compiled batch in this fit
         self.on = False # Every rank averages this fit's batches here from now on, not with DDP's reducer
@@ -88,7 +115,7 @@ class GradSync:
 
     def params_changed(self):
         "The parameters that train changed (a freeze or unfreeze in the fit)"
-        if self.ddp is not None: self.groups = by_kind(trained_params(self.ddp))
+        if self.ddp is not None: self.groups = [GradBuffer(ps) for ps in by_kind(trained_params(self.ddp))]
 
     def before_batch(self,
         compiled:bool, # This training batch runs compiled code
