@@ -23,11 +23,11 @@ __all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'precompile_guard_log
            'frame_compile', 'is_fx_code', 'graph_break_reasons', 'graphs_compiled', 'hook_dicts', 'optimize_ddp',
            'set_optimize_ddp', 'uses_python_reducer', 'python_reducer_settings', 'restore_python_reducer_settings',
            'compiled_autograd', 'aot_autograd_cache', 'set_aot_autograd_cache', 'compiled_autograd_captures',
-           'ddp_comm_hooks', 'copy_into', 'at_backward_end', 'without_dynamo_marks', 'fused_kernel_devices',
-           'fused_adam_kernel', 'dynamo_supported', 'inductor_cxx', 'inductor_options', 'guarded_code', 'explain',
-           'explained_break', 'inductor_fallback_random', 'inductor_cache_dir', 'import_inductor', 'cpp_kernel_files',
-           'precompile_supported', 'caching_precompile', 'set_caching_precompile', 'precompiled_loads', 'dropped_guard',
-           'mark_dynamic', 'gpu_sleep', 'backend_error']
+           'ddp_comm_hooks', 'ddp_forward_calls_module', 'ddp_module_call', 'copy_into', 'at_backward_end',
+           'without_dynamo_marks', 'fused_kernel_devices', 'fused_adam_kernel', 'dynamo_supported', 'inductor_cxx',
+           'inductor_options', 'guarded_code', 'explain', 'explained_break', 'inductor_fallback_random',
+           'inductor_cache_dir', 'import_inductor', 'cpp_kernel_files', 'precompile_supported', 'caching_precompile',
+           'set_caching_precompile', 'precompiled_loads', 'dropped_guard', 'mark_dynamic', 'gpu_sleep', 'backend_error']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
 def own_function(
@@ -276,6 +276,17 @@ def compiled_autograd_captures()->int:
 def ddp_comm_hooks(ddp:nn.Module)->list:
     "The communication hooks registered with DDP's `register_comm_hook`, as (hook, state): DDP keeps them for its reducer"
     return list(getattr(ddp, '_comm_hooks', []))
+
+def ddp_forward_calls_module(ddp:nn.Module)->bool:
+    "Whether DDP's forward of a batch its reducer skips (as in `no_sync()`) only calls its module: no buffers to broadcast, no join, no Python reducer, no casts"
+    if getattr(ddp, '_use_python_reducer', False) or getattr(ddp, '_delay_all_reduce_all_params', False): return False
+    if not getattr(ddp, '_lazy_init_ran', False) or getattr(getattr(ddp, '_join_config', None), 'enable', True): return False
+    if getattr(ddp, 'mixed_precision', None) is not None: return False
+    return not (getattr(ddp, 'broadcast_buffers', True) and any(True for _ in ddp.module.buffers()))
+
+def ddp_module_call(ddp:nn.Module, *args, **kwargs):
+    "Call DDP's module as DDP's forward does, within the context its forward sets (TorchDynamo reads it), and nothing else"
+    with ddp._inside_ddp_forward(): return ddp.module(*args, **kwargs)
 
 def copy_into(dsts:list, srcs:list):
     "Copy each of `srcs` into the tensor of `dsts` at its place, in as few kernels as the device allows (`torch._foreach_copy_`)"

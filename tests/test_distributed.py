@@ -455,6 +455,22 @@ def test_grad_sync_takes_compiled_batches_from_ddps_reducer_unless_the_fit_asked
             sync.before_batch(False)
             assert sync.on == on and ddp.require_backward_grad_sync == (not on), decision
         sync.stop()
+        # Once DDP's forward ran (it sets itself up), a batch averaged here calls the model alone: DDP would only prepare
+        # its reducer, which averages no batch; DDP's own forward is back once the fit ends
+        ddp(torch.ones(3, 2))
+        sync.start(ddp)
+        sync.before_batch(True)
+        assert ddp.forward == sync._forward and sync.device is None # `gloo` on the CPU: no inputs to move
+        x = torch.randn(3, 2)
+        torch.testing.assert_close(ddp(x), ddp.module(x))
+        sync.stop()
+        assert 'forward' not in ddp.__dict__
+        with_buffers = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)))
+        with_buffers(torch.ones(3, 2))
+        sync.start(with_buffers)
+        sync.before_batch(True)
+        assert sync.on and 'forward' not in with_buffers.__dict__ # DDP broadcasts rank 0's running statistics before each forward
+        sync.stop()
         hooked = DistributedDataParallel(torch.nn.Linear(2, 2))
         hooked.register_comm_hook(None, allreduce_hook)
         assert sync.start(hooked) == "a communication hook registered with DDP" and sync.ddp is None

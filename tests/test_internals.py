@@ -266,6 +266,31 @@ def test_ddp_comm_hooks_are_read_from_ddp():
         assert ddp_comm_hooks(ddp) == [(allreduce_hook, None)]
     finally: torch.distributed.destroy_process_group()
 
+def test_ddp_forward_calls_module_where_ddp_has_nothing_else_to_do_and_the_call_is_ddps():
+    import socket, warnings
+    from torch.nn.parallel import DistributedDataParallel
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+    torch.distributed.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1)
+    try:
+        x, bn = torch.randn(4, 2), lambda: nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+        ddp = DistributedDataParallel(nn.Linear(2, 2))
+        assert not ddp_forward_calls_module(ddp) # Its first forward sets it up
+        ddp(x)
+        assert ddp_forward_calls_module(ddp)
+        with_buffers = DistributedDataParallel(bn())
+        with_buffers(x)
+        assert not ddp_forward_calls_module(with_buffers) # It broadcasts rank 0's running statistics before each forward
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', FutureWarning) # Newer torch names the argument `forward_sync_buffers`
+            unsynced = DistributedDataParallel(bn(), broadcast_buffers=False)
+        unsynced(x)
+        assert ddp_forward_calls_module(unsynced)
+        active = []
+        ddp.module.register_forward_hook(lambda m, i, o: active.append(DistributedDataParallel._get_active_ddp_module()))
+        assert torch.equal(ddp_module_call(ddp, x), ddp.module(x))
+        assert active == [ddp, None] # Within DDP's forward context, as TorchDynamo sees a module DDP runs
+    finally: torch.distributed.destroy_process_group()
+
 def test_copy_into_copies_each_source_into_its_destination_in_place():
     a, b = torch.zeros(2, 3).t(), torch.zeros(4) # A destination need not be contiguous
     ids = (a.data_ptr(), b.data_ptr())
