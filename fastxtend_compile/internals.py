@@ -281,7 +281,7 @@ def ddp_forward_calls_module(ddp:nn.Module)->bool:
     "Whether DDP's forward of a batch its reducer skips (as in `no_sync()`) only calls its module: no buffers to broadcast, no join, no Python reducer, no casts"
     if getattr(ddp, '_use_python_reducer', False) or getattr(ddp, '_delay_all_reduce_all_params', False): return False
     if not getattr(ddp, '_lazy_init_ran', False) or getattr(getattr(ddp, '_join_config', None), 'enable', True): return False
-    if getattr(ddp, 'mixed_precision', None) is not None: return False
+    if getattr(ddp, 'mixed_precision', None) is not None or not callable(getattr(ddp, '_inside_ddp_forward', None)): return False
     return not (getattr(ddp, 'broadcast_buffers', True) and any(True for _ in ddp.module.buffers()))
 
 def ddp_module_call(ddp:nn.Module, *args, **kwargs):
