@@ -547,8 +547,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                           'fastxtend_compile/gradsync.py'),
                                             'fastxtend_compile.gradsync.GradSync.view': ( 'gradsync.html#gradsync.view',
                                                                                           'fastxtend_compile/gradsync.py'),
-                                            'fastxtend_compile.gradsync._all_reduce_some': ( 'gradsync.html#_all_reduce_some',
-                                                                                             'fastxtend_compile/gradsync.py'),
                                             'fastxtend_compile.gradsync.all_reduce_grads': ( 'gradsync.html#all_reduce_grads',
                                                                                              'fastxtend_compile/gradsync.py'),
                                             'fastxtend_compile.gradsync.by_kind': ( 'gradsync.html#by_kind',

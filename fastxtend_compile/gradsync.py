@@ -31,25 +31,13 @@ def by_kind(params:list)->list:
     return list(groups.values())
 
 # %% ../nbs/17_gradsync.ipynb #6c72b188
-def _all_reduce_some(ps:list, grads:list, world:int, group=None):
-    "Average `grads`, some of them `None` on this rank, as DDP does: a missing one counts as zeros; one no rank has stays `None`"
-    # Each rank adds a 1 for each gradient it has, so a gradient that only some ranks have is found on every rank
-    has = torch.tensor([g is not None for g in grads], device=ps[0].device, dtype=ps[0].dtype)
-    flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p,g in zip(ps, grads)] + [has])
-    flat.div_(world)
-    dist.all_reduce(flat, group=group)
-    parts = torch.split(flat, [p.numel() for p in ps] + [len(ps)])
-    for p,g,s,n in zip(ps, grads, parts, parts[-1].tolist()):
-        if g is not None: g.copy_(s.view(g.shape))
-        elif n: p.grad = s.view(p.shape).clone()
-
 class GradBuffer:
     "One group's gradients averaged over the ranks in one all-reduce, through a flat buffer kept from batch to batch"
     def __init__(self,
         ps:list, # Parameters of one device and dtype (`by_kind`), in the same order on every rank
     ):
         self.ps = ps
-        self.flat = None # Every gradient of the group, then a 1 for each: made at the first all-reduce
+        self.flat = None # Every gradient of the group, then a 1 for each this rank has: made at the first all-reduce
         self.parts = [] # The buffer's part for each parameter, in its shape
         self.has = None # The buffer's last part: a 1 for each gradient this rank has
 
@@ -65,22 +53,29 @@ class GradBuffer:
     def all_reduce(self,
         group=None, # The process group: DDP's `process_group`
     ):
-        "Average the group's gradients over the ranks; a gradient no rank has stays `None`"
-        world, grads = dist.get_world_size(group), [p.grad for p in self.ps]
-        if any(g is None for g in grads): return _all_reduce_some(self.ps, grads, world, group)
-        flat = self._made()
-        copy_into(self.parts, grads)
-        self.has.fill_(1) # Every rank sends its counts, so a gradient that only some ranks have is found on the others
-        flat.div_(world)
+        "Average the group's gradients over the ranks, as DDP does: one a rank lacks counts as zeros there; one no rank has stays `None`"
+        flat, grads = self._made(), [p.grad for p in self.ps]
+        missing = [i for i,g in enumerate(grads) if g is None]
+        parts = self.parts if not missing else [t for t,g in zip(self.parts, grads) if g is not None]
+        grads = grads if not missing else [g for g in grads if g is not None]
+        copy_into(parts, grads)
+        # Each rank adds a 1 for each gradient it has, so a gradient that only some ranks have is found on every rank
+        self.has.fill_(1)
+        for i in missing: self.parts[i].zero_(); self.has[i] = 0
+        flat.div_(dist.get_world_size(group))
         dist.all_reduce(flat, group=group)
-        copy_into(grads, self.parts)
+        copy_into(grads, parts)
+        if missing:
+            seen = self.has.tolist()
+            for i in missing:
+                if seen[i]: self.ps[i].grad = self.parts[i].clone()
 
 def all_reduce_grads(
-    groups:list, # The parameters whose gradients are averaged, by device and dtype (`by_kind`), or their `GradBuffer`s: the same on every rank
+    groups:list, # The parameters whose gradients are averaged, by device and dtype (`by_kind`): the same on every rank
     group=None, # The process group: DDP's `process_group`
 ):
     "Average `groups`' gradients over the ranks, one all-reduce for each group; a gradient no rank has stays `None`"
-    for g in groups: (g if isinstance(g, GradBuffer) else GradBuffer(g)).all_reduce(group)
+    for ps in groups: GradBuffer(ps).all_reduce(group)
 
 # %% ../nbs/17_gradsync.ipynb #9593fbca
 def why_ddp_syncs(ddp:DistributedDataParallel)->str|None:
@@ -171,7 +166,7 @@ class GradSync:
         at_backward_end(self._average)
 
     def _average(self):
-        all_reduce_grads(self.groups, self.ddp.process_group)
+        for b in self.groups: b.all_reduce(self.ddp.process_group)
         self.synced += 1
 
     def stop(self):
