@@ -64,6 +64,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                          'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background.BackgroundCompile.agree': ( 'background.html#backgroundcompile.agree',
                                                                                                         'fastxtend_compile/background.py'),
+                                              'fastxtend_compile.background.BackgroundCompile.batch_key': ( 'background.html#backgroundcompile.batch_key',
+                                                                                                            'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background.BackgroundCompile.poll': ( 'background.html#backgroundcompile.poll',
                                                                                                        'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background.BackgroundCompile.probed': ( 'background.html#backgroundcompile.probed',

@@ -214,9 +214,11 @@ class BackgroundCompile:
         self.probes = _Probes() # Times new states' eager batches
         self.notes = [] # One line for the report per background compile of this fit
         self.handover = Handover(self) # How each state's compiled code takes over
+        self.params = None # (model, its parameters), kept through a fit: each batch's state reads their flags, not the modules
 
     def __getstate__(self): # A copy of the callback (`learn.export`) starts with no worker and nothing compiled
-        return {**self.__dict__, 'worker': Worker(), 'ranks': Local(), 'states': {}, 'compiling': None, 'probes': _Probes(), 'show': None}
+        return {**self.__dict__, 'worker': Worker(), 'ranks': Local(), 'states': {}, 'compiling': None, 'probes': _Probes(), 'show': None,
+                'params': None}
 
     def start(self,
         show=None, # Where the hand-over is announced (`CompilerCallback._show`)
@@ -228,6 +230,15 @@ class BackgroundCompile:
         self.ranks = DDP() if ddp else Local()
         self.ranks.start(device)
         self.warm_starts.times_warm = self.ranks.rank == 0
+
+    def batch_key(self,
+        model:nn.Module, # The model being compiled (not DDP's wrapper)
+        xb:tuple, # The batch's inputs
+        training:bool, # A training batch
+    )->StateKey:
+        "The model state of this batch, from the model's parameters as the fit first met them"
+        if self.params is None or self.params[0] is not model: self.params = (model, list(model.parameters()))
+        return state_key(model, xb, training, self.params[1])
 
     def state(self, key:StateKey, model:nn.Module)->ModelState:
         "The `ModelState` of `key`, met now if new"
@@ -329,7 +340,7 @@ class BackgroundCompile:
         if (st := self.compiling) is not None: self.notes.append(_unfinished(st))
         self.worker.end()
         self.ranks.end()
-        self.ranks, self.compiling, self.probes = Local(), None, _Probes()
+        self.ranks, self.compiling, self.probes, self.params = Local(), None, _Probes(), None
         self.warm_starts.end_fit()
         self.states = {k: s for k,s in self.states.items() if s.stage is Stage.READY}
         for s in self.states.values(): s.end_fit() # Its code compiles at its next batch, unannounced

@@ -29,7 +29,6 @@ from .internals import (
     precompile_supported, caching_precompile, set_caching_precompile, precompile_guard_logger, dropped_guard)
 from .optimizer import compile_optimizer, uncompile_optimizer
 from .background import BackgroundCompile
-from .state import state_key
 from .tiers import Tiers, own_grads
 from .gradsync import GradSync
 from .gcfreeze import GCFreeze
@@ -354,7 +353,7 @@ class CompilerCallback(Callback):
         # Compile here, not only before the fit, so a model swapped mid-fit is compiled too
         if self.compiled_model is None or self.compiled_model() is not get_model(self.learn.model): self._compile()
         rec, p, model = self.compile_recorder, self.policy, get_model(self.learn.model)
-        key = None if p.aside is None else state_key(model, self.learn.xb, self.training) # Once a batch, for every part that asks
+        key = None if p.aside is None else p.aside.batch_key(model, self.learn.xb, self.training) # Once a batch, for every part that asks
         p.start_batch(self.learn, key, measure=rec.wants_eager_step(getattr(self.learn, 'n_iter', 0)), whole_backward=self.ddp.in_backward)
         self.tiers.before_batch(self.learn, p.eager, key, model)
         if self.training: self.ddp.before_batch(not p.eager)

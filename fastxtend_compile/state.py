@@ -49,10 +49,12 @@ def state_key(
     model:nn.Module, # The model being compiled (not DDP's wrapper)
     xb:tuple, # The batch's inputs
     training:bool, # A training batch
+    params:list|None=None, # `model`'s parameters, where the caller keeps them from batch to batch; else found in its modules
 )->StateKey:
     "The model state of this batch"
     inputs = tuple((tuple(o.shape), o.dtype) for o in xb if isinstance(o, Tensor))
-    return StateKey(model_token(model), tuple(p.requires_grad for p in model.parameters()), training, torch.is_grad_enabled(),
+    params = model.parameters() if params is None else params # Walking the modules costs more than reading 100 flags
+    return StateKey(model_token(model), tuple(p.requires_grad for p in params), training, torch.is_grad_enabled(),
                     inputs, autocast_dtype(model))
 
 # %% ../nbs/15_state.ipynb #47721700

@@ -410,6 +410,20 @@ def test_a_state_key_is_one_dict_key_for_equal_states_and_survives_pickling():
     loaded = pickle.loads(pickle.dumps(key))
     assert loaded == key and hash(loaded) == hash(key) and loaded.durable == key.durable
 
+def test_a_batch_key_reads_the_flags_of_the_parameters_kept_through_the_fit():
+    "Each batch's state reads `requires_grad` from the parameter list the fit first made, not the module tree: the same key"
+    aside, model, x = BackgroundCompile({'backend': 'eager'}), nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2)), torch.randn(4, 2)
+    key = aside.batch_key(model, (x,), True)
+    kept = aside.params[1]
+    assert key == state_key(model, (x,), True)
+    model[0].weight.requires_grad_(False) # Frozen by hand, without `freeze_to`: a new state all the same
+    frozen = aside.batch_key(model, (x,), True)
+    assert aside.params[1] is kept and frozen != key and frozen == state_key(model, (x,), True)
+    other = nn.Linear(2, 2) # Another model: its own parameters
+    assert aside.batch_key(other, (x,), True) == state_key(other, (x,), True) and aside.params[1] is not kept
+    aside.stop()
+    assert aside.params is None
+
 def test_a_state_whose_worker_failed_is_tried_again_in_the_next_fit(cold_cache, monkeypatch):
     "A failed compile leaves its state eager for the fit; the next fit sends it to a worker again (the GPU may have room now)"
     code = Worker.code
