@@ -97,7 +97,9 @@ def test_unet_fine_tunes_as_one_graph_with_eager_types(tmp_path):
         set_seed(0, reproducible=True)
         dls = segmentation_dls(tmp_path) # Of its own: a DataLoader's shuffling draws from a generator it keeps
         learn = unet_learner(dls, resnet18, pretrained=False, path=tmp_path)
-        if compiled: learn.compile(backend='aot_eager', **EAGER_PRECISION)
+        # fastai's own `Adam` step in both: its fused kernel rounds apart from it, and through the loss's jump as the encoder
+        # unfreezes, Adam's first steps turn that rounding into whole steps (a quarter of the encoder's update, on a CPU)
+        if compiled: learn.compile(backend='aot_eager', compile_opt=False, **EAGER_PRECISION)
         else: start = [p.detach().clone() for p in learn.model.parameters()] # The same seeded weights in both
         learn.fine_tune(1)
         learns.append(learn)
