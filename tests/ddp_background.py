@@ -149,7 +149,7 @@ def main():
     p.add_argument('out')
     a = p.parse_args()
     rank, world = rank_distrib(), num_distrib()
-    res = dict(rank=rank, world=world)
+    res = dict(rank=rank, world=world, start={k: v.clone() for k,v in learner_module.model('sequential').state_dict().items()})
     res['cold'] = fit(wait=True)
     res['warm'] = fit()
     res['eager'] = fit(compiled=False)

@@ -293,19 +293,21 @@ def test_a_state_compiled_before_compiles_at_once_on_every_rank(background_runs)
     assert warm[0]['notes'][0].startswith(f"compiled at once, in the fit's path at epoch 0, batch 1, on all {world} ranks at once: "
                                           "inductor's cache has this model state's code"), warm[0]['notes']
 
-def _as_eager_ddp(fit:dict, eager:dict, world:int, what:str):
-    "A compiled DDP fit (aot_eager: eager's arithmetic) ends with eager DDP's weights"
+def _as_eager_ddp(fit:dict, eager:dict, world:int, what:str, start:dict|None=None):
+    "A compiled DDP fit (aot_eager: eager's arithmetic) ends with eager DDP's weights; on 4 ranks, given the weights both `start`ed from"
     for k,v in eager['params'].items():
         if world == 2: assert torch.equal(fit['params'][k], v), f'{what} {k}'
         # The compiled batches' gradients are averaged in one all-reduce, where DDP's reducer averages each bucket:
-        # with 4 ranks the sums run in another order, a rounding apart at the first compiled batch (2e-10 of the
-        # gradients' sum), which 20 SGD steps at lr 0.1 grow to at most 1.9e-4 of these weights. Unaveraged
-        # gradients, 4 times as large, would be far outside
-        else: torch.testing.assert_close(fit['params'][k], v, rtol=0, atol=1e-3, msg=f'{what} {k}')
+        # with 4 ranks the sums run in another order, a rounding apart at the first compiled batch, which the SGD steps
+        # after it at lr 0.1 grow: at most 0.5% of how far eager DDP moved a tensor (torch 2.14.1, a 2-core x86 CPU).
+        # Gradients left unaveraged, 4 times as large, would be far outside 2%
+        else:
+            moved, off = (v - start[k]).norm(), (fit['params'][k] - v).norm()
+            assert off <= 0.02 * moved, f"{what} {k}: {off / moved:.2%} of eager DDP's update from eager DDP's"
 
 def test_background_ddp_trains_as_eager_ddp(background_runs):
     for r in background_runs:
-        for fit in ('cold', 'warm'): _as_eager_ddp(r[fit], r['eager'], len(background_runs), fit)
+        for fit in ('cold', 'warm'): _as_eager_ddp(r[fit], r['eager'], len(background_runs), fit, r['start'])
         for k,v in r['eager']['params'].items(): assert torch.equal(r['failed']['params'][k], v), k # Eager, DDP's reducer
     for k,v in background_runs[0]['cold']['params'].items(): # Every rank ends with the same weights
         for r in background_runs[1:]: assert torch.equal(r['cold']['params'][k], v), k
@@ -396,7 +398,7 @@ def test_a_new_freeze_state_compiles_in_the_worker_and_trains_as_eager_ddp(backg
     assert [f['starts'] for f in frozen] == [1] + [0]*(len(frozen) - 1) # A state not compiled before: the host's worker again
     assert all(f['eager'] == frozen[0]['eager'] for f in frozen) and not frozen[0]['eager'][-1] # Switched together
     assert frozen[0]['notes'][0].startswith("compiled in a worker process in "), frozen[0]['notes']
-    for r in background_runs: _as_eager_ddp(r['frozen'], r['frozen_eager'], len(background_runs), 'frozen')
+    for r in background_runs: _as_eager_ddp(r['frozen'], r['frozen_eager'], len(background_runs), 'frozen', r['start'])
     assert not torch.equal(background_runs[0]['frozen']['params']['0.weight'], background_runs[0]['eager']['params']['0.weight'])
 
 def test_a_rank_that_raises_stops_every_rank_and_ends_the_worker(background_runs):
