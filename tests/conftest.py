@@ -1,5 +1,9 @@
 "Small real datasets (scikit-learn, no downloads) and models for the tests"
-import warnings
+import os, warnings
+# Inductor checks that the C++ compiler builds each vector ISA the CPU reports, once per cache folder: 12 s of g++ on a
+# 2-core machine, which every test process with a fresh cache (a worker, a DDP rank, a cold role) paid again. Tests
+# take the CPU's own report, as inductor does once the check has passed; their processes inherit it
+os.environ.setdefault('TORCHINDUCTOR_VEC_ISA_OK', '1')
 import numpy as np, pytest, torch
 from torch import nn
 from fastai.vision.all import *
