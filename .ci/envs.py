@@ -191,7 +191,8 @@ def setup(e:Env):
     if e.venv.exists(): shutil.rmtree(e.venv)
     subprocess.run([find_python(e.python), '-m', 'venv', str(e.venv)], check=True)
     env = pip_env(e.venv)
-    sh('python -m pip install -q ' + ' '.join(e.reqs.values()), env)
+    # Not byte-compiled at install: a test run compiles only the modules it imports, a fraction of torch's
+    sh('python -m pip install -q --no-compile ' + ' '.join(e.reqs.values()), env)
     with open(ROOT/'.venv-setup.lock', 'w') as lock: # An editable install writes the package's metadata into the checkout
         fcntl.flock(lock, fcntl.LOCK_EX)
         sh(SETUP, env)

@@ -4,10 +4,14 @@ import os, warnings
 # 2-core machine, which every test process with a fresh cache (a worker, a DDP rank, a cold role) paid again. Tests
 # take the CPU's own report, as inductor does once the check has passed; their processes inherit it
 os.environ.setdefault('TORCHINDUCTOR_VEC_ISA_OK', '1')
+# One intra-op thread in every test process, workers and ranks included: the models are tiny, and where CI tests two
+# environments at once on two cores, more threads only spin
+os.environ.setdefault('OMP_NUM_THREADS', '1')
 import numpy as np, pytest, torch
 from torch import nn
 from fastai.vision.all import *
 from fastai.tabular.all import *
+torch.set_num_threads(1) # Where torch was imported before this file
 
 warnings.filterwarnings('ignore', message='.*load_learner.*insecure.*')
 
@@ -17,14 +21,6 @@ def compile_in_the_fits_path(monkeypatch):
     # Imported here, not at the top: a test's child process imports this file without the library
     from fastxtend_compile.background import BackgroundCompile
     monkeypatch.setattr(BackgroundCompile, 'default_on', ())
-
-@pytest.fixture(scope='module')
-def one_thread():
-    "One intra-op thread for a module's tests: their models are tiny, and on a small shared CPU more threads only spin"
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 def digits_dls(bs=64, seed=42):
     "scikit-learn's 8x8 digits as a fastai image task through a `DataBlock`"

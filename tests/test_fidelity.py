@@ -31,8 +31,6 @@ def marks(model)->list: return [p.__dict__.get('_dynamo_static_input_type') for 
 def quiet_fit(learn, *args, **kwargs):
     with learn.no_bar(), learn.no_logging(): learn.fit(*args, **kwargs)
 
-pytestmark = pytest.mark.usefixtures('one_thread') # Tiny models on a shared CPU: see conftest
-
 # --- 1. One graph per model, whatever its top module ---------------------------------------------------------------
 
 class TokenBag(nn.Module):

@@ -15,8 +15,7 @@ from conftest import two_conv_cnn, digits_dls, EAGER_PRECISION, assert_fit_close
 from test_background import WaitForWorker, _leftovers, cold_cache # noqa: F401 (a fixture)
 from tier_backends import sleepy, refused, slow_to_compile, worker_only, flaky, IdleMeter as _IdleMeter
 
-# Tiny models on a shared CPU (see conftest); the A/Bs compare a step against one 100 ms slower, whatever the machine's load
-pytestmark = pytest.mark.usefixtures('one_thread')
+# The A/Bs compare a step against one 100 ms slower, whatever the machine's load
 
 class TierBatches(Callback):
     "Record which batches ran a tier, and wait for each job of the worker to end, so the tier's hand-over comes at a known batch"

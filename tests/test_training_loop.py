@@ -35,8 +35,6 @@ from fastai.tabular.learner import tabular_learner
 from fastxtend_compile import *
 from conftest import digits_dls, cancer_dls, text_dls, bn_cnn, body_head_splitter, EAGER_PRECISION, GRAD_TOL
 
-pytestmark = pytest.mark.usefixtures('one_thread') # Tiny models on a shared CPU: see conftest
-
 # --- Tolerances ------------------------------------------------------------------------------------------------------
 
 # `aot_eager` traces forward and backward as inductor does, then runs the traced graph with eager's own ATen kernels: a
