@@ -7,8 +7,8 @@ table of tested versions from them and checks that settings.ini and setup.py dec
                                       no more than `--jobs` of them (~6 GB each) at once
   python .ci/envs.py setup NAME       make .venv-NAME: its Python (found on PATH or through pyenv), its torch, torchvision
                                       and fastai, then the README's set-up command in it; check the versions it got
-  python .ci/envs.py test NAME        in .venv-NAME: the README's test command (or the fast tests), then, in the oldest and
-                                      the newest, the notebooks
+  python .ci/envs.py test NAME        in .venv-NAME: the README's test command (or the fast tests), then, in the newest,
+                                      the docs checks, the site (which runs every notebook) and the benchmark
   python .ci/envs.py table            the README's table of tested versions
 
 Each environment installs with pip's configuration files and constraints left out (`PIP_CONFIG_FILE=/dev/null`), so a
@@ -32,9 +32,9 @@ def settings():
 
 class Env:
     "One line of `test_envs`: name, Python, torch, torchvision and fastai requirements, and which tests run"
-    def __init__(self, line:str, first:bool, last:bool):
+    def __init__(self, line:str, last:bool):
         name, self.python, *reqs, self.tests = line.split()
-        self.name, self.first, self.last = name, first, last
+        self.name, self.last = name, last
         self.reqs = dict(zip(PKGS, reqs))
         for k, r in self.reqs.items():
             if not re.fullmatch(rf'{k}(==[\w.+]+)?', r): raise ValueError(f'test_envs, {name}: {r!r} is not `{k}` or `{k}==VERSION`')
@@ -45,13 +45,11 @@ class Env:
     def pin(self, pkg): return self.reqs[pkg].partition('==')[2] or None
     @property
     def site(self): return self.last # The newest environment builds the site from its notebooks and runs the bench
-    @property
-    def notebooks(self): return self.first or self.last # The oldest and the newest run the notebooks; the tests run everywhere
     def __repr__(self): return f'{self.name} (Python {self.python}, {", ".join(self.reqs.values())}, {self.tests} tests)'
 
 def envs():
     lines = [l for l in settings()['test_envs'].splitlines() if l.strip()]
-    return [Env(l, i == 0, i == len(lines) - 1) for i, l in enumerate(lines)]
+    return [Env(l, i == len(lines) - 1) for i, l in enumerate(lines)]
 
 def get_env(name):
     for e in envs():
@@ -72,7 +70,7 @@ def table()->str:
     rows = ['| Python | torch | torchvision | fastai | Tested |', '|---|---|---|---|---|']
     for e in envs():
         rows.append(f'| {e.python} | {ver(e, "torch")} | {ver(e, "torchvision")} | {ver(e, "fastai")} | {runs[e.tests]}'
-                    f'{" and notebook" if e.notebooks else ""} |')
+                    f'{" and notebook" if e.site else ""} |')
     return '\n'.join(rows)
 
 def table_cell()->str:
@@ -198,10 +196,8 @@ def setup(e:Env):
         sh(SETUP, env)
     return check_versions(e, env)
 
-def notebooks(): return sorted(p for p in (ROOT/'nbs').glob('*.ipynb') if not p.name.startswith(('_', '.')))
-
 def test(e:Env):
-    "In `e`'s environment: its tests; the oldest every notebook, the newest the docs checks, the site and the benchmark"
+    "In `e`'s environment: its tests; in the newest, the docs checks, the site (every notebook) and the benchmark"
     env = pip_env(e.venv)
     check_versions(e, env)
     fast = re.sub(r'\s+', ' ', settings()['fast_tests'].strip())
@@ -210,13 +206,6 @@ def test(e:Env):
         times['docs'] = sh('bash .ci/docs --no-test', env)
         times['notebooks and site'] = sh('bash .ci/site', env)
         times['bench'] = sh('python bench/bench.py --device cpu --smoke --out "$(mktemp -d)"', env)
-    elif e.notebooks: # As nbdev-test runs them, a process a notebook (03_patches patches fastai)
-        t = time.time()
-        for nb in notebooks():
-            t1 = time.time()
-            sh(f'nbdev-test {nb.relative_to(ROOT)}', env, stdout=subprocess.DEVNULL)
-            print(f'  {nb.name}: ok in {time.time()-t1:.0f}s', flush=True)
-        times['notebooks'] = time.time() - t
     return times
 
 # ---------------------------------------------------------------------------------------------------------------------
