@@ -13,13 +13,26 @@ from typing import Callable, Dict, Union
 import torch
 from torch import nn, Tensor
 from fastcore.meta import delegates
-from fastai.torch_core import TensorBase, get_model
-from fastai.layers import ToTensorBase
-from fastai.callback.hook import Hook
-from fastai.callback.schedule import LRFinder
 
 from .internals import *
 from .internals import tree_map_only, tree_flatten, tree_unflatten
+
+# This module imports no fastai: a compile worker's process compiles with it, and starts seconds sooner without fastai
+# and what fastai imports. What it needs of fastai is looked up where fastai is imported, as in a training process
+def _fastai(module:str, name:str):
+    "fastai's `name` from `module`, `None` while `module` isn't imported (no object of its classes exists then)"
+    m = sys.modules.get(module)
+    return None if m is None else getattr(m, name, None)
+
+def _is_fastai(o, module:str, name:str)->bool:
+    "Whether `o` is an instance of fastai's class `name` from `module`"
+    cls = _fastai(module, name)
+    return cls is not None and isinstance(o, cls)
+
+def _get_model(model:nn.Module)->nn.Module:
+    "fastai's `get_model`: `model` without its DDP or `DataParallel` wrapper"
+    from fastai.torch_core import get_model
+    return get_model(model)
 
 # %% auto #0
 __all__ = ['CompileMode', 'MatMulPrecision', 'GraphBreakError', 'compiled_settings', 'is_compiled', 'compile_model',
@@ -108,22 +121,23 @@ def cannot_compile_reason(
     return None
 
 # %% ../nbs/00_core.ipynb #233956e3
-def plain_tensor(t:TensorBase)->Tensor: return t.as_subclass(Tensor)
+def plain_tensor(t:Tensor)->Tensor: return t.as_subclass(Tensor)
 
 def _stripped(args:tuple, kwargs:dict, leaves:list, spec):
     "`args` and `kwargs` (flattened: `leaves` and `spec`) with fastai tensors made plain, and the first fastai tensor (or `None`)"
-    like = next((o for o in leaves if isinstance(o, TensorBase)), None)
+    base = _fastai('fastai.torch_core', 'TensorBase')
+    like = None if base is None else next((o for o in leaves if isinstance(o, base)), None)
     if like is None: return args, kwargs, None
-    return *tree_unflatten([plain_tensor(o) if isinstance(o, TensorBase) else o for o in leaves], spec), like
+    return *tree_unflatten([plain_tensor(o) if isinstance(o, base) else o for o in leaves], spec), like
 
-def _retyped(t:Tensor, cls:type, like:TensorBase|None)->Tensor:
+def _retyped(t:Tensor, cls:type, like:Tensor|None)->Tensor:
     res = t.as_subclass(cls)
     if like is not None: res.set_meta(like, as_copy=True)
     return res
 
 def tensor_casts(module:nn.Module)->list:
     "fastai's `ToTensorBase` layers in `module`: each casts the tensor it gets to a fastai type"
-    return [m for m in module.modules() if isinstance(m, ToTensorBase)]
+    return [m for m in module.modules() if _is_fastai(m, 'fastai.layers', 'ToTensorBase')]
 
 def _pass_through(x): return x
 
@@ -211,7 +225,7 @@ def compiled_entry(
 def _observer(hook:Callable)->bool:
     "Whether `hook` only reads values out of the model: a fastai `Hook` that detaches them"
     owner = getattr(hook, '__self__', None)
-    return isinstance(owner, Hook) and owner.detach
+    return _is_fastai(owner, 'fastai.callback.hook', 'Hook') and owner.detach
 
 def hook_owner(hook:Callable)->str:
     "Who registered `hook`: the callback or function behind a fastai `Hook`, else the hook itself"
@@ -283,9 +297,9 @@ class EagerPolicy:
         # whose graph exists, nor one run eagerly (an evaluation's last batch, a one-off, runs eagerly in `runs_eagerly`)
         asks = (self.aside is not None and not (self.evaluating or self.measuring or (self.one_off and not training))
                 and validation in (None, 'compile'))
-        self.waiting = asks and self.aside.runs_eagerly(learn, key, get_model(learn.model))
+        self.waiting = asks and self.aside.runs_eagerly(learn, key, _get_model(learn.model))
         self.probing = self.waiting and training and self.aside.probing
-        if self.aside is not None and training: self.aside.agree(learn, key, get_model(learn.model)) # Under DDP, at every rank's same batches
+        if self.aside is not None and training: self.aside.agree(learn, key, _get_model(learn.model)) # Under DDP, at every rank's same batches
         if self.evaluating and training: self.eager_lr_find += 1
         elif self.evaluating: self.eager_eval += 1
         self.graph_step = False
@@ -393,9 +407,9 @@ class EagerPolicy:
         call.shapes[phase] = {_masked(shapes, dims)}
         return True
 
-def _lr_finder(learn)->LRFinder|None:
-    "fastai's `LRFinder` running `learn`'s fit: `lr_find`"
-    return next((cb for cb in getattr(learn, 'cbs', ()) if isinstance(cb, LRFinder)), None)
+def _lr_finder(learn):
+    "fastai's `LRFinder` running `learn`'s fit (`lr_find`), or `None`"
+    return next((cb for cb in getattr(learn, 'cbs', ()) if _is_fastai(cb, 'fastai.callback.schedule', 'LRFinder')), None)
 
 def _last_batch(learn)->bool:
     "Whether this is the last batch of the DataLoader; not for events called one by one, outside a fit's batch loop"
@@ -600,7 +614,7 @@ def inner_model(
     model:nn.Module, # A model, perhaps wrapped by DDP and `torch.compile`
 )->nn.Module:
     "The module doing the work: `model` without its DDP (`get_model`) and `torch.compile` wrappers"
-    return unwrap_model(get_model(model))
+    return unwrap_model(_get_model(model))
 
 def model_device(
     model:nn.Module, # Model whose device to tell

@@ -261,10 +261,24 @@ def _last_line(path:str|None)->str:
     return lines[-1][:300] if lines else 'no output'
 
 # %% ../nbs/13_worker.ipynb #e1068e25
+# The start of a worker process's Python code: this package without its `__init__`, which imports fastai to patch the
+# `Learner`. Compiling needs torch and `core` alone (~3s less to import on a CPU core); a job whose model's modules import
+# the package, or read a name of it, runs `__init__` then
+_DEFERRED_INIT = """import importlib.util, sys
+spec = importlib.util.find_spec('fastxtend_compile')
+pkg = importlib.util.module_from_spec(spec)
+def init(name):
+    del pkg.__getattr__
+    spec.loader.exec_module(pkg)
+    return getattr(pkg, name)
+pkg.__getattr__ = init
+sys.modules[spec.name] = pkg
+"""
+
 class Worker:
     "The worker process of a fit: started for its first job, it compiles jobs one at a time, and ends with the fit"
     prefix = 'fxc-background-' # Its folder: `<prefix><the training process's pid>-<random>`, in the temporary directory
-    code = "import sys; from fastxtend_compile.worker import serve; serve(*sys.argv[1:])" # The process's Python code
+    code = _DEFERRED_INIT + "from fastxtend_compile.worker import serve; serve(*sys.argv[1:])" # The process's Python code
     # Steps below the fit's CPU priority: where the cores are busy, the fit's launches run first (a launch-bound eager step
     # ran 20-40% slower beside a worker at the fit's priority, on an H100 and an H200 with 16 cores)
     nice = 10

@@ -368,6 +368,28 @@ def test_a_failed_job_fails_alone_and_the_worker_compiles_the_next(cold_cache):
         assert jobs[0].proc is jobs[1].proc and w.proc.poll() is None # One process served both, and still runs
     finally: w.end()
 
+def test_a_worker_compiles_a_model_of_torch_layers_without_importing_fastai(cold_cache, tmp_path, monkeypatch):
+    "The worker's process imports torch and this package's `core`, not fastai: its start-up is seconds shorter"
+    from fastxtend_compile.worker import job_payload
+    from tier_backends import reports_imports
+    monkeypatch.setenv('FXC_TEST_IMPORTS', str(tmp_path/'imports.json'))
+    w, m, x = Worker(), nn.Sequential(nn.Linear(3, 2), nn.ReLU()), torch.randn(4, 3)
+    try:
+        job = w.submit(job_payload(m, (x,), dict(backend=reports_imports)), m)
+        while (r := w.poll(job)) is None: time.sleep(0.05)
+        assert r.ok, r.error
+        assert json.loads((tmp_path/'imports.json').read_text()) == [] # Its backend ran in the worker, and saw none of them
+    finally: w.end()
+
+def test_a_model_module_that_imports_this_package_gets_it_whole_in_the_worker():
+    "A worker's package runs its `__init__` when a job reads a name of it, as a model's module that star-imports it does"
+    from fastxtend_compile.worker import _DEFERRED_INIT
+    probe = _DEFERRED_INIT + "import fastxtend_compile.worker; print('fastai' in sys.modules)\n" + \
+            "from fastxtend_compile import *; from fastai.learner import Learner; print(hasattr(Learner, 'compile'), CompilerCallback.__name__)"
+    out = subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split('\n')[:2] == ['False', 'True CompilerCallback'], out.stdout
+
 def test_a_held_job_is_sent_when_released_even_after_its_process_ended(cold_cache):
     "A job prepared and held starts no process and has no result; released, it compiles, in a new process if the first ended"
     from fastxtend_compile.worker import job_payload

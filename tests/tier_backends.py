@@ -29,6 +29,14 @@ def flaky(gm, example_inputs):
         return gm(*args)
     return run
 
+def reports_imports(gm, example_inputs):
+    "A backend that, in a worker process, writes which of fastai and its heavy imports the process has to `FXC_TEST_IMPORTS`"
+    import json, sys
+    if 'FXC_WORKER_STARTED' in os.environ:
+        with open(os.environ['FXC_TEST_IMPORTS'], 'w') as f:
+            json.dump(sorted({m.split('.')[0] for m in sys.modules} & {'fastai', 'sklearn', 'matplotlib', 'pandas'}), f)
+    return gm
+
 class IdleMeter:
     "A busy meter for the CPU: the measured eager steps found the device idle throughout"
     measures = staticmethod(lambda device: True)
