@@ -262,8 +262,8 @@ def _last_line(path:str|None)->str:
 
 # %% ../nbs/13_worker.ipynb #e1068e25
 # The start of a worker process's Python code: this package without its `__init__`, which imports fastai to patch the
-# `Learner`. Compiling needs torch and `core` alone (~3s less to import on a CPU core); a job whose model's modules import
-# the package, or read a name of it, runs `__init__` then
+# `Learner`. Compiling needs torch and `core` alone, which import 2s sooner on a 2-core CPU than the whole package. A job
+# whose model's modules import the package, or read a name of it, runs `__init__` then
 _DEFERRED_INIT = """import importlib.util, sys
 spec = importlib.util.find_spec('fastxtend_compile')
 pkg = importlib.util.module_from_spec(spec)
