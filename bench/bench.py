@@ -9,7 +9,7 @@ to `--out`:
     python bench/bench.py --merge /tmp/part1/results.json /tmp/part2/results.json --out bench/results/step_time/latest
     python bench/bench.py --device cuda --profile --workloads resnet18 --arms fastai_compile --opts fastai_adam --out DIR
 
-    python bench/bench.py --device cpu --smoke --out /tmp/bench-smoke   # CI: a few minutes on 2 CPU cores
+    python bench/bench.py --device cpu --smoke --out /tmp/bench-smoke   # a few minutes on 2 CPU cores (CI: --workloads gpt)
 
 Exits with status 1 when an arm failed or timed out (after writing the results).
 """
