@@ -5,6 +5,7 @@
 # %% ../nbs/15_state.ipynb #d4199f7b
 from __future__ import annotations
 import itertools, weakref
+from statistics import median
 from dataclasses import dataclass
 from enum import Enum
 
@@ -88,8 +89,8 @@ class Probe:
 
     @property
     def step_s(self)->float:
-        "The mean of the batches timed"
-        return sum(self.times) / max(self.seen, 1)
+        "The median batch timed: the step the fit's rest runs, not the first batch's one-time set-up (a GPU's libraries loading)"
+        return median(self.times) if self.times else 0.
 
 # %% ../nbs/15_state.ipynb #b8765e07
 class ModelState:

@@ -252,7 +252,7 @@ class FirstTier:
     def _pick(self, run, learn, model, st, gpu_s:float|None, step_bytes:int):
         "Have the worker compile the tier the eager step needs first, where it pays and its memory fits"
         # The probe's median step: the fit's rest runs such steps, its lucky fastest one hides idle time CUDA graphs would save
-        t, step_s, left = self.tiers, median(st.probe.times), batches_left(learn)
+        t, step_s, left = self.tiers, st.probe.step_s, batches_left(learn)
         busy = None if gpu_s is None else min(gpu_s / step_s, 1.)
         if (name := self.choose(busy, step_s, left, t.try_cost_s)) is None: return
         if t.graphs(name) and not cudagraphs_fit(torch.cuda.mem_get_info(t.device)[0], step_bytes): return
@@ -571,7 +571,7 @@ class TierStages:
         keep = st.probe is not None and st.probe.seen > 0 and faster(run.tier_times, st.probe.times)
         tier_s = median(run.tier_times)
         run.to(TierStage.AGREE)
-        run.vote = ('check', dict(keep=keep, tier_s=tier_s, eager_s=median(st.probe.times) if keep else None))
+        run.vote = ('check', dict(keep=keep, tier_s=tier_s, eager_s=st.probe.step_s if keep else None))
         self._on_agree(run, learn, model, st)
 
     def _checked(self, run, learn, model, st, keep:bool, tier_s:float, eager_s:float|None):
