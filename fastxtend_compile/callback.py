@@ -27,7 +27,7 @@ from .internals import (
     optimize_ddp, set_optimize_ddp, uses_python_reducer, python_reducer_settings, restore_python_reducer_settings,
     compiled_autograd, compiled_autograd_captures, aot_autograd_cache, set_aot_autograd_cache,
     precompile_supported, caching_precompile, set_caching_precompile, precompile_guard_logger, dropped_guard)
-from .optimizer import compile_optimizer, uncompile_optimizer
+from .optimizer import compile_optimizer, uncompile_optimizer, zeroed_grads
 from .background import BackgroundCompile
 from .tiers import Tiers, own_grads
 from .gradsync import GradSync
@@ -363,7 +363,13 @@ class CompilerCallback(Callback):
         "With CUDA graphs, give each parameter that trains a zero gradient of its own if it has none"
         if self.cudagraph_grads: own_grads(self.learn.opt)
 
+    def _writes_grads(self)->bool:
+        "Whether this batch's backward may write the gradients `zero_grad` zeroed: not where CUDA graphs make them (their next replay overwrites them), nor through compiled autograd (it traces the backward's hooks)"
+        return not (self.cudagraph_grads or self.tiers.graphs_now() or self.ddp.in_backward)
+
     def before_backward(self):
+        # First, so that the zeros a parameter without a gradient gets back are there when DDP's gradients are averaged
+        if (z := zeroed_grads(self.learn.opt)) and self._writes_grads(): z.before_backward(self.learn.loss_grad)
         if self.active: self.ddp.enter_backward(self.learn.loss_grad)
         self.compile_recorder.part = 'backward' # What a compile now compiles, for its notice
 

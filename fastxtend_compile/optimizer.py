@@ -18,7 +18,7 @@ from fastai.optimizer import (Optimizer, Lookahead, weight_decay, l2_reg, averag
 
 from .core import *
 from .core import name_frames, compile_settings
-from .internals import own_function, fused_kernel_devices, fused_adam_kernel
+from .internals import own_function, fused_kernel_devices, fused_adam_kernel, tensor_version, at_backward_end
 
 # %% auto #0
 __all__ = ['step_rules', 'StepRule', 'compile_optimizer', 'compiled_optimizer_settings', 'uncompile_optimizer']
@@ -164,6 +164,39 @@ def _rule_of(cb):
     fixed = {} if rule is None else {n:p.default for n,p in inspect.signature(fn).parameters.items() if p.default is not p.empty}
     return rule, {**fixed, **kw}, getattr(fn, '__name__', repr(fn))
 
+# %% ../nbs/05_optimizer.ipynb #fe67976d
+class ZeroedGrads:
+    "The gradients `zero_grad` zeroed, which the next backward writes rather than adds into zeros: a kernel less a parameter"
+    on = True # Off: every backward adds into the zeroed gradients, as fastai's own `Optimizer` does
+    def __init__(self):
+        self.zeroed = [] # (parameter, its gradient, the gradient's version) as `zero_grad` left them
+        self.dropped = [] # Parameters whose zero gradient the running backward writes afresh
+
+    def zeroed_now(self,
+        ps:list, # The parameters whose gradients `zero_grad` just zeroed in place
+    ):
+        "`zero_grad` zeroed the gradients of `ps`"
+        self.zeroed = [(p, p.grad, tensor_version(p.grad)) for p in ps] if self.on else []
+
+    def before_backward(self,
+        loss:Tensor, # What the backward starts from: `learn.loss_grad`
+    ):
+        "The backward from `loss` writes the gradients `zero_grad` zeroed: they go as it starts, after every callback's `before_backward`"
+        if self.zeroed and getattr(loss, 'requires_grad', False): loss.register_hook(self._starts)
+
+    def _starts(self, grad):
+        # Only a gradient that is the same tensor, unchanged since: anything else is for the backward to add into
+        self.dropped = [p for p,g,v in self.zeroed if p.grad is g and tensor_version(g) == v]
+        for p in self.dropped: p.grad = None
+        self.zeroed = []
+        if self.dropped: at_backward_end(self._ends)
+
+    def _ends(self):
+        # A parameter the backward gave no gradient gets its zeros back, before any `after_backward` sees it
+        for p in self.dropped:
+            if p.grad is None: p.grad = torch.zeros_like(p)
+        self.dropped = []
+
 # %% ../nbs/05_optimizer.ipynb #8a8c0182
 _fused_devices = fused_kernel_devices()
 
@@ -187,6 +220,7 @@ class CompiledOptimizerStep:
         self.opt, self.fused_ok, self.fused_only, self.settings = opt, fused, fused_only, settings
         self.cbs, self.warned, self.scalars = None, False, {}
         self.compiled = None # The compiled step, made at its first use: fastai's `Adam` runs fused without it
+        self.zeroed = ZeroedGrads() # The gradients `zero_grad` zeroed, which the next backward may write rather than add into
 
     def _compiled(self)->Callable:
         # Each optimizer gets its own graphs, freed with it, and its own recompile limit, on every torch version
@@ -261,10 +295,12 @@ class CompiledOptimizerStep:
 
     def zero_grad(self):
         "fastai's `zero_grad`: every gradient zeroed in place, by one foreach kernel rather than one kernel per parameter"
-        grads = [p.grad for ps in self.opt.param_lists for p in ps if p.grad is not None]
+        ps = [p for group in self.opt.param_lists for p in group if p.grad is not None]
+        grads = [p.grad for p in ps]
         for g in grads:
             if g.requires_grad: g.detach_()
         if grads: torch._foreach_zero_(grads)
+        self.zeroed.zeroed_now(ps)
 
     def __call__(self, closure=None):
         if closure is not None: raise NotImplementedError("fastai optimizers currently do not support closure")
@@ -323,3 +359,11 @@ def uncompile_optimizer(
         del inner.step
         inner.__dict__.pop('zero_grad', None)
     return opt
+
+# %% ../nbs/05_optimizer.ipynb #048be768
+def zeroed_grads(
+    opt:Optimizer, # A fastai `Optimizer`
+)->ZeroedGrads|None:
+    "The `ZeroedGrads` of `opt`'s compiled step, where `compile_optimizer` made its `zero_grad`"
+    step = _inner(opt).__dict__.get('step') if opt is not None else None
+    return step.zeroed if isinstance(step, CompiledOptimizerStep) and _inner(opt).__dict__.get('zero_grad') == step.zero_grad else None

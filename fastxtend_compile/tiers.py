@@ -397,6 +397,10 @@ class Tiers:
         "Whether tier `name` runs CUDA graphs on the fit's device"
         return self.device.type == 'cuda' and uses_cudagraphs(self.settings_of(name))
 
+    def graphs_now(self)->bool:
+        "Whether this batch runs a tier with CUDA graphs"
+        return self.switch.tier is not None and self.graphs(self.switch.tier[0])
+
     def record(self, model:nn.Module, st, name:str)->str:
         "The warm record of `st` compiled with tier `name`"
         return self.aside.warm_starts.key(model, st.key, self.settings_of(name))

@@ -71,17 +71,23 @@ def test_callbacks_see_fastai_gradients(mode):
     from fastai.callback.core import Callback
     class Grads(Callback):
         order = 60 # After `CompilerCallback`
-        def before_fit(self): self.stepped, self.zeroed, self.ptrs = [], [], set()
+        def before_fit(self): self.stepped, self.zeroed, self.ptrs, self.kept, self.last = [], [], set(), [], None
+        def after_backward(self): # Whether the backward added into the zeroed gradients, or wrote its own
+            if self.last is not None: self.kept.append(all(p.grad is g for p,g in zip(self.trainable(), self.last)))
         def after_step(self): self.stepped.append(all(p.grad is not None and bool(p.grad.any()) for p in self.trainable()))
         def after_batch(self):
             if not self.training: return
             self.zeroed.append(all(p.grad is not None and not p.grad.any() for p in self.trainable()))
-            if self.iter >= 2: self.ptrs.add(tuple(p.grad.data_ptr() for p in self.trainable())) # The same memory each step
+            self.last = [p.grad for p in self.trainable()]
+            if self.iter >= 2: self.ptrs.add(tuple(p.grad.data_ptr() for p in self.trainable()))
         def trainable(self): return [p for p in self.learn.model.parameters() if p.requires_grad]
     learn = Learner(digits_dls().cuda(), bn_cnn(), splitter=body_head_splitter, cbs=Grads()).compile(mode=mode)
     learn.fit(1, 1e-2)
     g = learn.grads
-    assert g.stepped and all(g.stepped) and all(g.zeroed) and len(g.ptrs) == 1
+    assert g.stepped and all(g.stepped) and all(g.zeroed) and g.kept
+    # CUDA graphs add into gradients of the parameters' own memory, the same each step; else the backward writes them
+    if mode: assert all(g.kept) and len(g.ptrs) == 1
+    else: assert not any(g.kept)
     assert float(learn.recorder.values[-1][0]) < float(learn.recorder.losses[0]) # It trained
 
 def test_debug_compile_before_a_fit_runs_where_the_model_is():

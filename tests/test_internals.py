@@ -464,3 +464,15 @@ def test_backend_error_is_the_backends_own():
     inner = backend_error(info.value)
     assert isinstance(inner, ValueError) and str(inner) == 'no kernels here'
     assert backend_error(ValueError('plain')) is None
+
+def test_tensor_version_moves_on_with_each_in_place_change():
+    "The version counter `ZeroedGrads` reads: moved on by an in-place op, the backward's add into a gradient among them"
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.zeros(3)
+    g, v = p.grad, tensor_version(p.grad)
+    assert tensor_version(g + 1) == 0 and tensor_version(g) == v # An op that makes a new tensor leaves it
+    (p * 2).sum().backward() # Adds into the gradient that exists
+    assert p.grad is g and tensor_version(g) > v
+    v = tensor_version(g)
+    torch._foreach_zero_([g])
+    assert tensor_version(g) > v

@@ -13,7 +13,8 @@ from fastai.callback.core import Callback
 from fastai.torch_core import params
 import fastai.callback.schedule
 from fastxtend_compile.optimizer import *
-from fastxtend_compile.optimizer import CompiledOptimizerStep
+from fastxtend_compile.optimizer import CompiledOptimizerStep, ZeroedGrads, zeroed_grads
+from fastxtend_compile.callback import CompilerCallback
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -229,9 +230,9 @@ def regression_dls():
     y = x @ torch.tensor([[1.], [-2.], [0.5], [3.]]) + 0.1 * torch.randn(96, 1, generator=g)
     return DataLoaders.from_dsets(list(zip(x[:64], y[:64])), list(zip(x[64:], y[64:])), bs=16, shuffle=False)
 
-def train(backend, opt_func, fused=True):
+def train(backend, opt_func, fused=True, cbs=None):
     learn = Learner(regression_dls(), bn_model(), loss_func=MSELossFlat(), opt_func=opt_func,
-                    splitter=lambda m: [params(m[:3]), params(m[3:])], cbs=CompileOpt(backend, fused) if backend else None)
+                    splitter=lambda m: [params(m[:3]), params(m[3:])], cbs=cbs or (CompileOpt(backend, fused) if backend else None))
     with learn.no_logging(), learn.no_bar():
         learn.freeze()                          # Body frozen: only the head and the BatchNorm (`train_bn`) train
         learn.fit_one_cycle(1, 1e-2)
@@ -249,6 +250,30 @@ def test_learner_trains_the_same(opt_func, fused, n_graphs):
     assert compiled_optimizer_settings(compiled.opt) is not None
     # Compiled: one graph per freeze state (frozen with no body grads, unfrozen, frozen with zero body grads)
     assert graphs() - before == n_graphs
+    for pe,pc in zip(eager.model.parameters(), compiled.model.parameters()):
+        torch.testing.assert_close(pe, pc, rtol=RTOL, atol=ATOL)
+    assert_same(eager.opt, compiled.opt)
+
+# The backward writes the gradients `zero_grad` zeroed
+
+class GradsAfterBackward(Callback):
+    "After each backward: whether each gradient `zero_grad` zeroed is still that tensor, which the backward added into"
+    order = CompilerCallback.order + 1
+    def __init__(self): self.zeroed, self.kept = {}, []
+    def after_backward(self): self.kept += [p.grad is g for p,g in self.zeroed.items() if p.grad is not None]
+    def after_batch(self): self.zeroed = {p: p.grad for p in self.learn.model.parameters() if p.grad is not None}
+
+@pytest.mark.parametrize('on', [True, False], ids=['written', 'added-into'])
+def test_backward_writes_the_gradients_zero_grad_zeroed(on, monkeypatch):
+    "The backward writes each gradient fastai's `zero_grad` left at zero, and the fit trains as fastai's eager one does"
+    monkeypatch.setattr(ZeroedGrads, 'on', on)
+    spy = GradsAfterBackward()
+    eager, compiled = train(None, Adam), train(None, Adam, cbs=[CompilerCallback(backend='eager', background=False), spy])
+    assert zeroed_grads(compiled.opt) is not None
+    # Every gradient after a backward is the one it wrote; off, each is the zeroed tensor it added into
+    assert len(spy.kept) > 100 and (not any(spy.kept) if on else all(spy.kept))
+    # The last fit's frozen body gets no gradient from its backward: its zeros come back, and fastai's Adam still steps it
+    assert all(p.grad is not None and not p.grad.any() for p in compiled.model[:3].parameters() if p.ndim > 1)
     for pe,pc in zip(eager.model.parameters(), compiled.model.parameters()):
         torch.testing.assert_close(pe, pc, rtol=RTOL, atol=ATOL)
     assert_same(eager.opt, compiled.opt)
