@@ -185,8 +185,9 @@ class ZeroedGrads:
         if self.zeroed and getattr(loss, 'requires_grad', False): loss.register_hook(self._starts)
 
     def _starts(self, grad):
-        # Only a gradient that is the same tensor, unchanged since: anything else is for the backward to add into
-        self.dropped = [p for p,g,v in self.zeroed if p.grad is g and tensor_version(g) == v]
+        # Only a gradient the backward can write (a frozen parameter keeps its zeros), the same tensor, unchanged since:
+        # anything else is for the backward to add into
+        self.dropped = [p for p,g,v in self.zeroed if p.requires_grad and p.grad is g and tensor_version(g) == v]
         for p in self.dropped: p.grad = None
         self.zeroed = []
         if self.dropped: at_backward_end(self._ends)
@@ -365,5 +366,7 @@ def zeroed_grads(
     opt:Optimizer, # A fastai `Optimizer`
 )->ZeroedGrads|None:
     "The `ZeroedGrads` of `opt`'s compiled step, where `compile_optimizer` made its `zero_grad`"
-    step = _inner(opt).__dict__.get('step') if opt is not None else None
-    return step.zeroed if isinstance(step, CompiledOptimizerStep) and _inner(opt).__dict__.get('zero_grad') == step.zero_grad else None
+    if opt is None: return None
+    own = _inner(opt).__dict__
+    step = own.get('step')
+    return step.zeroed if isinstance(step, CompiledOptimizerStep) and own.get('zero_grad') == step.zero_grad else None
