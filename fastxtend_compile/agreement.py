@@ -14,7 +14,7 @@ from .state import Stage, ModelState
 from .worker import JobResult
 
 # %% auto #0
-__all__ = ['Local', 'decide', 'device_leader', 'DDP']
+__all__ = ['Local', 'decide', 'device_leader', 'next_gap', 'DDP']
 
 # %% ../nbs/16_agreement.ipynb #d5713751
 class Local:
@@ -85,10 +85,22 @@ def device_leader(
     return places.index(places[rank]) == rank
 
 
+# %% ../nbs/16_agreement.ipynb #b7d4e2f3
+def next_gap(
+    gap:int, # Training batches from the agreement before this one to this one
+    settled:bool, # This agreement found nothing to decide on any rank: every state settled, every part at rest
+    every:int=8, # The gap while anything waits for a decision
+    most:int=64, # The longest gap
+)->int:
+    "Training batches from this agreement to the next: `every` while anything waits for a decision, else twice the last gap, up to `most`"
+    return min(2*gap, most) if settled else every
+
+
 # %% ../nbs/16_agreement.ipynb #5889ea57
 class DDP(Local):
     "The processes of a DDP fit as the background compile sees them: where each trains, which ones run a worker, how they agree"
-    every = 8 # Training batches from one agreement to the next: each costs a small collective on the CPU, not a GPU sync
+    every = 8 # Training batches from one agreement to the next while anything waits for a decision: each costs a small collective on the CPU, not a GPU sync
+    most = 64 # Training batches at most from one agreement to the next, once they found nothing to decide (`next_gap`)
     timeout_s = 600. # Seconds a rank waits at an agreement for the others before it raises: one of them stopped
     evaluates = False # An evaluation runs eagerly: the ranks agree on training states alone
     agrees = True # What a rank measures, the ranks act on together, once they agreed
@@ -100,9 +112,11 @@ class DDP(Local):
         self.leader = True # The lowest rank on its host's device: it runs the device's worker process
         self.hosts = [] # Each rank's (host, device), by rank
         self.parts = [] # Other parts of the fit that agree at the same agreements (`join`): each gives a `view` and takes the `agreed` views
+        self.gap, self.next_at = self.every, 0 # Training batches from the last agreement to the next, and the `train_iter` of the next
+        self.held = [] # The `train_iter` of each agreement of the fit, the same on every rank
 
     def join(self, part):
-        "`part` of the fit decides with the other ranks at their agreements: `part.view(st)` is gathered, `part.agreed(st, views, learn, model, decision)` acts"
+        "`part` of the fit decides with the other ranks at their agreements: `part.view(st)` is gathered, `part.agreed(st, views, learn, model, decision)` acts, `part.settled(st)` says it waits for nothing"
         self.parts.append(part)
 
     def start(self, device:torch.device):
@@ -110,6 +124,7 @@ class DDP(Local):
         super().start(device)
         self.group = dist.new_group(backend='gloo', timeout=timedelta(seconds=self.timeout_s))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.gap, self.next_at, self.held = self.every, 0, []
         self.hosts = self.gather((self.host, self.device), 'the start of the fit')
         # A worker for each device, all compiling at once: a transformer's hand-over took 40s on 2 and on 4 H100s, where one
         # worker compiling for each device in turn took 45s on 2 H200s and 76-94s on 4 (torch 2.11). Inductor's cache keeps
@@ -155,10 +170,19 @@ class DDP(Local):
         return dict(key=st.record, worth=st.stage is not Stage.PROBING, worker=worker, leader=self.leader, failure=failure,
                     first=None if st.first is None else st.first[1], path=st.path)
 
+    def settled(self, st:ModelState, mine:dict|None)->bool:
+        "Whether this rank waits for no decision: its state settled (`mine`, its view, `None`) or only probed by rank 0, and every part at rest"
+        # Rank 0 alone judges a state: one it found too short to compile stays probing on the other ranks, and rank 0's view carries the rest
+        return (mine is None or (st.stage is Stage.PROBING and not self.judges(True))) and all(p.settled(st) for p in self.parts)
+
     def agree(self, aside, learn, st:ModelState, model):
-        "At every `every`-th training batch, on every rank: gather the views, decide, and act on the decision together"
-        if learn.train_iter % self.every: return
-        gathered = self.gather([self.view(aside, st), *[p.view(st) for p in self.parts]], f"epoch {learn.epoch}, batch {learn.iter}")
+        "At the agreements' training batches, on every rank: gather the views, decide, and act on the decision together"
+        if learn.train_iter < self.next_at: return
+        mine, parts = self.view(aside, st), [p.view(st) for p in self.parts]
+        gathered = self.gather([mine, *parts, self.settled(st, mine)], f"epoch {learn.epoch}, batch {learn.iter}")
+        self.held.append(learn.train_iter)
+        self.gap = next_gap(self.gap, all(g[-1] for g in gathered), self.every, self.most)
+        self.next_at = learn.train_iter + self.gap
         views = [g[0] for g in gathered]
         decision = decide(views)
         for i,p in enumerate(self.parts): p.agreed(st, [g[i + 1] for g in gathered], learn, model, decision)
@@ -180,4 +204,4 @@ class DDP(Local):
     def end(self):
         "The fit ended: its group goes"
         if self.group is not None and dist.is_initialized(): dist.destroy_process_group(self.group)
-        self.group, self.hosts, self.parts = None, [], []
+        self.group, self.hosts, self.parts = None, [], [] # `held` stays till the next fit starts

@@ -282,7 +282,7 @@ class BackgroundCompile:
         key:StateKey, # The batch's model state
         model:nn.Module, # The model being compiled (not DDP's wrapper)
     ):
-        "Under DDP, every `DDP.every` training batches: the ranks agree on this state, and act on it together from the next batch"
+        "Under DDP, at the training batches `DDP.agree` sets: the ranks agree on this state, and act on it together from the next batch"
         self._collect()
         self.ranks.agree(self, learn, self.state(key, model), model)
 

@@ -133,6 +133,10 @@ class GradSync:
         "This rank's part of an agreement of the ranks: whether it ran compiled code"
         return dict(compiled=self.compiled)
 
+    def settled(self, st)->bool:
+        "Whether this rank waits for no agreement: it averages its batches here already, or ran no compiled code"
+        return self.on or not self.compiled
+
     def agreed(self, st, views:list, learn, model:nn.Module,
         decision:str|None=None, # What the ranks decided on the state at this agreement (`agreement.decide`)
     ):

@@ -363,6 +363,11 @@ class Tiers:
         return dict(key=st.record, vote=None if st.tier is None else st.tier.vote, raised=self.raised, first=first,
                     free=None if first is not None else self.free())
 
+    def settled(self, st)->bool:
+        "Whether `st`'s tiers wait for no agreement on this rank: no tier raised here, and the state's tier decided, or none to try"
+        if self.raised is not None: return False
+        return st.stage is not Stage.READY or (st.tier is not None and st.tier.stage is TierStage.DONE)
+
     def agreed(self, st, views:list, learn, model:nn.Module, decision:str|None=None):
         "At an agreement, on every rank: a tier that raised on any rank is dropped on all; a vote all ranks cast is decided"
         if (raised := next((v['raised'] for v in views if v['raised'] is not None), None)) is not None:

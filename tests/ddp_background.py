@@ -30,9 +30,10 @@ CompileReport.pays_back = lambda self, batches: False # Validation runs eagerly,
 class Batches(Callback):
     "Which training batches ran eagerly while their code compiled elsewhere, and, at `wait`, wait for the worker to finish"
     order = 20 # After `CompilerCallback`, which decides in `before_batch` and forgets in `after_batch`
-    def __init__(self, wait:bool=False): self.wait, self.eager, self.tier = wait, [], []
+    def __init__(self, wait:bool=False): self.wait, self.eager, self.tier, self.agreed = wait, [], [], []
     def before_batch(self):
         if self.training and (cb := self.learn.__dict__.get('compiler')) is not None:
+            self.agreed = cb.aside.ranks.held # The `train_iter` of the fit's agreements so far, kept as the fit ends
             self.eager.append(cb.policy.waiting)
             self.tier.append(cb.tiers.switch.tier is not None) # The batch runs a faster tier
     def after_batch(self):
@@ -66,7 +67,7 @@ def fit(wait=False, compiled=True, frozen=False, batches=28, backend='aot_eager'
     n = len(starts)
     res = dict(eager=cb.eager, tier=cb.tier, starts=n, warnings=[str(w.message) for w in ws if 'background' in str(w.message)],
                params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
-    if compiled: res.update(notes=learn.compiler.report.background, graphs=learn.compiler.report.graphs)
+    if compiled: res.update(notes=learn.compiler.report.background, graphs=learn.compiler.report.graphs, agreed_at=cb.agreed)
     starts.clear()
     return res
 

@@ -6,8 +6,9 @@ A small text classifier (an embedding, a mean pool over the tokens that aren't p
 sequences that each rank's loader pads to its batch's longest, so a batch's length, and with it the model state the
 background compile agrees on, differs between ranks. Two scenarios, each a background fit and an eager DDP fit for reference:
 
-- 'agreement': every batch of one length, except the agreement batches after the first state was compiled and settled,
-  where rank 1's batch is longer than rank 0's: rank 0 comes to the agreement with a settled state, rank 1 with a new one.
+- 'agreement': every batch of one length, except every 8th from the third agreement's on, after the first state was
+  compiled and settled, where rank 1's batch is longer than rank 0's: rank 0 comes to the agreement with a settled state,
+  rank 1 with a new one.
   A rank that skipped the collective there would hang the fit (rank 0 in DDP's all-reduce, rank 1 in the agreement).
 - 'random': each batch's length at random, for each rank apart, from two lengths: now the ranks' states match at an
   agreement, now they don't; one state compiles and takes over while the other stays eager.
@@ -44,8 +45,9 @@ assert N_BATCHES > 2*AGREE_EVERY # The first state settles at the 2nd agreement;
 def lengths(scenario:str, rank:int)->list:
     "The padded length of each of this rank's training batches"
     if scenario == 'agreement':
-        # One length, so the first state starts compiling at batch 0's agreement and settles at batch 8's; at the
-        # agreements from batch 16 on rank 1's batch is longer: its state is new while rank 0's is settled
+        # One length, so the first state starts compiling at batch 0's agreement and settles at batch 8's; at batch 16's,
+        # and every 8th after it, rank 1's batch is longer: its state is new while rank 0's is settled. Rank 0 alone judges
+        # states, and never meets rank 1's: nothing waits for a decision, so the next agreement comes at batch 32
         return [12 if rank == 1 and k >= 2*AGREE_EVERY and k % AGREE_EVERY == 0 else 8 for k in range(N_BATCHES)]
     # At random for each rank, the same in every run; two lengths, so the ranks' states now match at an agreement, now not.
     # With these seeds length 4 starts compiling at batch 8's agreement and settles at batch 16's; at batch 24's rank 0's
@@ -89,8 +91,11 @@ class MeanPoolClassifier(nn.Module):
         return self.head((self.emb(x)*mask).sum(1) / mask.sum(1).clamp(min=1))
 
 class WaitForWorker(Callback):
-    "Rank 0 waits for its worker at the end of a batch, so a state compiles within a fit this short; the other ranks wait at DDP's next all-reduce"
+    "Rank 0 waits for its worker at the end of a batch, so a state compiles within a fit this short (the other ranks wait at DDP's next all-reduce); every rank keeps the fit's agreements"
     order = 20 # After `CompilerCallback`
+    def __init__(self): self.agreed = []
+    def before_batch(self):
+        if self.training: self.agreed = self.learn.compiler.aside.ranks.held # The `train_iter` of the fit's agreements so far
     def after_batch(self):
         if self.training:
             while worker_compiling(self.learn): time.sleep(0.05)
@@ -109,13 +114,14 @@ def fit(scenario:str, compiled:bool)->dict:
     # The optimizer's step stays fastai's: this checks the model's compile and the ranks' agreements
     if compiled: learn.compile(background=True, backend='aot_eager', compile_opt=False)
     seen = BatchLengths()
-    cbs = [seen, WaitForWorker()] if compiled else [seen]
+    waits = WaitForWorker()
+    cbs = [seen, waits] if compiled else [seen]
     t0 = time.time()
     with learn.distrib_ctx(cpu=True): learn.fit(1, cbs=cbs)
     res = dict(fit_s=time.time() - t0, lengths=seen.seen, params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
     if compiled:
         report = learn.compiler.report
-        res.update(notes=list(report.background), graphs=report.graphs, compiled_after_fit=is_compiled(learn.model))
+        res.update(notes=list(report.background), graphs=report.graphs, compiled_after_fit=is_compiled(learn.model), agreed_at=waits.agreed)
     return res
 
 def main():

@@ -292,6 +292,8 @@ def test_a_state_compiled_before_compiles_at_once_on_every_rank(background_runs)
     assert all(w['eager'] == [True] + [False]*(len(w['eager']) - 1) for w in warm), warm[0]['eager'] # Compiled from the 2nd batch
     assert warm[0]['notes'][0].startswith(f"compiled at once, in the fit's path at epoch 0, batch 1, on all {world} ranks at once: "
                                           "inductor's cache has this model state's code"), warm[0]['notes']
+    # Decided at the first agreement; from the second on nothing waits for a decision, so each comes twice as far as the last
+    assert all(w['agreed_at'] == [0, 8, 24] for w in warm), [w['agreed_at'] for w in warm]
 
 def _as_eager_ddp(fit:dict, eager:dict, world:int, what:str, start:dict|None=None):
     "A compiled DDP fit (aot_eager: eager's arithmetic) ends with eager DDP's weights; on 4 ranks, given the weights both `start`ed from"
@@ -331,7 +333,7 @@ def test_the_ranks_agree_on_a_faster_tier_and_switch_to_it_together(background_r
     ran = kept[0]['tier']
     assert kept[1]['tier'] == ran and any(ran) and ran[-1], ran # Each batch ran the tier on both ranks, or on neither; kept to the end
     first = ran.index(True)
-    assert first % 8 == 0 and not any(ran[:first]), ran # From an agreement's batch: the tier compiled on the device's worker
+    assert first in kept[0]['agreed_at'] and not any(ran[:first]), ran # From an agreement's batch: the tier compiled on the device's worker
     note = next(n for n in kept[0]['notes'] if n.startswith('tier plain took over'))
     at = re.search(r"^tier plain took over at epoch (\d+), batch (\d+), on all 2 ranks at once: compiled in a worker process in [\d.]+s \(.+\); "
                    r"compiling it in the fit's path took [\d.]+s; ([\d.]+) ms a step against ([\d.]+) ms for the default, alternating on the "
@@ -340,6 +342,9 @@ def test_the_ranks_agree_on_a_faster_tier_and_switch_to_it_together(background_r
     per_epoch = 64 // (8*2) # tests/ddp_worker.py's 64 training samples, 8 a batch on each rank
     kept_at = int(at[1])*per_epoch + int(at[2])
     assert kept_at % 8 == 0 and all(ran[kept_at:]) and not all(ran[first:kept_at]), ran # Kept at an agreement, after an A/B
+    # The ranks agree every 8 batches while the tier is tried; the agreement after the keep finds nothing to decide, and the next comes 16 later
+    agreed = kept[0]['agreed_at']
+    assert kept[1]['agreed_at'] == agreed == list(range(0, kept_at + 9, 8)) + [b for b in [kept_at + 24] if b < len(ran)], (agreed, kept_at)
     assert float(at[3]) < float(at[4]) - 50 # The default's backend sleeps 100 ms a call
     for r in ranks: # The tier's backend and the default's run eager's arithmetic
         for k,v in r['tier_eager']['params'].items(): assert torch.equal(r['tier_kept']['params'][k], v), k
@@ -349,9 +354,11 @@ def test_a_tier_that_raises_on_one_rank_is_dropped_on_every_rank(background_runs
     raised = [r['tier_raised'] for r in ranks]
     on0, on1 = raised[0]['tier'], raised[1]['tier']
     first = on0.index(True)
-    assert first % 8 == 0, on0 # In inductor's cache from the fit before: it runs at once from an agreement's batch
+    agreed = raised[0]['agreed_at']
+    assert first in agreed and raised[1]['agreed_at'] == agreed, (on0, agreed) # In inductor's cache from the fit before: it runs at once from an agreement's batch
     assert on1.index(True) == first and not any(on1[first + 1:]), on1 # Rank 1 dropped it at once, rerunning its batch without it
-    assert not any(on0[first + 8:]), on0 # Rank 0 at the next agreement
+    after = agreed[agreed.index(first) + 1]
+    assert not any(on0[after:]), (on0, agreed) # Rank 0 at the next agreement
     assert "tier plain failed in the fit's path (RuntimeError: the tier fails now); the default tier trains on" in raised[1]['notes'], raised[1]['notes']
     assert ("tier plain failed in the fit's path of another rank (RuntimeError: the tier fails now); every rank trains on with the "
             "default") in raised[0]['notes'], raised[0]['notes']
@@ -366,7 +373,7 @@ def test_a_launch_bound_step_compiles_its_tier_first_in_every_ranks_path_at_once
     first = ran.index(True)
     # Rank 0 picks the tier after its probe (8 batches) and 3 measured ones; the ranks adopt it at the next agreement and
     # start it at the one after: from the batch after an agreement, every training batch runs the tier on both ranks
-    assert first % 8 == 1 and first > 12 and all(ran[first:]), ran
+    assert first - 1 in cold[0]['agreed_at'] and first > 12 and all(ran[first:]), (ran, cold[0]['agreed_at'])
     assert all(c['eager'] == [True]*first + [False]*(len(ran) - first) for c in cold), cold[0]['eager'] # The default's code never ran
     per_epoch = 64 // (8*2) # tests/ddp_worker.py's 64 training samples, 8 a batch on each rank
     notes = cold[0]['notes']
