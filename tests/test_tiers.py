@@ -68,7 +68,7 @@ def test_a_faster_tier_takes_over_after_its_ab_and_trains_like_eager(cpu_tiers):
     assert re.search(r"^tier plain took over at epoch \d, batch \d+: compiled in a worker process in [\d.]+s \(.+\); compiling it in the "
                      r"fit's path took [\d.]+s; ([\d.]+) ms a step against ([\d.]+) ms for the default, alternating on the fit's batches$", took), notes
     tier_ms, base_ms = map(float, re.search(r"([\d.]+) ms a step against ([\d.]+) ms", took).groups())
-    assert tier_ms < base_ms - 50 # Half the sleep the default's backend adds to each step's forward graph
+    assert base_ms >= 100 and tier_ms < base_ms, (tier_ms, base_ms) # The default's time holds the sleep its backend adds to each forward
     # Training batches alone, an epoch's last among them: fastai drops a smaller last training batch, so it has the state's shape
     assert ran and all(training for _,training,_,_ in ran) and any(it == n - 1 for _,_,it,n in ran), ran
     assert re.search(r"^tier plain ran \d+ training batch\(es\), from epoch \d, batch \d+ on$", notes[-1]), notes
@@ -187,7 +187,7 @@ def test_a_launch_bound_eager_step_compiles_its_tier_first_in_the_fits_path_and_
     assert re.search(r"; compiled cold in the fit's path in [\d.]+s; ([\d.]+) ms a step against ([\d.]+) ms for the eager step, each "
                      r"timed alone$", took), notes
     tier_ms, eager_ms = map(float, re.search(r"([\d.]+) ms a step against ([\d.]+) ms", took).groups())
-    assert tier_ms < eager_ms - 15 # Half the time the eager forward spends in Python
+    assert eager_ms >= 30 and tier_ms < eager_ms, (tier_ms, eager_ms) # The eager step's time holds the 30 ms its forward sleeps in Python
     assert ran[-1][:3] == (2, True, len(learn.dls.train) - 1) # Kept to the fit's end
     assert_fit_close(eager.model, learn.model)
     # Recorded as a compile in a fit's path: a new Learner of the model runs the tier at once from its probe's end
