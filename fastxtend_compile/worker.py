@@ -161,6 +161,7 @@ def read_json(path:str)->dict|None:
 def serve(
     device:str, # Device the fit trains on: a GPU's CUDA context starts before the first job
     modules:str='', # Modules of the model's classes, comma-separated, imported before the first job
+    inductor:str='1', # '1': import inductor before the first job, as its first compile would; '0': the fit's backend is another
 ):
     "A worker process: start up, then compile each job whose path (and when it was sent) arrives on stdin; write how it went next to it"
     import importlib
@@ -170,7 +171,7 @@ def serve(
         try: importlib.import_module(m)
         except Exception: pass # The job's unpickling says what is missing
     marks.append(time.time())
-    import_inductor()
+    if inductor == '1': import_inductor()
     marks.append(time.time())
     if torch.device(device).type == 'cuda': torch.empty(1, device=device)
     ready = time.time()
@@ -295,6 +296,7 @@ class Worker:
     def start(self,
         device:torch.device, # Device the fit trains on
         modules:list=(), # Modules to import before the first job
+        inductor:bool=True, # Import inductor before the first job: where the fit's backend is another, its jobs never need it
     ):
         "Start the process, unless it runs"
         if self.proc is not None: return
@@ -305,7 +307,7 @@ class Worker:
                    FXC_WORKER_STARTED=repr(time.time()))
         self.log = os.path.join(self.tmp, 'worker.log')
         with open(self.log, 'w') as log:
-            self.proc = subprocess.Popen([sys.executable, '-c', self.code or type(self).code, str(device), ','.join(modules)],
+            self.proc = subprocess.Popen([sys.executable, '-c', self.code or type(self).code, str(device), ','.join(modules), str(int(inductor))],
                                          env=env, cwd=os.getcwd(), stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True, text=True)
         _lower_priority(self.proc.pid, self.nice)
@@ -324,7 +326,7 @@ class Worker:
         "Send `job`, where it was held: to the process, started if it isn't"
         if job.held is None: return job
         (payload, model), job.held = job.held, None
-        self.start(next(model.parameters()).device, _modules(model))
+        self.start(next(model.parameters()).device, _modules(model), payload['settings'].get('backend', 'inductor') == 'inductor')
         self.jobs += 1
         job.path, job.sent, job.proc = os.path.join(self.tmp, f'job{self.jobs}.pkl'), time.perf_counter(), self.proc
         self.waiting.add(job)

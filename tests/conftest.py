@@ -7,6 +7,12 @@ os.environ.setdefault('TORCHINDUCTOR_VEC_ISA_OK', '1')
 # One intra-op thread in every test process, workers and ranks included: the models are tiny, and where CI tests two
 # environments at once on two cores, more threads only spin
 os.environ.setdefault('OMP_NUM_THREADS', '1')
+import atexit, shutil, tempfile
+# One inductor cache for the test run, fresh at its start and removed at its end: every test that doesn't ask for a cold
+# cache (and sets its own) compiles a kernel another test built once. A run never depends on what an earlier run left
+if 'TORCHINDUCTOR_CACHE_DIR' not in os.environ:
+    os.environ['TORCHINDUCTOR_CACHE_DIR'] = tempfile.mkdtemp(prefix='fxc-tests-inductor-')
+    atexit.register(shutil.rmtree, os.environ['TORCHINDUCTOR_CACHE_DIR'], ignore_errors=True)
 import numpy as np, pytest, torch
 from torch import nn
 from fastai.vision.all import *
@@ -15,12 +21,31 @@ torch.set_num_threads(1) # Where torch was imported before this file
 
 warnings.filterwarnings('ignore', message='.*load_learner.*insecure.*')
 
+def pytest_addoption(parser):
+    parser.addoption('--slow', action='store_true', help="run the slow tests too (marked `slow`): every test, as CI runs them")
+
+def pytest_configure(config):
+    config.addinivalue_line('markers', "slow: a test of processes, cold compiles or many fits; `pytest --slow` runs it")
+    config.addinivalue_line('markers', "worker_priority: the worker runs below the fit's CPU priority, as the library starts it")
+
+def pytest_collection_modifyitems(config, items):
+    "Leave the slow tests out unless `--slow` asks for them, or a marker expression (`-m slow`) picks the tests"
+    if config.getoption('--slow') or config.option.markexpr: return
+    slow = [i for i in items if 'slow' in i.keywords]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [i for i in items if 'slow' not in i.keywords]
+
 @pytest.fixture(autouse=True)
-def compile_in_the_fits_path(monkeypatch):
+def compile_in_the_fits_path(monkeypatch, request):
     "Compiled fits are checked against eager ones: on a GPU too, compiled in the fit's path unless a test asks for `background`"
     # Imported here, not at the top: a test's child process imports this file without the library
     from fastxtend_compile.background import BackgroundCompile
+    from fastxtend_compile.worker import Worker
     monkeypatch.setattr(BackgroundCompile, 'default_on', ())
+    # A worker runs at the fit's own priority in tests: beside another test run on two cores, one 10 steps below got a
+    # tenth of a core (a start-up of 3s took 40-50s). One test keeps the library's priority, which it checks
+    if 'worker_priority' not in request.keywords: monkeypatch.setattr(Worker, 'nice', 0)
 
 def digits_dls(bs=64, seed=42):
     "scikit-learn's 8x8 digits as a fastai image task through a `DataBlock`"

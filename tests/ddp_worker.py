@@ -21,6 +21,8 @@ from fastai.distributed import DistributedDL
 from accelerate.utils import DistributedDataParallelKwargs
 from torch._dynamo.backends.distributed import DDPOptimizer
 from fastxtend_compile import *
+from fastxtend_compile.worker import Worker
+Worker.nice = 0 # Workers at the fit's priority, as in every test process (tests/conftest.py)
 
 def _broadcast(self, t, rank):
     "fastai broadcasts the sample order as a CUDA tensor, which only NCCL needs; this fit runs on the CPU with `gloo`"

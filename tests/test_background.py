@@ -32,14 +32,26 @@ def _fit(compiled, cbs=(), epochs=2, **kw):
     learn.fit(epochs, 3e-3)
     return learn
 
-@pytest.fixture
-def cold_cache(tmp_path, monkeypatch):
-    "An empty inductor cache for this test, as on a first run, a worker for a fit of any length, and a temporary folder of its own"
-    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path/'inductor'))
+def _first_run(tmp_path, monkeypatch):
+    "No warm record, as on a first run; a worker for a fit of any length, and a temporary folder of its own"
     monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 0)
     monkeypatch.setattr(CompileReport, 'pays_back', lambda self, batches: False) # Validation runs eagerly, whatever the timings
     (tmp_path/'tmp').mkdir()
     monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path/'tmp')) # Other processes' workers never show up in this test's check
+
+@pytest.fixture
+def no_records(tmp_path, monkeypatch):
+    "A first run's fit: no warm record of this library's; inductor's kernels from the test run's cache, where another test built them"
+    monkeypatch.setattr(WarmRecords, 'folder', f'{WarmRecords.folder}-{tmp_path.name}') # Records of its own: unique in the test run
+    _first_run(tmp_path, monkeypatch)
+    yield
+    assert _leftovers() == [], "a worker's temporary folder outlived the fit"
+
+@pytest.fixture
+def cold_cache(tmp_path, monkeypatch):
+    "A first run's fit with an empty inductor cache of its own: for tests of what the worker writes there"
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path/'inductor'))
+    _first_run(tmp_path, monkeypatch)
     yield tmp_path/'inductor'
     assert _leftovers() == [], "a worker's temporary folder outlived the fit"
 
@@ -52,7 +64,7 @@ class MeasuredEagerly(Callback):
         if self.training and p.measuring: self.measured.append(self.iter)
         if self.training and p.probing: self.probed.append(self.iter)
 
-def test_the_probes_eager_batches_are_the_reports_eager_step(cold_cache, monkeypatch):
+def test_the_probes_eager_batches_are_the_reports_eager_step(no_records, monkeypatch):
     "A new state's probe times its eager batches alone once, for the background's verdict and the report: no eager batch after the hand-over"
     monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 1e-9) # The probe runs, and any fit pays back the compile
     monkeypatch.setattr(BackgroundCompile, 'handover_s', 0) # Its code serves the fit's rest from the job on
@@ -80,7 +92,7 @@ def test_compiled_code_takes_over_from_the_worker_and_trains_like_eager(cold_cac
     assert len(records) == 1 and set(records[0]) == {'cold_s', 'warm_s'}, records # The state compiled, and how long it took
     assert_fit_close(eager.model, comp.model)
 
-def test_a_failed_worker_keeps_the_fit_eager_with_one_warning(cold_cache, monkeypatch):
+def test_a_failed_worker_keeps_the_fit_eager_with_one_warning(no_records, monkeypatch):
     monkeypatch.setattr(Worker, 'code', "raise SystemExit('no compiler here')")
     eager = _fit(False)
     with pytest.warns(UserWarning, match=r"torch.compile failed in a background worker process \(no compiler here\)\. The fit trains eagerly") as ws:
@@ -90,7 +102,7 @@ def test_a_failed_worker_keeps_the_fit_eager_with_one_warning(cold_cache, monkey
     assert "compiling in a worker process failed" in comp.compiler.report.background[0]
     assert_fit_close(eager.model, comp.model)
 
-def test_a_fit_that_ends_first_leaves_no_worker_behind(cold_cache):
+def test_a_fit_that_ends_first_leaves_no_worker_behind(no_records):
     seen = []
     class Stop(Callback):
         order = 20
@@ -166,7 +178,7 @@ def _starts(monkeypatch)->list:
     monkeypatch.setattr(Worker, 'start', lambda self, *a: started.append(a) or start(self, *a))
     return started
 
-def test_a_state_compiled_before_compiles_at_once_without_a_worker(cold_cache, monkeypatch):
+def test_a_state_compiled_before_compiles_at_once_without_a_worker(no_records, monkeypatch):
     "A new Learner of a model compiled before (a kernel restarted, a notebook run again) compiles at its first batch, warm"
     _fit(True, cbs=[WaitForWorker(at=0)]) # A worker fills the cache, and the record of what it holds
     started, eager = _starts(monkeypatch), _fit(False)
@@ -205,7 +217,7 @@ def test_a_compile_in_the_fits_path_is_a_warm_start_for_the_background_in_a_new_
         r"this model state's code \(compiled in a fit's path in [\d.]+s\); compiling it in the fit's path took [\d.]+s", res['notes'][0]), res
 
 @pytest.mark.parametrize('warm_s', [1e-4, 1e4])
-def test_a_warm_start_compiles_where_the_fits_rest_pays_it_back(cold_cache, monkeypatch, warm_s):
+def test_a_warm_start_compiles_where_the_fits_rest_pays_it_back(no_records, monkeypatch, warm_s):
     monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 6.) # A cold compile: far more than this fit's eager rest pays back
     monkeypatch.setattr(WarmRecords, 'get', lambda self, key: {'warm_s': warm_s})
     started, eager = _starts(monkeypatch), _fit(False)
@@ -222,7 +234,7 @@ def test_a_warm_start_compiles_where_the_fits_rest_pays_it_back(cold_cache, monk
         assert comp.compiler.report.graphs == 0
     assert_fit_close(eager.model, comp.model)
 
-def test_a_worker_out_of_gpu_memory_says_so(cold_cache, monkeypatch):
+def test_a_worker_out_of_gpu_memory_says_so(no_records, monkeypatch):
     monkeypatch.setattr(Worker, 'code', "import sys, torch; import fastxtend_compile.worker as b\n"
         "def full(path): raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
         "b.compile_in_worker = full; b.serve(*sys.argv[1:])")
@@ -244,7 +256,7 @@ class Halve(Callback):
         if self.training and (self.epoch or self.iter >= self.at):
             self.learn.xb, self.learn.yb = tuple(o[:32] for o in self.xb), tuple(o[:32] for o in self.yb)
 
-def test_one_worker_compiles_each_new_state_of_the_fit(cold_cache):
+def test_one_worker_compiles_each_new_state_of_the_fit(no_records):
     eager = _fit(False, cbs=[Halve(6)], epochs=1)
     wait = WaitForWorker(at=(0, 6))
     comp = _fit(True, cbs=[Halve(6), wait], epochs=1, backend='aot_eager')
@@ -254,7 +266,7 @@ def test_one_worker_compiles_each_new_state_of_the_fit(cold_cache):
     assert comp.compiler.aside.worker.proc is None # Ended with the fit
     assert_fit_close(eager.model, comp.model)
 
-def test_a_killed_processes_worker_folder_is_removed_by_the_next_start(cold_cache):
+def test_a_killed_processes_worker_folder_is_removed_by_the_next_start(no_records):
     gone = subprocess.Popen([sys.executable, '-c', 'pass'])
     gone.wait()
     stale = tempfile.mkdtemp(prefix=f'{Worker.prefix}{gone.pid}-')
@@ -267,8 +279,10 @@ def test_a_killed_processes_worker_folder_is_removed_by_the_next_start(cold_cach
         w.end()
         shutil.rmtree(alive)
 
+@pytest.mark.worker_priority
 @pytest.mark.skipif(not hasattr(os, 'getpriority'), reason="no process priorities to read")
-def test_the_worker_and_its_compile_processes_run_below_the_fits_priority(cold_cache):
+def test_the_worker_and_its_compile_processes_run_below_the_fits_priority(no_records):
+    assert Worker.nice > 0 # The library's own priority, which the other tests' workers leave aside
     w = Worker("import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(60)'])")
     try:
         w.start(torch.device('cpu'))
@@ -284,7 +298,7 @@ def _children(pid:int)->list:
     try: return [int(c) for c in open(f'/proc/{pid}/task/{pid}/children').read().split()]
     except OSError: return []
 
-def test_a_worker_that_ended_at_once_fails_its_job_quietly(cold_cache):
+def test_a_worker_that_ended_at_once_fails_its_job_quietly(no_records):
     "A worker gone before its job (it couldn't start) fails that job with its last words; ending it raises nothing"
     w = Worker("raise SystemExit('no compiler here')")
     w.start(torch.device('cpu'))
@@ -355,7 +369,7 @@ def test_the_next_training_batch_after_an_epochs_last_is_the_next_epochs_first()
     at = lambda it: SimpleNamespace(epoch=1, iter=it, n_iter=4)
     assert [where(at(2), True), where(at(3), True), where(at(3))] == ['epoch 1, batch 3', 'epoch 2, batch 0', 'epoch 1, batch 3']
 
-def test_a_failed_job_fails_alone_and_the_worker_compiles_the_next(cold_cache):
+def test_a_failed_job_fails_alone_and_the_worker_compiles_the_next(no_records):
     "A job that fails (here a model that can't be read back) leaves the job sent after it to compile in the same process"
     from fastxtend_compile.worker import job_payload
     w, m, x = Worker(), nn.Linear(3, 2), torch.randn(4, 3)
@@ -370,8 +384,8 @@ def test_a_failed_job_fails_alone_and_the_worker_compiles_the_next(cold_cache):
         assert jobs[0].proc is jobs[1].proc and w.proc.poll() is None # One process served both, and still runs
     finally: w.end()
 
-def test_a_worker_compiles_a_model_of_torch_layers_without_importing_fastai(cold_cache, tmp_path, monkeypatch):
-    "The worker's process imports torch and this package's `core`, not fastai: its start-up is seconds shorter"
+def test_a_worker_compiles_a_model_of_torch_layers_without_importing_fastai(no_records, tmp_path, monkeypatch):
+    "The worker's process imports torch and this package's `core`, not fastai, nor inductor for another backend: its start-up is seconds shorter"
     from fastxtend_compile.worker import job_payload
     from tier_backends import reports_imports
     monkeypatch.setenv('FXC_TEST_IMPORTS', str(tmp_path/'imports.json'))
@@ -392,7 +406,7 @@ def test_a_model_module_that_imports_this_package_gets_it_whole_in_the_worker():
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split('\n')[:2] == ['False', 'True CompilerCallback'], out.stdout
 
-def test_a_held_job_is_sent_when_released_even_after_its_process_ended(cold_cache):
+def test_a_held_job_is_sent_when_released_even_after_its_process_ended(no_records):
     "A job prepared and held starts no process and has no result; released, it compiles, in a new process if the first ended"
     from fastxtend_compile.worker import job_payload
     w, m, x = Worker(), nn.Linear(3, 2), torch.randn(4, 3)
@@ -448,7 +462,7 @@ def test_a_batch_key_reads_the_flags_of_the_parameters_kept_through_the_fit():
     aside.stop()
     assert aside.params is None
 
-def test_a_state_whose_worker_failed_is_tried_again_in_the_next_fit(cold_cache, monkeypatch):
+def test_a_state_whose_worker_failed_is_tried_again_in_the_next_fit(no_records, monkeypatch):
     "A failed compile leaves its state eager for the fit; the next fit sends it to a worker again (the GPU may have room now)"
     code = Worker.code
     monkeypatch.setattr(Worker, 'code', "raise SystemExit('no compiler here')")

@@ -17,6 +17,10 @@ from fastxtend_compile.optimizer import CompiledOptimizerStep, ZeroedGrads, zero
 from fastxtend_compile.callback import CompilerCallback
 
 RTOL, ATOL = 1e-5, 1e-6
+# A fit's compiled optimizer step ends this close to the eager step's weights, as a share of how far eager moved each
+# tensor: float32 rounding of 16 steps in another order of operations (3e-7 at most on x86 CPUs), where one step of the
+# 16 skipped or applied twice would be about 6%
+MOVED_RTOL = 1e-4
 
 def graphs(): return counters['stats']['unique_graphs']
 
@@ -222,7 +226,9 @@ class CompileOpt(Callback):
 
 def bn_model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    # No bias before BatchNorm, as in fastai's layers: BatchNorm cancels it, so its gradient is float rounding noise, which
+    # Adam turns into steps of up to lr either way; two summation orders of the same step would take it apart
+    return nn.Sequential(nn.Linear(4, 8, bias=False), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
 
 def regression_dls():
     g = torch.Generator().manual_seed(0)
@@ -245,13 +251,13 @@ def train(backend, opt_func, fused=True, cbs=None):
 @pytest.mark.parametrize('opt_func,fused,n_graphs', [(Adam, True, 0), (Adam, False, 3), (partial(SGD, mom=0.9), True, 3)],
                          ids=['Adam-fused', 'Adam-compiled', 'SGD'])
 def test_learner_trains_the_same(opt_func, fused, n_graphs):
-    before = graphs()
+    before, start = graphs(), list(bn_model().parameters())
     eager, compiled = train(None, opt_func), train('aot_eager', opt_func, fused)
     assert compiled_optimizer_settings(compiled.opt) is not None
     # Compiled: one graph per freeze state (frozen with no body grads, unfrozen, frozen with zero body grads)
     assert graphs() - before == n_graphs
-    for pe,pc in zip(eager.model.parameters(), compiled.model.parameters()):
-        torch.testing.assert_close(pe, pc, rtol=RTOL, atol=ATOL)
+    for s,pe,pc in zip(start, eager.model.parameters(), compiled.model.parameters()):
+        assert (pc - pe).norm() <= MOVED_RTOL * (pe - s).norm(), (pc - pe).norm() / (pe - s).norm()
     assert_same(eager.opt, compiled.opt)
 
 # The backward writes the gradients `zero_grad` zeroed
@@ -271,7 +277,7 @@ def test_backward_writes_the_gradients_zero_grad_zeroed(on, monkeypatch):
     eager, compiled = train(None, Adam), train(None, Adam, cbs=[CompilerCallback(backend='eager', background=False), spy])
     assert zeroed_grads(compiled.opt) is not None
     # Every gradient after a backward is the one it wrote; off, each is the zeroed tensor it added into
-    assert len(spy.kept) > 100 and (not any(spy.kept) if on else all(spy.kept))
+    assert len(spy.kept) > 50 and (not any(spy.kept) if on else all(spy.kept))
     # The last fit's frozen body gets no gradient from its backward: it keeps its zeros, and fastai's Adam still steps it
     assert all(p.grad is not None and not p.grad.any() for p in compiled.model[:3].parameters() if p.ndim > 1)
     for pe,pc in zip(eager.model.parameters(), compiled.model.parameters()):

@@ -12,7 +12,7 @@ from fastxtend_compile.payoff import pick_tier, first_tier, cudagraphs_fit, fast
 from fastxtend_compile.background import BackgroundCompile
 from fastxtend_compile.internals import compiled_call
 from conftest import two_conv_cnn, digits_dls, EAGER_PRECISION, assert_fit_close
-from test_background import WaitForWorker, _leftovers, cold_cache # noqa: F401 (a fixture)
+from test_background import WaitForWorker, _leftovers, no_records # noqa: F401 (a fixture)
 from tier_backends import sleepy, refused, slow_to_compile, worker_only, flaky, IdleMeter as _IdleMeter
 
 # The A/Bs compare a step against one 100 ms slower, whatever the machine's load
@@ -30,7 +30,7 @@ class TierBatches(Callback):
             while aside.poll(job) is None: time.sleep(0.05)
 
 @pytest.fixture
-def cpu_tiers(cold_cache, monkeypatch):
+def cpu_tiers(no_records, monkeypatch):
     "Tiers on the CPU, in short stages, the tier named by the test picked whatever the measured step and the backend"
     monkeypatch.setattr(Tiers, 'default_on', ('cpu',))
     for k,v in dict(settle_batches=1, time_batches=3, warmup_batches=1, ab_batches=6, try_cost_s=0).items(): monkeypatch.setattr(Tiers, k, v)

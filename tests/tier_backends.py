@@ -30,11 +30,12 @@ def flaky(gm, example_inputs):
     return run
 
 def reports_imports(gm, example_inputs):
-    "A backend that, in a worker process, writes which of fastai and its heavy imports the process has to `FXC_TEST_IMPORTS`"
+    "A backend that, in a worker process, writes which of fastai, its heavy imports and inductor the process has to `FXC_TEST_IMPORTS`"
     import json, sys
     if 'FXC_WORKER_STARTED' in os.environ:
         with open(os.environ['FXC_TEST_IMPORTS'], 'w') as f:
-            json.dump(sorted({m.split('.')[0] for m in sys.modules} & {'fastai', 'sklearn', 'matplotlib', 'pandas'}), f)
+            heavy = {m.split('.')[0] for m in sys.modules} & {'fastai', 'sklearn', 'matplotlib', 'pandas'}
+            json.dump(sorted(heavy | ({'inductor'} if 'torch._inductor.compile_fx' in sys.modules else set())), f)
     return gm
 
 class IdleMeter:
