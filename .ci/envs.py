@@ -7,7 +7,8 @@ table of tested versions from them and checks that settings.ini and setup.py dec
                                       no more than `--jobs` of them (~6 GB each) at once
   python .ci/envs.py setup NAME       make .venv-NAME: its Python (found on PATH or through pyenv), its torch, torchvision
                                       and fastai, then the README's set-up command in it; check the versions it got
-  python .ci/envs.py test NAME        in .venv-NAME: the README's test command (or the fast tests), then, in the newest,
+  python .ci/envs.py test NAME        in .venv-NAME: the README's test command, with `--slow` where the environment runs
+                                      every test, and its 40 slowest tests; then, in the newest,
                                       the docs checks, the site (which runs every notebook) and the benchmark
   python .ci/envs.py table            the README's table of tested versions
 
@@ -38,7 +39,7 @@ class Env:
         self.reqs = dict(zip(PKGS, reqs))
         for k, r in self.reqs.items():
             if not re.fullmatch(rf'{k}(==[\w.+]+)?', r): raise ValueError(f'test_envs, {name}: {r!r} is not `{k}` or `{k}==VERSION`')
-        if self.tests not in ('all', 'fast'): raise ValueError(f"test_envs, {name}: tests are 'all' or 'fast', not {self.tests!r}")
+        if self.tests not in ('all', 'default'): raise ValueError(f"test_envs, {name}: tests are 'all' or 'default', not {self.tests!r}")
         self.venv = ROOT/f'.venv-{name}'
         self.log = ROOT/f'.venv-{name}.log'
 
@@ -64,9 +65,7 @@ def _vkey(v): return tuple(int(x) for x in v.split('.'))
 def table()->str:
     "Markdown: the tested versions, one environment a row"
     def ver(e, pkg): return e.pin(pkg) or 'newest'
-    fast = [Path(f).stem.removeprefix('test_') for f in settings()['fast_tests'].split()]
-    fast = ', '.join(fast[:-1]) + ' and ' + fast[-1] if len(fast) > 1 else fast[0]
-    runs = {'all': 'every test', 'fast': f'the {fast} tests'}
+    runs = {'all': 'every test', 'default': 'the default set'}
     rows = ['| Python | torch | torchvision | fastai | Tested |', '|---|---|---|---|---|']
     for e in envs():
         rows.append(f'| {e.python} | {ver(e, "torch")} | {ver(e, "torchvision")} | {ver(e, "fastai")} | {runs[e.tests]}'
@@ -158,6 +157,17 @@ def sh(cmd, env, **kw):
     if r.returncode: sys.exit(f'envs: failed ({r.returncode}): {cmd}')
     return time.time() - t
 
+def pytest_counts(cmd, env)->tuple:
+    "Run the pytest line `cmd` as `sh` does, its output passed on; its seconds and its closing line of counts"
+    print(f'$ {cmd}', flush=True)
+    t, last = time.time(), ''
+    with subprocess.Popen(cmd, shell=True, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+        for line in p.stdout:
+            print(line, end='', flush=True)
+            if re.search(r'\d+ (passed|failed|error)', line): last = line.strip(' =\n')
+    if p.returncode: sys.exit(f'envs: failed ({p.returncode}): {cmd}\n  {last}')
+    return time.time() - t, last
+
 def newest_on_index(pkg, env)->str:
     "The newest release of `pkg` the package index offers the environment's Python"
     r = subprocess.run(['python', '-m', 'pip', 'index', 'versions', pkg], env=env, capture_output=True, text=True)
@@ -199,16 +209,18 @@ def setup(e:Env):
 def test(e:Env):
     "In `e`'s environment: its tests; in the newest, the docs checks, the site (every notebook) and the benchmark"
     env = pip_env(e.venv)
+    env['FXC_TEST_LAUNCH_LOCK'] = str(ROOT/'.launch.lock') # The environments tested at once launch their DDP ranks in turn
     check_versions(e, env)
-    fast = re.sub(r'\s+', ' ', settings()['fast_tests'].strip())
-    times = {'tests': sh(TESTS if e.tests == 'all' else TESTS.replace(' tests', ' ' + fast), env)}
+    # Every test where the environment runs them all, the slow ones (`--slow`) included; the 40 slowest named at the end
+    times, counts = {}, ''
+    times['tests'], counts = pytest_counts(TESTS + (' --slow' if e.tests == 'all' else '') + ' --durations=40', env)
     if e.site:
         # The notebooks run in the site's build, which also checks that every public name has its entry on a page
         times['docs'] = sh('bash .ci/docs --no-test --no-proc', env)
         times['notebooks and site'] = sh('bash .ci/site', env)
         # The GPT-style workload's smoke jobs run every arm's code path, regional and nested compiles included
         times['bench'] = sh('python bench/bench.py --device cpu --smoke --workloads gpt --out "$(mktemp -d)"', env)
-    return times
+    return times, counts
 
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -242,9 +254,10 @@ def leg(name):
     got = setup(e)
     t_setup = time.time() - t
     print(f'== {e.name}: test', flush=True)
-    times = test(e)
+    times, counts = test(e)
     print(f"{e.name}: Python {got['python']}, torch {got['torch']}, torchvision {got['torchvision']}, fastai {got['fastai']}: "
-          f"set up {t_setup/60:.1f} min, " + ', '.join(f'{k} {v/60:.1f} min' for k, v in times.items()), flush=True)
+          f"set up {t_setup/60:.1f} min, " + ', '.join(f'{k} {v/60:.1f} min' for k, v in times.items()) +
+          f"; {e.tests} tests: {counts}", flush=True)
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -260,6 +273,6 @@ def main():
     elif a.cmd == 'setup':
         for n in a.names: setup(get_env(n))
     elif a.cmd == 'test':
-        for n in a.names: print(test(get_env(n)))
+        for n in a.names: print(test(get_env(n))[0])
 
 if __name__ == '__main__': main()

@@ -326,7 +326,7 @@ class Worker:
         "Send `job`, where it was held: to the process, started if it isn't"
         if job.held is None: return job
         (payload, model), job.held = job.held, None
-        self.start(next(model.parameters()).device, _modules(model), payload['settings'].get('backend', 'inductor') == 'inductor')
+        self.start(next(model.parameters()).device, _modules(model), payload.get('settings', {}).get('backend', 'inductor') == 'inductor')
         self.jobs += 1
         job.path, job.sent, job.proc = os.path.join(self.tmp, f'job{self.jobs}.pkl'), time.perf_counter(), self.proc
         self.waiting.add(job)

@@ -88,6 +88,7 @@ def test_compile_chains_and_replaces():
     cbs = [cb for cb in learn.cbs if isinstance(cb, CompilerCallback)]
     assert len(cbs) == 1 and learn.compiler is cbs[0] and cbs[0].settings['dynamic'] is True
 
+@pytest.mark.slow
 @pytest.mark.parametrize('backend', ['eager', 'aot_eager', 'inductor'])
 def test_fastai_tensors_compile_and_match_eager(backend):
     "The issue's two-conv CNN on a `TensorImage` fails under plain torch.compile; compiled here it equals eager"

@@ -22,6 +22,7 @@ class MLP(nn.Module):
     def __init__(self): super().__init__(); self.layers = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     def forward(self, x): return self.layers(x)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('model', [two_conv_cnn, MLP], ids=['cnn', 'mlp'])
 def test_vision_no_graph_breaks(model, monkeypatch):
     monkeypatch.setattr(CompileReport, 'pays_back', lambda self, n: False) # Whatever this machine's timings say
@@ -90,6 +91,7 @@ def test_awd_lstm_compiles_around_its_lstms():
             "compiled around them: EmbeddingDropout, PoolingLinearClassifier") in r.summary(), r.summary()
     assert_fit_close(eager.model, learn.model)
 
+@pytest.mark.slow
 def test_unet_fine_tunes_as_one_graph_with_eager_types(tmp_path):
     "`unet_learner`'s `DynamicUnet` casts its output to `TensorBase` (`ToTensorBase`): compiled, it trains and predicts as eager"
     learns = []
@@ -122,6 +124,7 @@ def test_unet_fine_tunes_as_one_graph_with_eager_types(tmp_path):
 @pytest.mark.parametrize('make_learner', [lambda: Learner(digits_dls(), two_conv_cnn(), metrics=accuracy),
                                           lambda: tabular_learner(cancer_dls(), layers=[64, 32], metrics=accuracy)],
                          ids=['digits', 'breast_cancer_tabular'])
+@pytest.mark.slow
 def test_compiled_accuracy_matches_eager(make_learner):
     "Real data through a DataBlock: compiled training (inductor) reaches the eager accuracy within 1 point, same seed"
     accs = []
@@ -134,6 +137,7 @@ def test_compiled_accuracy_matches_eager(make_learner):
     assert accs[0] > 0.9
     assert abs(accs[0] - accs[1]) <= 0.01, accs
 
+@pytest.mark.slow
 def test_export_loads_in_fresh_process_without_this_library(tmp_path):
     dls = digits_dls()
     learn = Learner(dls, two_conv_cnn(), path=tmp_path, metrics=accuracy).compile(backend='aot_eager', **EAGER_PRECISION)

@@ -64,6 +64,7 @@ class MeasuredEagerly(Callback):
         if self.training and p.measuring: self.measured.append(self.iter)
         if self.training and p.probing: self.probed.append(self.iter)
 
+@pytest.mark.slow
 def test_the_probes_eager_batches_are_the_reports_eager_step(no_records, monkeypatch):
     "A new state's probe times its eager batches alone once, for the background's verdict and the report: no eager batch after the hand-over"
     monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 1e-9) # The probe runs, and any fit pays back the compile
@@ -75,6 +76,7 @@ def test_the_probes_eager_batches_are_the_reports_eager_step(no_records, monkeyp
     assert len(r.eager_times) == n and r.batch_times, (r.eager_times, r.batch_times)
     assert r.eager_step == sorted(r.eager_times[1:])[(n - 1)//2] and re.search(r"compiled step [\d.]+ ms against [\d.]+ ms eager", r.payoff()), r.payoff()
 
+@pytest.mark.slow
 def test_compiled_code_takes_over_from_the_worker_and_trains_like_eager(cold_cache):
     eager = _fit(False)
     wait = WaitForWorker(at=2)
@@ -152,6 +154,7 @@ def test_batches_of_ever_new_shapes_train_eagerly_and_say_so(tmp_path, monkeypat
         "in a row), so none is worth a graph of its own; batches of one size (padded to one length, `drop_last=True`) or "
         "`dynamic=True` let one graph serve them"]
 
+@pytest.mark.slow
 def test_a_fit_that_trains_eagerly_never_imports_inductor(tmp_path):
     "`torch.compile` imports inductor (seconds on a GPU host): a fit that trains eagerly while it would compile elsewhere doesn't wait for it"
     import subprocess, sys, textwrap
@@ -178,6 +181,7 @@ def _starts(monkeypatch)->list:
     monkeypatch.setattr(Worker, 'start', lambda self, *a: started.append(a) or start(self, *a))
     return started
 
+@pytest.mark.slow
 def test_a_state_compiled_before_compiles_at_once_without_a_worker(no_records, monkeypatch):
     "A new Learner of a model compiled before (a kernel restarted, a notebook run again) compiles at its first batch, warm"
     _fit(True, cbs=[WaitForWorker(at=0)]) # A worker fills the cache, and the record of what it holds
@@ -202,6 +206,7 @@ learn = _fit(True)
 print(json.dumps(dict(notes=learn.compiler.report.background, started=len(started), graphs=learn.compiler.report.graphs)))
 """
 
+@pytest.mark.slow
 def test_a_compile_in_the_fits_path_is_a_warm_start_for_the_background_in_a_new_process(cold_cache):
     "A cache filled by `background=False` is a warm start: the next process compiles at once after its probe, with no worker"
     _fit(True, background=False)
@@ -216,6 +221,7 @@ def test_a_compile_in_the_fits_path_is_a_warm_start_for_the_background_in_a_new_
     assert len(res['notes']) == 1 and re.fullmatch(rf"compiled at once, in the fit's path at epoch 0, batch {at}: inductor's cache has "
         r"this model state's code \(compiled in a fit's path in [\d.]+s\); compiling it in the fit's path took [\d.]+s", res['notes'][0]), res
 
+@pytest.mark.slow
 @pytest.mark.parametrize('warm_s', [1e-4, 1e4])
 def test_a_warm_start_compiles_where_the_fits_rest_pays_it_back(no_records, monkeypatch, warm_s):
     monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 6.) # A cold compile: far more than this fit's eager rest pays back
@@ -234,6 +240,7 @@ def test_a_warm_start_compiles_where_the_fits_rest_pays_it_back(no_records, monk
         assert comp.compiler.report.graphs == 0
     assert_fit_close(eager.model, comp.model)
 
+@pytest.mark.slow
 def test_a_worker_out_of_gpu_memory_says_so(no_records, monkeypatch):
     monkeypatch.setattr(Worker, 'code', "import sys, torch; import fastxtend_compile.worker as b\n"
         "def full(path): raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
@@ -256,6 +263,7 @@ class Halve(Callback):
         if self.training and (self.epoch or self.iter >= self.at):
             self.learn.xb, self.learn.yb = tuple(o[:32] for o in self.xb), tuple(o[:32] for o in self.yb)
 
+@pytest.mark.slow
 def test_one_worker_compiles_each_new_state_of_the_fit(no_records):
     eager = _fit(False, cbs=[Halve(6)], epochs=1)
     wait = WaitForWorker(at=(0, 6))
@@ -369,6 +377,7 @@ def test_the_next_training_batch_after_an_epochs_last_is_the_next_epochs_first()
     at = lambda it: SimpleNamespace(epoch=1, iter=it, n_iter=4)
     assert [where(at(2), True), where(at(3), True), where(at(3))] == ['epoch 1, batch 3', 'epoch 2, batch 0', 'epoch 1, batch 3']
 
+@pytest.mark.slow
 def test_a_failed_job_fails_alone_and_the_worker_compiles_the_next(no_records):
     "A job that fails (here a model that can't be read back) leaves the job sent after it to compile in the same process"
     from fastxtend_compile.worker import job_payload
@@ -384,6 +393,7 @@ def test_a_failed_job_fails_alone_and_the_worker_compiles_the_next(no_records):
         assert jobs[0].proc is jobs[1].proc and w.proc.poll() is None # One process served both, and still runs
     finally: w.end()
 
+@pytest.mark.slow
 def test_a_worker_compiles_a_model_of_torch_layers_without_importing_fastai(no_records, tmp_path, monkeypatch):
     "The worker's process imports torch and this package's `core`, not fastai, nor inductor for another backend: its start-up is seconds shorter"
     from fastxtend_compile.worker import job_payload
@@ -397,6 +407,7 @@ def test_a_worker_compiles_a_model_of_torch_layers_without_importing_fastai(no_r
         assert json.loads((tmp_path/'imports.json').read_text()) == [] # Its backend ran in the worker, and saw none of them
     finally: w.end()
 
+@pytest.mark.slow
 def test_a_model_module_that_imports_this_package_gets_it_whole_in_the_worker():
     "A worker's package runs its `__init__` when a job reads a name of it, as a model's module that star-imports it does"
     from fastxtend_compile.worker import _DEFERRED_INIT
@@ -406,6 +417,7 @@ def test_a_model_module_that_imports_this_package_gets_it_whole_in_the_worker():
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split('\n')[:2] == ['False', 'True CompilerCallback'], out.stdout
 
+@pytest.mark.slow
 def test_a_held_job_is_sent_when_released_even_after_its_process_ended(no_records):
     "A job prepared and held starts no process and has no result; released, it compiles, in a new process if the first ended"
     from fastxtend_compile.worker import job_payload
@@ -462,6 +474,7 @@ def test_a_batch_key_reads_the_flags_of_the_parameters_kept_through_the_fit():
     aside.stop()
     assert aside.params is None
 
+@pytest.mark.slow
 def test_a_state_whose_worker_failed_is_tried_again_in_the_next_fit(no_records, monkeypatch):
     "A failed compile leaves its state eager for the fit; the next fit sends it to a worker again (the GPU may have room now)"
     code = Worker.code

@@ -64,6 +64,7 @@ def trained(tmp_path_factory):
     res = _run('train', path, tmp)
     return path, tmp, res
 
+@pytest.mark.slow
 def test_warm_start_in_a_fresh_process(trained):
     path, tmp, cold = trained
     assert cold['misses'] > 0 # Compiled cold
@@ -95,6 +96,7 @@ def _trains(learn):
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
     assert len(learn.recorder.values) == 1
 
+@pytest.mark.slow
 def test_saved_header(trained):
     path = trained[0]
     with zipfile.ZipFile(path/'models'/'tiny.compile') as z:
@@ -105,6 +107,7 @@ def test_saved_header(trained):
     assert header['settings'].startswith("backend='inductor', dynamic=False, fullgraph=False, mode=None")
     assert 'mega-cache.bin' in names and any(n.endswith('.so') for n in names) # The C++ kernels the Mega-Cache leaves out
 
+@pytest.mark.slow
 def test_other_model(trained):
     path = trained[0]
     learn = _learner(path, nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2)))
@@ -120,6 +123,7 @@ def _copy(src, dest, **changes):
 
 @pytest.mark.parametrize('key,saved,what', [('torch', '2.10.0', 'torch differs'), ('device', 'NVIDIA H100 80GB HBM3 (compute capability 9.0)', 'device differs'),
                                             ('format', 2, 'file format differs')])
+@pytest.mark.slow
 def test_other_torch_or_device(trained, key, saved, what):
     path = trained[0]
     models = path/'models'
@@ -129,6 +133,7 @@ def test_other_torch_or_device(trained, key, saved, what):
     assert _load(learn, f'other-{key}') == (False, _cold(models/f'other-{key}.compile', f'{what} (saved {saved}, here {here})'))
     _trains(learn)
 
+@pytest.mark.slow
 def test_other_settings(trained):
     path = trained[0]
     learn = _learner(path).compile(dynamic=True)
@@ -149,6 +154,7 @@ def test_corrupt_or_missing_file(tmp_path):
         "it could not be read (KeyError: \"There is no item named 'header.json' in the archive\")"))
     _trains(learn)
 
+@pytest.mark.slow
 def test_corrupt_artifacts(trained):
     path = trained[0]
     models = path/'models'

@@ -12,8 +12,9 @@ import pytest, torch
 from test_distributed import launch_ranks # Fails a rank still running after its timeout: a hang fails, not blocks CI
 
 pytest.importorskip('accelerate')
-pytestmark = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-                                reason='needs torch.distributed with gloo')
+# Slow: each launch starts its ranks' processes (`pytest --slow`)
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                                                     reason="needs torch.distributed with gloo")]
 
 # Seconds for the whole launch: 2 ranks, each 4 fits (~30s in all on 2 idle CPU cores, 180s and more on 2 cores that another
 # test run shares, where each worker's start-up alone took 40-50s). A hang lasts 600s (the agreement's timeout)

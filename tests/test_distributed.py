@@ -3,13 +3,15 @@
 One run starts three processes at once: the two ranks of a DDP fit and, for reference, the same fit in one process on
 the same global batches. tests/ddp_worker.py is what each runs; the checks read what they wrote.
 """
-import os, re, socket, subprocess, sys, time
+import fcntl, os, re, socket, subprocess, sys, time
+from contextlib import contextmanager
 from pathlib import Path
 import pytest, torch
 
 pytest.importorskip('accelerate')
-pytestmark = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-                                reason='needs torch.distributed with gloo')
+# Slow: each launch starts its ranks' processes (`pytest --slow`)
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                                                     reason="needs torch.distributed with gloo")]
 
 TIMEOUT = 240 # Seconds for the whole run: a rank stuck in a collective fails the test instead of blocking CI
 WORKER = Path(__file__).parent/'ddp_worker.py'
@@ -19,18 +21,31 @@ def _free_port():
         s.bind(('127.0.0.1', 0))
         return s.getsockname()[1]
 
+@contextmanager
+def launch_lock():
+    "Where `FXC_TEST_LAUNCH_LOCK` names a file, hold it while ranks run: test runs beside each other (CI's) launch in turn"
+    path = os.environ.get('FXC_TEST_LAUNCH_LOCK')
+    if not path: yield; return
+    with open(path, 'w') as f:
+        fcntl.flock(f, fcntl.LOCK_EX) # Ranks that share two cores with another run's ranks wait on each other's collectives
+        try: yield
+        finally: fcntl.flock(f, fcntl.LOCK_UN)
+
 def _tail(path, n=40): return '\n'.join(Path(path).read_text(errors='replace').splitlines()[-n:])
 
 def launch(out:Path, *args):
     "Start ranks 0 and 1 of a 2-process fit and the 1-process reference; return what each wrote"
-    port, root = _free_port(), str(Path(__file__).parents[1])
+    root = str(Path(__file__).parents[1])
     base = {k:v for k,v in os.environ.items() if k not in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE')}
     base['CUDA_VISIBLE_DEVICES'] = '' # A CPU test, on a machine with GPUs too
     base['PYTHONPATH'] = os.pathsep.join(filter(None, [os.environ.get('PYTHONPATH'), root]))
     # A cache and temporary folder of its own, as `launch_ranks`: not the machine's, shared with other test runs
     base.update(TORCHINDUCTOR_CACHE_DIR=str(out/'inductor'), TMPDIR=str(out), FXC_TEST_DUMP_AFTER=str(TIMEOUT - 20))
     runs = {'rank0': dict(RANK='0', LOCAL_RANK='0'), 'rank1': dict(RANK='1', LOCAL_RANK='1'), 'single': {}}
-    procs = {}
+    with launch_lock(): return _run(out, base, runs, args)
+
+def _run(out, base, runs, args):
+    port, procs = _free_port(), {} # Taken once the lock is held: no other run's ranks take it meanwhile
     for name,env in runs.items():
         if env: env = dict(env, WORLD_SIZE='2', LOCAL_WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
         d = out/('single' if name == 'single' else 'ddp')
@@ -242,11 +257,13 @@ def test_ddp_compiled_autograd_with_torch_dataloaders(monkeypatch):
 
 def launch_ranks(out:Path, world:int, script:Path, timeout:int=TIMEOUT)->list:
     "Start `world` ranks of `script` on this host, each writing `OUT/rank{RANK}.pt`; return what each wrote, by rank"
-    port = _free_port()
     base = {k:v for k,v in os.environ.items() if k not in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE')}
     base.update(CUDA_VISIBLE_DEVICES='', TORCHINDUCTOR_CACHE_DIR=str(out/'inductor'), TMPDIR=str(out),
                 PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get('PYTHONPATH'), str(Path(__file__).parents[1]), str(Path(__file__).parent)])))
-    procs = []
+    with launch_lock(): return _run_ranks(out, base, world, script, timeout)
+
+def _run_ranks(out, base, world, script, timeout):
+    port, procs = _free_port(), []
     for r in range(world):
         env = dict(base, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                    MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))

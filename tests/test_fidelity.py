@@ -57,6 +57,7 @@ def _learner(kind, tmp_path, digits, cancer):
     dls = text_dls()
     return Learner(dls, TokenBag(len(dls.vocab[0])))
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', ['sequential', 'vision', 'tabular', 'text'])
 def test_one_graph_per_model(kind, tmp_path, digits, cancer):
     learn = _learner(kind, tmp_path, digits, cancer).compile(backend=BACKEND)
@@ -119,6 +120,7 @@ class GradSpy(Callback):
     def after_batch(self):
         if self.training: self.batch.append(grad_state(self.learn.model))
 
+@pytest.mark.slow
 @pytest.mark.parametrize('compile_opt', [True, False])
 def test_gradients_as_callbacks_see_them(compile_opt):
     set_seed(0, reproducible=True)
@@ -227,6 +229,7 @@ def test_forward_hook_added_after_compiling_fires(digits):
 
 # --- 7. Exports ----------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_export_during_fit_loads_with_plain_fastai(tmp_path, monkeypatch):
     class ExportMid(Callback): # Defined here, so it is pickled by value: the fresh process needn't import this file
         order = CompilerCallback.order + 1
@@ -330,6 +333,7 @@ def test_a_trace_that_fails_where_eager_runs_raises_the_compilers_error():
     assert e.value is failure
     assert all(torch.equal(a, b) for a,b in zip(before, model.buffers()))
 
+@pytest.mark.slow
 @pytest.mark.parametrize('how', ['instance', 'class'])
 def test_removing_compiler_returns_learner_to_eager(digits, how):
     learn = Learner(digits, two_conv_cnn()).compile(backend=BACKEND)

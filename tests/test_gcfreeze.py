@@ -47,6 +47,7 @@ def test_a_compiled_fit_freezes_the_collector_and_gives_it_back():
     # Every training batch's collection was a full one, and each was timed
     assert len(learn.compiler.report.gc_pauses) >= len(spy.at_end) == 4
 
+@pytest.mark.slow
 def test_an_eager_fit_leaves_the_collector_alone():
     eager, compiled = FreezeSpy(), FreezeSpy()
     tiny_learner(cbs=eager).fit(1)
@@ -92,6 +93,7 @@ def test_a_fit_that_raises_gives_the_collector_back():
     with pytest.raises(RuntimeError, match="boom"): learn.fit(1)
     assert gc.get_freeze_count() < 1_000 and gc.isenabled() # Given back (bar Python 3.12's immortal objects)
 
+@pytest.mark.slow
 def test_a_collector_frozen_before_the_fit_is_frozen_too_and_one_turned_off_is_left_alone():
     # Objects frozen before the fit must not keep the fit's own unfrozen: Python 3.12 keeps a few hundred there itself
     learn, spy = tiny_learner(), FreezeSpy()

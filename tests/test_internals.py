@@ -360,6 +360,7 @@ def test_own_function_qualified_name():
     assert g.__name__ == 'a_call' and g.__qualname__ == 'a_call_0123' and g.__code__.co_name == 'a_call'
     assert own_function(f, 'b_call').__qualname__ == 'b_call'
 
+@pytest.mark.slow
 @pytest.mark.skipif(precompile_supported(), reason="this torch loads precompiled code")
 def test_precompiled_code_of_a_model_with_gradients_does_not_load_on_older_torch(tmp_path):
     "Why `precompile_supported` is torch 2.15 or newer: before, TorchDynamo fails to load the guards of parameters with gradients"
@@ -444,6 +445,7 @@ def test_mark_dynamic_compiles_one_graph_for_every_size():
         assert torch.equal(f(x), torch.full((2,), 2.*n))
     assert graphs_compiled() - before == 1
 
+@pytest.mark.slow
 def test_import_inductor():
     "What a worker process imports before its first job is what `torch.compile` imports to compile with inductor"
     import subprocess, sys

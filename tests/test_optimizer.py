@@ -74,6 +74,7 @@ optimizers = {
     'ranger':           partial(ranger, k=3),
 }
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', optimizers)
 def test_same_update_and_state_as_fastai(name):
     opt_func = optimizers[name]
@@ -111,6 +112,7 @@ def test_radam_rectifies_within_the_run():
     assert [v for k,v in opt.step.scalars[0, torch.device('cpu'), torch.float32].values.items() if k[1] == 'rect'] == [0.]
     assert_same(run(RAdam, n=8), run(RAdam, 'eager', n=8))
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['Adam', 'SGD-mom', 'RAdam', 'Lamb'])
 def test_new_hyperparameters_every_step_never_recompile(name):
     before = graphs()
@@ -141,6 +143,7 @@ def test_scalars_are_0d_tensors_refilled_in_place():
     # SGD's step functions: weight_decay, average_grad, momentum_step
     assert scalars[1, 'mom'].item() == pytest.approx(0.8) and scalars[2, 'neg_lr'].item() == pytest.approx(-0.2)
 
+@pytest.mark.slow
 def test_inductor():
     before = graphs()
     for name in ('Adam', 'SGD-mom'):
@@ -250,6 +253,7 @@ def train(backend, opt_func, fused=True, cbs=None):
 
 @pytest.mark.parametrize('opt_func,fused,n_graphs', [(Adam, True, 0), (Adam, False, 3), (partial(SGD, mom=0.9), True, 3)],
                          ids=['Adam-fused', 'Adam-compiled', 'SGD'])
+@pytest.mark.slow
 def test_learner_trains_the_same(opt_func, fused, n_graphs):
     before, start = graphs(), list(bn_model().parameters())
     eager, compiled = train(None, opt_func), train('aot_eager', opt_func, fused)
@@ -269,6 +273,7 @@ class GradsAfterBackward(Callback):
     def after_backward(self): self.kept += [p.grad is g for p,g in self.zeroed.items() if p.requires_grad and p.grad is not None]
     def after_batch(self): self.zeroed = {p: p.grad for p in self.learn.model.parameters() if p.grad is not None}
 
+@pytest.mark.slow
 @pytest.mark.parametrize('on', [True, False], ids=['written', 'added-into'])
 def test_backward_writes_the_gradients_zero_grad_zeroed(on, monkeypatch):
     "The backward writes each gradient fastai's `zero_grad` left at zero, and the fit trains as fastai's eager one does"

@@ -38,6 +38,7 @@ def image_learner(path, **kwargs):
                                        bs=16, num_workers=0)
     return vision_learner(dls, resnet18, pretrained=False, metrics=accuracy).compile(backend='aot_eager', **kwargs)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('compile_frozen,compile_valid', [(False, False), (True, False), (True, True)])
 def test_fine_tune_compiles_a_graph_per_phase_and_freeze_state(images, compile_frozen, compile_valid, monkeypatch):
     monkeypatch.setattr(CompileReport, 'pays_back', lambda self, n: False) # Whatever this machine's timings say
@@ -60,6 +61,7 @@ def test_fine_tune_compiles_a_graph_per_phase_and_freeze_state(images, compile_f
         assert not r.eager_calls and r.eager_valid == epochs*len(learn.dls.valid)
         assert f"ran eagerly, validation within the fit: {r.eager_valid} batch(es)" in r.summary()
 
+@pytest.mark.slow
 def test_regional_compiles_a_vision_learners_residual_blocks_once_per_shape_and_phase(images, monkeypatch):
     "vision_learner's model is `Sequential(body, head)`: `regional=True` compiles ResNet-18's residual blocks, not the two halves"
     monkeypatch.setattr(CompileReport, 'pays_back', lambda self, n: False) # Whatever this machine's timings say
@@ -84,6 +86,7 @@ def test_regional_compiles_a_vision_learners_residual_blocks_once_per_shape_and_
     once = [l for l in r.summary().splitlines() if 'a shape seen once' in l]
     assert len(once) == 1 and len(r.eager_calls) > 1 and "validation or inference call(s) with each of the inputs " in once[0], once
 
+@pytest.mark.slow
 def test_a_one_off_shape_runs_eagerly_and_compiles_when_seen_again(images, monkeypatch):
     monkeypatch.setattr(CompileReport, 'pays_back', lambda self, n: False) # Whatever this machine's timings say
     learn = image_learner(images)
@@ -108,6 +111,7 @@ def test_a_one_off_shape_runs_eagerly_and_compiles_when_seen_again(images, monke
         fct.test_close(m(x), out, eps=1e-4) # ...compiled when seen again
     assert graphs() == g + 1
 
+@pytest.mark.slow
 def test_dynamic_shapes_never_run_eagerly(images):
     learn = image_learner(images, dynamic=True)
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
@@ -185,6 +189,7 @@ def test_lr_find_and_evaluation_outside_a_fit_run_eagerly_until_their_graph_woul
     with learn.no_bar(), learn.no_logging(): learn.lr_find(num_it=5, show_plot=False) # Its training graph is compiled already
     assert graphs() == g + 2 and r.eager_lr_find == n
 
+@pytest.mark.slow
 @pytest.mark.parametrize('pays', [True, False])
 def test_a_fits_validation_compiles_where_the_fits_validation_batches_left_pay_back(pays, monkeypatch):
     asked = []

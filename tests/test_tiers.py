@@ -59,6 +59,7 @@ def _fit(compiled=True, epochs=3, wait=True, model=two_conv_cnn, **kw):
     learn.fit(epochs, 3e-3)
     return learn, seen.ran
 
+@pytest.mark.slow
 def test_a_faster_tier_takes_over_after_its_ab_and_trains_like_eager(cpu_tiers):
     cpu_tiers('plain', dict(backend='aot_eager'))
     eager, _ = _fit(False)
@@ -82,6 +83,7 @@ def test_a_faster_tier_takes_over_after_its_ab_and_trains_like_eager(cpu_tiers):
     assert [it for _,_,it,_ in seen.ran] == list(range(n_iter)), seen.ran # Each batch
     assert learn.compiler.report.background[-1] == f"tier plain ran {n_iter} training batch(es), from epoch 0, batch 0 on"
 
+@pytest.mark.slow
 def test_a_tier_that_fails_in_the_fits_path_is_dropped_and_the_default_trains_on(cpu_tiers):
     cpu_tiers('worker_only', dict(backend=worker_only))
     eager, _ = _fit(False)
@@ -93,6 +95,7 @@ def test_a_tier_that_fails_in_the_fits_path_is_dropped_and_the_default_trains_on
     assert [k for k in compiled_call(learn.model).entries if 'tier' in k] == []
     assert_fit_close(eager.model, learn.model)
 
+@pytest.mark.slow
 def test_a_fit_that_ends_while_its_tier_compiles_leaves_nothing_behind(cpu_tiers):
     cpu_tiers('slow', dict(backend=slow_to_compile))
     learn, ran = _fit(epochs=2, wait=False, backend='aot_eager')
@@ -100,6 +103,7 @@ def test_a_fit_that_ends_while_its_tier_compiles_leaves_nothing_behind(cpu_tiers
     assert "the fit ended before tier slow compiled in the worker process" in notes, notes
     assert ran == [] and learn.compiler.aside.worker.proc is None # The worker was ended (the fixture checks its folder went)
 
+@pytest.mark.slow
 def test_a_slower_tier_is_dropped_after_its_ab(cpu_tiers):
     cpu_tiers('sleepy', dict(backend=sleepy))
     eager, _ = _fit(False)
@@ -113,6 +117,7 @@ def test_a_slower_tier_is_dropped_after_its_ab(cpu_tiers):
     assert not [k for k in call.entries if 'tier' in k] # Its compiled functions are gone
     assert_fit_close(eager.model, learn.model)
 
+@pytest.mark.slow
 def test_a_tier_the_worker_cannot_compile_leaves_the_default_training(cpu_tiers):
     cpu_tiers('refused', dict(backend=refused))
     eager, _ = _fit(False, epochs=2)
@@ -123,6 +128,7 @@ def test_a_tier_the_worker_cannot_compile_leaves_the_default_training(cpu_tiers)
     assert ran == [] and learn.compiler.aside.worker.proc is None
     assert_fit_close(eager.model, learn.model)
 
+@pytest.mark.slow
 def test_a_short_fit_tries_no_tier(cpu_tiers, monkeypatch):
     cpu_tiers('plain', dict(backend='aot_eager'))
     monkeypatch.setattr(Tiers, 'try_cost_s', 6.) # Far more than a tier could save over a digits fit's few seconds on the CPU
@@ -151,6 +157,7 @@ def _handover(notes:list)->tuple:
     "Where the background compile's code took over, as (epoch, batch)"
     return tuple(map(int, re.search(r"the compiled code took over at epoch (\d+), batch (\d+)", notes[0]).groups()))
 
+@pytest.mark.slow
 def test_a_launch_bound_eager_step_has_its_tier_compiled_first_and_run_from_the_handover(first_tiers):
     first_tiers('plain', dict(backend='aot_eager'))
     eager, _ = _fit(False)
@@ -174,6 +181,7 @@ def path_tiers(first_tiers, monkeypatch):
         monkeypatch.setattr(Tiers, 'compile_guess_s', 1e-3) # Paid back by a digits fit on the CPU
     return use
 
+@pytest.mark.slow
 def test_a_launch_bound_eager_step_compiles_its_tier_first_in_the_fits_path_and_keeps_it_where_it_beats_eager(path_tiers, monkeypatch):
     "The tier compiles cold at the probe's end and is kept once its steps beat the eager step the probe timed: no worker at all"
     path_tiers('plain', dict(backend='aot_eager'))
@@ -198,6 +206,7 @@ def test_a_launch_bound_eager_step_compiles_its_tier_first_in_the_fits_path_and_
                     r"\(compiled in a fit's path in [\d.]+s\)", notes[0]), notes
     assert ran[0][:3] == (0, True, at), (ran[:3], notes)
 
+@pytest.mark.slow
 def test_a_tier_compiled_first_in_the_fits_path_no_faster_than_eager_meets_the_default_in_an_ab(path_tiers):
     "Not faster than the eager step: the worker compiles the default's code, and the A/B against it decides"
     path_tiers('sleepy', dict(backend=sleepy))
@@ -209,6 +218,7 @@ def test_a_tier_compiled_first_in_the_fits_path_no_faster_than_eager_meets_the_d
                          r"batches; its graphs were dropped$", n) for n in notes), notes
     assert_fit_close(eager.model, learn.model)
 
+@pytest.mark.slow
 def test_a_tier_compiled_first_starts_warm_in_a_later_fit(first_tiers, monkeypatch):
     "A new Learner of the same model (a notebook run again) runs the tier from its probe's end, compiled at once, with no worker"
     first_tiers('plain', dict(backend='aot_eager'))
@@ -225,6 +235,7 @@ def test_a_tier_compiled_first_starts_warm_in_a_later_fit(first_tiers, monkeypat
     assert kept and float(kept[2]) - float(kept[1]) > 50, notes
     assert len(ran) == 2*len(learn.dls.train) - at, ran # Every training batch from the hand-over on: none the default's
 
+@pytest.mark.slow
 def test_a_kept_tier_that_fails_in_a_later_fit_is_no_longer_kept(first_tiers, monkeypatch):
     "A tier an earlier fit kept raises in the next fit's path: the default trains on, and no later fit keeps the tier at once"
     first_tiers('flaky', dict(backend=flaky))
@@ -239,6 +250,7 @@ def test_a_kept_tier_that_fails_in_a_later_fit_is_no_longer_kept(first_tiers, mo
     assert learn.compiler.aside.warm_starts.was_kept(record) is None
     assert_fit_close(eager.model, learn.model)
 
+@pytest.mark.slow
 def test_a_tier_compiled_first_runs_on_in_the_next_fit_until_its_ab(first_tiers):
     "A fit that ends before the default's code compiled for the A/B: the next fit of the state runs the tier from its first batch"
     first_tiers('plain', dict(backend='aot_eager'))
@@ -251,6 +263,7 @@ def test_a_tier_compiled_first_runs_on_in_the_next_fit_until_its_ab(first_tiers)
     assert [it for _,_,it,_ in seen.ran] == list(range(len(learn.dls.train))), seen.ran # Never the default's code, uncompiled
     assert learn.compiler.report.background[-1].startswith("tier plain ran") and ended in learn.compiler.report.background[-1]
 
+@pytest.mark.slow
 def test_a_tier_compiled_first_that_fails_in_the_worker_leaves_the_default_to_take_over(first_tiers):
     first_tiers('refused', dict(backend=refused))
     eager, _ = _fit(False, epochs=2)

@@ -259,6 +259,7 @@ def fit(n_epoch, lr=1e-2, cb=None):
 
 # --- 1. The same fit, event by event ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', list(LEARNERS))
 def test_fit_sees_what_eager_sees(kind):
     "Every event of a compiled fit sees what eager's sees; both run fastai's events, counters and smoothed loss"
@@ -272,11 +273,13 @@ def test_fit_sees_what_eager_sees(kind):
 @pytest.mark.parametrize('opt_func', [partial(SGD, mom=0.9, wd=1e-2), partial(OptimWrapper, opt=torch.optim.AdamW),
                                       partial(Adam, wd=0.1, decouple_wd=False)],
                          ids=['sgd_momentum', 'torch_adamw', 'adam_l2'])
+@pytest.mark.slow
 def test_optimizers(opt_func):
     "fastai's optimizers and a wrapped PyTorch one step the compiled model as they step the eager one"
     eager, compiled = twin_fits(partial(plane_learner, opt_func=opt_func), fit(2))
     assert compiled.records[-1]['opt_state'] # Their state (momentum, Adam's averages) was compared at the end
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', ['plane', 'digits'])
 def test_fit_one_cycle(kind):
     "The scheduled learning rate and momentum reach the compiled step, batch by batch"
@@ -285,6 +288,7 @@ def test_fit_one_cycle(kind):
     assert lrs[0] == pytest.approx(1e-2 / 25) and max(lrs) == pytest.approx(1e-2, rel=0.02) # Ten steps: one near the peak
     assert 0 < lrs.index(max(lrs)) < len(lrs) - 1 and lrs[-1] < max(lrs) / 10 # Up, then down
 
+@pytest.mark.slow
 @pytest.mark.parametrize('compile_frozen', [False, True])
 def test_fine_tune(compile_frozen):
     "A frozen epoch then an unfrozen one, each compiled or eager as chosen, as eager fine-tunes"
@@ -332,6 +336,7 @@ def predictions(learn):
                 preds=learn.get_preds(with_input=True, with_loss=True, with_decoded=True),
                 train_preds=learn.get_preds(ds_idx=0, act=torch.sigmoid))
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', ['plane', 'digits', 'cancer'])
 def test_validate_and_get_preds(kind):
     "validate on either DataLoader, and get_preds with inputs, losses, decoded predictions and an activation, as eager's"
@@ -485,6 +490,7 @@ def grouped_learner(**kwargs):
     return Learner(plane_dls(), nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)), loss_func=MSELossFlat(),
                    splitter=three_groups, opt_func=SGD, cbs=GradsToOnes(), **kwargs)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('train_bn', [True, False])
 def test_freeze_freeze_to_unfreeze(train_bn):
     "freeze, freeze_to and unfreeze choose the parameter groups a compiled fit trains, BatchNorm's as `train_bn` says"
@@ -519,6 +525,7 @@ def test_weight_decay_spares_biases_and_batchnorm():
         if name in ('0.weight', '2.weight'): assert not torch.allclose(delta, plain, rtol=1e-3), name # Decayed too
         else: torch.testing.assert_close(delta, plain, rtol=1e-5, atol=1e-6, msg=name)
 
+@pytest.mark.slow
 def test_gradient_accumulation():
     "Two batches of 16 accumulated step as one batch of 32 does; more items than the fit has leave the model as it was"
     ordered = lambda bs: lambda: Learner(plane_dls(n_train=64, bs=bs, shuffle=False), LinearFit(), loss_func=MSELossFlat(), opt_func=SGD)
@@ -541,6 +548,7 @@ def test_gradient_clip():
     clipped = [norm(r['grads']) for r in compiled.records if r['event'] == 'before_step']
     assert max(raw) > 0.1 and max(clipped) <= 0.1 * (1 + 1e-5), (raw, clipped)
 
+@pytest.mark.slow
 def test_bn_freeze():
     "A frozen body's BatchNorm keeps its running statistics under `BnFreeze` (and updates them without it)"
     def make(): return LEARNERS['digits'](train_bn=False)
@@ -565,6 +573,7 @@ class KeepHooked(HookCallback):
     def after_batch(self):
         if self.training: self.seen.append(snap(self.hooks.stored))
 
+@pytest.mark.slow
 def test_hooks_see_what_eager_hooks_see():
     "Forward and backward hooks and ActivationStats during a compiled fit; the fit after them runs compiled again"
     def go(learn):
@@ -605,6 +614,7 @@ def test_early_stopping():
     assert 'No improvement since epoch 0: early stopping' in compiled.printed
     assert [r['event'] for r in compiled.records].count('after_epoch') == 3
 
+@pytest.mark.slow
 def test_reduce_lr_on_plateau_reaches_the_compiled_step():
     "The learning rate a tracker lowers mid-fit is the one the compiled optimizer steps with"
     cb = lambda: ReduceLROnPlateau(monitor='valid_loss', min_delta=10, patience=1, factor=10)
@@ -705,6 +715,7 @@ def test_summary_and_layer_info():
 
 # --- 8. inductor ------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', ['plane', 'cancer'])
 def test_inductor_fit_one_cycle(kind):
     "inductor's own kernels, through fit_one_cycle, get and print what eager does within `INDUCTOR_TOL`"

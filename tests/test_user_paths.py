@@ -116,6 +116,7 @@ def _quiet_fit(learn, n=1):
 @pytest.mark.parametrize('model,code,fix', [
     (Branches, 'if x.mean().item() > 0.5', "use `torch.where` or `torch.cond`"),
     (Logs, 'self.log.append(x.mean().item())', "Keep Python state that changes out of `forward`")])
+@pytest.mark.slow
 def test_fullgraph_refusal_names_the_line_and_lets_the_learner_train(digits, model, code, fix):
     learn = Learner(digits, model(), loss_func=CrossEntropyLossFlat()).compile(backend=BACKEND, fullgraph=True)
     with pytest.raises(GraphBreakError) as e: _quiet_fit(learn)
