@@ -212,8 +212,8 @@ def test(e:Env):
     env['FXC_TEST_LAUNCH_LOCK'] = str(ROOT/'.launch.lock') # The environments tested at once launch their DDP ranks in turn
     check_versions(e, env)
     # Every test where the environment runs them all, the slow ones (`--slow`) included; the 40 slowest named at the end
-    times, counts = {}, ''
-    times['tests'], counts = pytest_counts(TESTS + (' --slow' if e.tests == 'all' else '') + ' --durations=40', env)
+    tests_s, counts = pytest_counts(TESTS + (' --slow' if e.tests == 'all' else '') + ' --durations=40', env)
+    times = {'tests': tests_s}
     if e.site:
         # The notebooks run in the site's build, which also checks that every public name has its entry on a page
         times['docs'] = sh('bash .ci/docs --no-test --no-proc', env)

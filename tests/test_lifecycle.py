@@ -47,7 +47,6 @@ def test_frozen_params_stay_identical_and_unfreezing_trains_all(digits):
     learn.fit(1, 1e-2)
     assert all_changed(body1, body_params(learn.model)), "unfrozen body did not train"
 
-@pytest.mark.slow
 def test_refreezing_trains_like_eager():
     "fastai keeps the zeroed gradients of refrozen parameters, so weight decay still moves them: compiled does the same"
     def run(dls, learn):
@@ -57,7 +56,6 @@ def test_refreezing_trains_like_eager():
     eager, comp = _fit_pair(lambda dls: Learner(dls, bn_cnn(), splitter=body_head_splitter), run=run, compile_opt=False)
     assert_fit_close(eager.model, comp.model)
 
-@pytest.mark.slow
 def test_gradients_between_steps_and_after_the_fit(digits):
     class Grads(Callback):
         "The gradients fastai's `zero_grad` has left, seen before each backward"
@@ -78,7 +76,6 @@ def test_gradients_between_steps_and_after_the_fit(digits):
     assert [g is None for g in compiled.grads.seen[0]] == [g is None for g in eager.grads.seen[0]]
     assert all(p.grad is not None and not p.grad.any() for p in compiled.model.parameters())
 
-@pytest.mark.slow
 def test_freezing_inside_a_fit_trains_like_eager():
     "Parameters frozen in the middle of a fit keep zero gradients, so fastai's weight decay still moves them"
     class FreezeAfterEpoch0(Callback):
@@ -106,7 +103,6 @@ def test_no_global_dynamo_reset(digits, monkeypatch):
     learn = frozen_learner(digits)
     learn.fit(1); learn.unfreeze(); learn.fit(1)
 
-@pytest.mark.slow
 @pytest.mark.parametrize('compile_frozen', [False, True])
 def test_fine_tune(digits, compile_frozen):
     rec = RecordCompiled()
@@ -167,7 +163,6 @@ def test_losses_and_metrics_receive_what_they_get_eagerly(digits):
         return set(types)
     assert seen(True) == seen(False)
 
-@pytest.mark.slow
 def test_recorder_sees_what_it_sees_eagerly():
     class Seen(Callback):
         "What callbacks see of the `Recorder` while training, and the losses at each epoch's end"
@@ -256,7 +251,6 @@ def _fit_pair(make_learner, epochs=1, backend=BACKEND, lr=3e-3, run=None, **comp
 
 @pytest.mark.parametrize('cb', [lambda: MixedPrecision(), lambda: MixedPrecision(amp_mode='bf16'), lambda: ChannelsLast(),
                                 lambda: GradientAccumulation(128)], ids=['fp16', 'bf16', 'channels_last', 'grad_accum'])
-@pytest.mark.slow
 def test_fastai_callbacks_match_eager(digits, cb):
     eager, comp = _fit_pair(lambda dls: Learner(dls, two_conv_cnn(), cbs=cb()))
     assert_fit_close(eager.model, comp.model)
