@@ -32,6 +32,7 @@ from .background import BackgroundCompile
 from .tiers import Tiers, own_grads
 from .gradsync import GradSync
 from .gcfreeze import GCFreeze
+from .pace import Pace
 
 # %% auto #0
 __all__ = ['CompilerCallback']
@@ -240,6 +241,7 @@ class CompilerCallback(Callback):
         self.tiers = Tiers(self.settings, regional) # With `background` and no `mode`: a faster tier where the measured step has one
         self.report = CompileReport()
         self.collector = GCFreeze() # Keeps Python's full garbage collections short during a fit
+        self.pace = Pace() # Lets the host run ahead of a GPU: no wait for it in a training batch, the next batch copied ahead
         self.compile_recorder = CompileRecorder(self.report)
         self.compiled_model = None # Weak reference to the model this callback compiled
         self.freeze_changed = True # Parameters were frozen or unfrozen since the last compile (`recompile=True`)
@@ -286,8 +288,10 @@ class CompilerCallback(Callback):
         self.collector.start()
         rec.model_name, rec.show = type(inner_model(model)).__name__, self._show
         ddp = self.ddp.set(model)
-        rec.start(partial(torch.cuda.synchronize, device) if device.type == 'cuda' else None, ddp=ddp,
-                  compiled_backward=self.ddp.in_backward, train=self.learn.dls.train, epochs=getattr(self.learn, 'n_epoch', 1))
+        cuda = device.type == 'cuda'
+        rec.start(partial(torch.cuda.synchronize, device) if cuda else None, ddp=ddp, compiled_backward=self.ddp.in_backward,
+                  train=self.learn.dls.train, epochs=getattr(self.learn, 'n_epoch', 1), clock=device if cuda else None)
+        self.pace.start(self.learn, device, rec.report)
         self.precision.set(device)
         self.precompile.set(inner_model(model), ddp=isinstance(model, DistributedDataParallel))
         self.policy.start_fit(self.aside if self._compiles_in_background(device, model) else None, self.report.pays_back)
@@ -359,6 +363,10 @@ class CompilerCallback(Callback):
         if self.training: self.ddp.before_batch(not p.eager)
         if p.timed: rec.batch_start(self.training, self.learn.xb, p.measuring or p.probing, p.valid_eager)
 
+    def before_train(self):
+        if self.active: self.pace.before_train(self.learn)
+    def after_train(self): self.pace.after_train(self.learn)
+
     def _own_grads(self):
         "With CUDA graphs, give each parameter that trains a zero gradient of its own if it has none"
         if self.cudagraph_grads: own_grads(self.learn.opt)
@@ -426,6 +434,7 @@ class CompilerCallback(Callback):
             self.policy.stop()
             self.precision.restore()
             self.precompile.restore()
+            self.pace.stop(self.learn)
         self.ddp.restore() # Set before the fit's callbacks ran, compiled or not
 
     def uncompile(self):

@@ -70,6 +70,13 @@ class CompileEvent:
 # %% ../nbs/01_report.ipynb #77cd4273
 def _ms(s:float)->str: return f"{s*1e3:.1f} ms"
 
+def _event(device:torch.device):
+    "A CUDA event recorded now on `device`'s current stream, to time work there without waiting for it"
+    e = torch.cuda.Event(enable_timing=True)
+    e.record(torch.cuda.current_stream(device))
+    return e
+def _median(xs:list)->float: return sorted(xs)[len(xs)//2]
+
 def _shape_text(shapes:tuple)->str: return ', '.join('×'.join('n' if n is None else str(n) for n in s) for s in shapes) or 'no tensors'
 
 @dataclass
@@ -81,7 +88,8 @@ class CompileReport:
     batch_times:list = field(default_factory=list) # (seconds, compiled during this batch) for each compiled training batch
     eager_times:list = field(default_factory=list) # Seconds of each training batch run eagerly to measure the eager step
     measured_from:int = 0 # Index of the first compiled batch in `batch_times` the eager step is compared with
-    data_waits:list = field(default_factory=list) # Seconds sampled training batches waited for the DataLoader
+    data_waits:list = field(default_factory=list) # Seconds training batches waited for the DataLoader: sampled ones, or each one the fit copied ahead
+    batch_walls:list = field(default_factory=list) # Seconds between training batches on the host's clock, where the fit copied them ahead
     epoch_steps:int = 0 # Training batches in an epoch
     fit_steps:int = 0 # Training batches of the fits this report covers: what the compile had to pay back in
     num_workers:int|None = None # The training DataLoader's worker processes
@@ -121,8 +129,8 @@ class CompileReport:
     @property
     def compiled_step(self)->float|None:
         "Median seconds of a compiled training batch that compiled nothing, since the eager step was measured"
-        steady = sorted(s for s,c in self.batch_times[self.measured_from:] if not c)
-        return steady[len(steady)//2] if steady else None
+        steady = [s for s,c in self.batch_times[self.measured_from:] if not c and s is not None] # `None`: not read from the device yet
+        return _median(steady) if steady else None
     @property
     def eager_step(self)->float|None:
         "Median seconds of an eager training batch, its first (warm-up) one left out"
@@ -131,15 +139,31 @@ class CompileReport:
     @property
     def data_share(self)->float|None:
         "The share of a training step spent waiting for the DataLoader"
-        step = self.compiled_step or self.eager_step
-        if not self.data_waits or step is None: return None
+        if not self.data_waits: return None
         wait = sum(self.data_waits) / len(self.data_waits)
-        return wait / (wait + step)
+        if self.batch_walls: return wait / max(_median(self.batch_walls), wait) # Copied ahead: the host's time between batches
+        step = self.compiled_step or self.eager_step
+        return None if step is None else wait / (wait + step)
+
+    @property
+    def device_idles(self)->bool:
+        "Whether the device waits between compiled training batches: its step takes under 80% of the time between them"
+        step = self.compiled_step
+        return not self.batch_walls or step is None or step < 0.8 * _median(self.batch_walls)
+
+    def pace(self)->str|None:
+        "Where a compiled training batch's time goes, where the fit copied its batches ahead: `None` elsewhere"
+        step = self.compiled_step
+        if not self.batch_walls or not self.data_waits or step is None: return None
+        wall, data = _median(self.batch_walls), _median(self.data_waits)
+        bound = "the device's step bounds the fit" if not self.device_idles else "the host bounds the fit: the device waits for it"
+        return (f"pace: a compiled training batch every {_ms(wall)} on the host's clock, its step {_ms(step)} on the device, "
+                f"{_ms(data)} of the host's time fetching the next batch; {bound}")
 
     @property
     def compile_spike(self)->float|None:
         "Seconds the slowest compiling training batch took beyond the compiled step: what a new graph costs here"
-        comp, spikes = self.compiled_step, [s for s,c in self.batch_times if c]
+        comp, spikes = self.compiled_step, [s for s,c in self.batch_times if c and s is not None]
         return None if comp is None or not spikes else max(spikes) - comp
 
     @property
@@ -193,7 +217,7 @@ class CompileReport:
     def data_advice(self, threshold:float=0.25)->str|None:
         "What to do when the model waits for the DataLoader for more than `threshold` of training time, else `None`"
         share = self.data_share
-        if share is None or share < threshold: return None
+        if share is None or share < threshold or not self.device_idles: return None
         wait = (f"the DataLoader: {share:.0%} of training time waiting for batches (num_workers={self.num_workers}), so a faster "
                 "step helps little. ")
         if not self.images: return wait + "More `num_workers`, or data prepared once before training (tokenised, cached), would help more"
@@ -234,6 +258,7 @@ class CompileReport:
         if self.ddp: lines.append(f"  {self.ddp_strategy()}")
         lines += [f"  {n}" for n in self.background]
         if self.batch_times: lines.append(f"  {self.payoff()}")
+        if pace := self.pace(): lines.append(f"  {pace}")
         if advice := self.data_advice(): lines.append(f"  {advice}")
         return '\n'.join(lines)
 
@@ -244,7 +269,7 @@ class CompileReport:
         import matplotlib.pyplot as plt
         if ax is None: _,ax = plt.subplots(figsize=(6,4))
         ax.plot([s for s,_ in self.batch_times], label='batch time')
-        hot = [(i,s) for i,(s,c) in enumerate(self.batch_times) if c]
+        hot = [(i,s) for i,(s,c) in enumerate(self.batch_times) if c and s is not None]
         if hot: ax.scatter(*zip(*hot), color='red', zorder=3, label='compiling')
         if (steady := self.compiled_step) is not None: ax.axhline(steady, color='gray', ls='--', label=f'median {_ms(steady)}')
         if (eager := self.eager_step) is not None: ax.axhline(eager, color='orange', ls=':', label=f'eager {_ms(eager)}')
@@ -297,6 +322,9 @@ class CompileRecorder:
         self.eager = False # The batch running now runs eagerly, to measure the eager step
         self.sync = None # Waits for the device to finish its work (`torch.cuda.synchronize`), where work is asynchronous
         self.batch_end = None # When the last sampled training batch ended, to time the wait for the next one
+        self.clock = None # The CUDA device whose events time the compiled training batches, without waiting for it
+        self.mark = None # The event this compiled training batch started at, on `clock`
+        self.marks = [] # (index in `batch_times`, start, end) of the compiled batches whose events aren't read yet
         self.phase_shapes = {} # Input shapes compiled for, by phase (training or not): TorchDynamo names one guard
         self.compiled_backward = False # Compiled autograd compiles the backwards (`ddp_compiled_autograd`)
         self.part = '' # The part of the training step running: '' (the model's forward), 'backward' or 'step'
@@ -323,6 +351,7 @@ class CompileRecorder:
         compiled_backward:bool=False, # Compiled autograd compiles the backwards (`ddp_compiled_autograd`)
         train=None, # The fit's training `DataLoader`
         epochs:int=1, # The fit's epochs
+        clock:torch.device|None=None, # A CUDA device: its events time the compiled training batches, so that none waits for it
     ):
         "Start recording compiles"
         self.compiled_backward, self.compiled_s = compiled_backward, 0.
@@ -333,6 +362,7 @@ class CompileRecorder:
             r.fit_steps += epochs * len(train)
             r.images = _image_batches(train)
         self.compiling, self.batch_t, self.training, self.sync, self.batch_end = False, time.perf_counter(), None, sync, None
+        self.clock, self.mark, self.marks = clock, None, []
         self.seen = _by_id(compilation_metrics()) # Those of earlier compiles, which are not this fit's
         self.breaks0 = graph_break_reasons() # Those of earlier compiles, less those of this report's earlier fits
         self.breaks0.subtract(self.report.break_reasons)
@@ -363,6 +393,7 @@ class CompileRecorder:
             if c.warned_hooks: r.eager_hooks = ', '.join(dict.fromkeys(map(hook_owner, c.warned_hooks)))
         if rnn := [c for c in calls if c.around]:
             r.rnns, r.rnn_parts = rnn[0].around, ', '.join(dict.fromkeys(type(c.module).__name__ for c in rnn))
+        self.read_marks(wait=True)
         remove_compile_callbacks(self._on_start, self._on_end)
         recompile_limit_logger.removeHandler(self.log_handler)
         self.collect(self.during)
@@ -456,20 +487,38 @@ class CompileRecorder:
         if valid_eager: self.report.eager_valid += 1
         if eager and self.sync is not None: self.sync() # Time the eager step alone, not the work queued before it
         now = time.perf_counter()
-        if training and self.batch_end is not None: self.report.data_waits.append(now - self.batch_end)
+        # On a GPU whose events time the batches, the batches' copy ahead times the waits for the DataLoader (`Prefetch`)
+        if training and self.batch_end is not None and self.clock is None: self.report.data_waits.append(now - self.batch_end)
         self.batch_t, self.compiling, self.training, self.shapes, self.eager, self.batch_end = now, False, training, _shapes(xb), eager, None
         self.part = ''
+        if training and not eager and self.clock is not None: self.mark = _event(self.clock)
 
     def batch_done(self)->float|None:
         "Record what was compiled during the batch `batch_start` began, and its time if it trained: the seconds it took"
         if self.compiling: self.collect(self.during) # Before the batch is counted, so it is named as it ran
         if not self.training: return None
-        # Where the device works asynchronously, wait for it at the end of one batch in 16 (and of each eager one): the
-        # time from there to the next batch is the device waiting for the DataLoader, not for queued work
-        sample = self.sync is None or self.eager or len(self.report.batch_times) % 16 == 0
+        if self.mark is not None: # A compiled batch on the GPU: timed by its events, read once the device gets there
+            self.marks.append((len(self.report.batch_times), self.mark, _event(self.clock)))
+            self.report.batch_times.append((None, self.compiling))
+            self.mark = None
+            return self.read_marks()
+        # Where the device works asynchronously, wait for it at the end of each eager batch (and of one compiled batch in
+        # 16 where no events time them): the time from there to the next batch is the device waiting for the DataLoader
+        sample = self.sync is None or self.eager or self.clock is None and len(self.report.batch_times) % 16 == 0
         if sample and self.sync is not None: self.sync()
         took = time.perf_counter() - self.batch_t
         if self.eager: self.report.eager_times.append(took)
         else: self.report.batch_times.append((took, self.compiling))
         if sample: self.batch_end = time.perf_counter()
         return took
+
+    def read_marks(self,
+        wait:bool=False, # Wait for the device to reach the last (at a fit's end), else read only the events it reached
+    )->None:
+        "Put the times of the compiled batches whose events the device reached into `batch_times`"
+        if wait and self.marks: self.marks[-1][2].synchronize()
+        left = []
+        for i,start,end in self.marks:
+            if wait or end.query(): self.report.batch_times[i] = (start.elapsed_time(end) / 1e3, self.report.batch_times[i][1])
+            else: left.append((i, start, end))
+        self.marks = left

@@ -1,0 +1,144 @@
+"A compiled fit at its step's pace: fastai's smooth loss kept on the device, the batches copied ahead, the report's account of a batch"
+import time
+import numpy as np, pytest, torch
+from fastai.learner import Learner, AvgSmoothLoss
+from fastai.callback.progress import ProgressCallback
+from fastai.torch_core import set_seed
+from fastai.metrics import accuracy
+import fastai.callback.schedule
+from fastxtend_compile import *
+from fastxtend_compile.pace import Pace, DeviceSmoothLoss, Prefetch, ShownLoss
+from fastxtend_compile.report import CompileReport
+from conftest import digits_dls, bn_cnn
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
+
+def fit(dls, compile_kwargs=None, cbs=(), epochs=2):
+    "A fit of `dls()`, made after the seed is set: a loader's shuffling is seeded as it is made"
+    set_seed(0, reproducible=True)
+    learn = Learner(dls(), bn_cnn(), metrics=accuracy, cbs=list(cbs))
+    if compile_kwargs is not None: learn.compile(**compile_kwargs)
+    with learn.no_bar(): learn.fit_one_cycle(epochs, 1e-2)
+    return learn
+
+def test_a_fit_with_the_smooth_loss_on_the_device_records_what_fastai_records(monkeypatch):
+    "The smooth loss kept where the loss is (here the CPU, as a GPU would): the recorder's losses, values and smooth loss as fastai's"
+    plain = fit(digits_dls, dict(backend='aot_eager'))
+    seen = []
+    class Spy(ProgressCallback.__base__):
+        order = 51 # After the `Recorder`
+        def after_batch(self):
+            if self.training: seen.append(type(self.recorder.smooth_loss))
+    monkeypatch.setattr(Pace, 'devices', ('cuda', 'cpu'))
+    paced = fit(digits_dls, dict(backend='aot_eager'), cbs=[Spy()])
+    assert set(seen) == {DeviceSmoothLoss} # On during the fit...
+    assert type(paced.recorder.smooth_loss) is AvgSmoothLoss # ...fastai's own after it, its state carried over
+    assert paced.recorder.smooth_loss.count == plain.recorder.smooth_loss.count == len(plain.recorder.losses)
+    torch.testing.assert_close(paced.recorder.smooth_loss.value, plain.recorder.smooth_loss.value, rtol=0, atol=0)
+    assert len(paced.recorder.losses) == len(plain.recorder.losses)
+    for p, q in zip(paced.recorder.losses, plain.recorder.losses): # The same computation: bit for bit
+        assert type(p) is type(q) and p.device == q.device and p.dtype == q.dtype and p.shape == q.shape
+        assert p.item() == q.item()
+    assert paced.recorder.values == plain.recorder.values
+    assert paced.smooth_loss.device.type == 'cpu' and paced.smooth_loss.item() == plain.smooth_loss.item()
+
+def test_a_smooth_loss_of_the_users_own_is_left_alone(digits, monkeypatch):
+    class Mine(AvgSmoothLoss): pass
+    monkeypatch.setattr(Pace, 'devices', ('cuda', 'cpu'))
+    set_seed(0)
+    learn = Learner(digits, bn_cnn()).compile(backend='eager')
+    mine = learn.recorder.smooth_loss = Mine()
+    with learn.no_bar(): learn.fit(1)
+    assert learn.recorder.smooth_loss is mine and mine.count == len(learn.recorder.losses)
+
+def test_the_progress_bar_reads_the_smooth_loss_when_it_draws(digits, monkeypatch):
+    "With the smooth loss on the device, the bar's comment is read when the bar draws: the value fastai would show"
+    monkeypatch.setattr(Pace, 'devices', ('cuda', 'cpu'))
+    drawn = []
+    from fastprogress.fastprogress import ProgressBar
+    update_bar = ProgressBar.update_bar
+    def spy(self, val):
+        drawn.append(str(self.comment))
+        return update_bar(self, val)
+    monkeypatch.setattr(ProgressBar, 'update_bar', spy)
+    set_seed(0)
+    learn = Learner(digits, bn_cnn()).compile(backend='eager')
+    learn.fit(1)
+    shown = [d for d in drawn if d]
+    assert shown and set(shown) <= {f'{float(l):.4f}' for l in learn.recorder.losses} # Smooth losses, as fastai formats them
+
+def test_shown_loss():
+    from types import SimpleNamespace
+    learn = SimpleNamespace(smooth_loss=torch.tensor(2.718281))
+    assert f'... {ShownLoss(learn)}' == '... 2.7183' and bool(ShownLoss(learn))
+    assert not ShownLoss(SimpleNamespace())
+
+def report_of(walls_ms, waits_ms, steps_ms)->CompileReport:
+    r = CompileReport()
+    r.batch_walls, r.data_waits = [w/1e3 for w in walls_ms], [w/1e3 for w in waits_ms]
+    r.batch_times = [(s/1e3, False) for s in steps_ms]
+    return r
+
+def test_the_report_blames_the_dataloader_only_where_the_device_waits_for_it():
+    # The host fetches each batch in 6 ms of a batch every 10 ms, and the device's step takes 3 ms: the device waits
+    starved = report_of([10]*8, [6]*8, [3]*8)
+    assert starved.device_idles and starved.data_share == pytest.approx(0.6)
+    assert starved.data_advice().startswith("the DataLoader: 60% of training time waiting for batches")
+    assert "the host bounds the fit: the device waits for it" in starved.pace()
+    # The same fetching beside a step of 9.5 ms: the device's step bounds the fit, and the fetching runs beside it
+    busy = report_of([10]*8, [6]*8, [9.5]*8)
+    assert not busy.device_idles and busy.data_advice() is None
+    assert busy.pace() == ("pace: a compiled training batch every 10.0 ms on the host's clock, its step 9.5 ms on the device, "
+                           "6.0 ms of the host's time fetching the next batch; the device's step bounds the fit")
+    # Batches not copied ahead (on the CPU): the waits measured between batches against the step, as before
+    cpu = CompileReport(data_waits=[0.004]*4, batch_times=[(0.006, False)]*4)
+    assert cpu.data_share == pytest.approx(0.4) and cpu.pace() is None
+
+def test_a_batch_not_read_from_the_device_yet_is_left_out_of_the_compiled_step():
+    r = CompileReport(batch_times=[(0.5, True), (0.01, False), (None, False), (0.03, False), (None, True)])
+    assert r.compiled_step == 0.03 and r.compile_spike == pytest.approx(0.47)
+
+# On a CUDA GPU
+
+def gpu_digits(): return digits_dls(bs=32).cuda()
+
+@cuda
+def test_prefetch_yields_the_loaders_batches_and_leaves_it_as_it_was():
+    dls = gpu_digits()
+    dl = dls.valid # Not shuffled: the same batches in the same order
+    want = [tuple(t.clone() for t in b) for b in dl]
+    after_batch = dl.after_batch
+    got = list(Prefetch(dl))
+    assert len(got) == len(want)
+    for b, w in zip(got, want):
+        for t, u in zip(b, w):
+            assert type(t) is type(u) and t.device == u.device and t.dtype == u.dtype
+            torch.testing.assert_close(t, u, rtol=0, atol=0)
+    assert dl.device == torch.device('cuda') and dl.after_batch is after_batch and 'after_batch' in dl.__dict__
+    it = iter(Prefetch(dl)); next(it); it.close() # Left mid-epoch
+    assert dl.device == torch.device('cuda') and dl.after_batch is after_batch
+
+@cuda
+def test_a_settled_compiled_training_batch_never_waits_for_the_gpu():
+    "From the 10th training batch on, nothing in a batch synchronizes with the GPU: CUDA raises at any sync"
+    class NoSync(ProgressCallback.__base__):
+        order = 11 # Before `CompilerCallback`, so its batches' work is inside
+        def before_batch(self):
+            if self.training and self.iter == 10: torch.cuda.set_sync_debug_mode('error')
+        def after_train(self): torch.cuda.set_sync_debug_mode('default')
+        def after_fit(self): torch.cuda.set_sync_debug_mode('default')
+    set_seed(0)
+    learn = Learner(gpu_digits(), bn_cnn(), metrics=accuracy, cbs=NoSync()).compile(background=False, backend='aot_eager')
+    learn.fit_one_cycle(2, 1e-2) # With the progress bar, as users train
+    assert len(learn.recorder.losses) == 2 * len(learn.dls.train)
+    assert all(l.device.type == 'cpu' for l in learn.recorder.losses)
+    r = learn.compiler.report
+    assert len(r.data_waits) >= len(learn.dls.train) and r.batch_walls and all(s is not None for s,_ in r.batch_times)
+    assert r.pace() is not None, r.summary()
+
+@cuda
+def test_a_gpu_fit_with_its_batches_copied_ahead_trains_as_fastai():
+    eager = fit(gpu_digits)
+    paced = fit(gpu_digits, dict(backend='eager')) # TorchDynamo's graphs run as eager kernels: only the pace differs
+    le, lp = (np.array([float(l) for l in l.recorder.losses]) for l in (eager, paced))
+    np.testing.assert_allclose(lp, le, rtol=1e-4, atol=1e-5)
