@@ -63,6 +63,7 @@ after every arm. Exits with status 1 when an arm failed.
 """
 from __future__ import annotations
 import argparse, datetime, json, os, shutil, statistics, sys, tempfile, time
+from contextlib import nullcontext
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -398,7 +399,10 @@ def child(spec:dict)->dict:
         order = 1000
         def before_train(self): self.mark = time.perf_counter() # Creating the iterator and the first batch count as waiting
         def after_batch(self):
-            if self.training: self.mark = time.perf_counter()
+            if self.training:
+                self.mark = time.perf_counter()
+                if self.batch_done is not None: self.batch_done()
+        batch_done = None # Called at each training batch's end
         def after_train(self):
             sync() # Once a training epoch, so its time includes the GPU's work
             start.rec['train_s'] = time.perf_counter() - start.t_train
@@ -415,6 +419,7 @@ def child(spec:dict)->dict:
             epochs.append(r)
     start, end = Start(), End()
     learn.add_cbs([start, end])
+    host_work = library_host_work(end) if ARM_MODE[arm] is not None else None
     mode = ARM_MODE[arm]
     if mode is not None:
         kw = dict(spec.get('compile_kwargs') or {}, **ARM_KWARGS.get(arm, {}))
@@ -429,7 +434,7 @@ def child(spec:dict)->dict:
         warnings.simplefilter('always')
         sync()
         t = time.perf_counter()
-        with learn.no_bar(): fit()
+        with (nullcontext() if spec.get('bar') else learn.no_bar()): fit()
         sync()
         total = time.perf_counter() - t
     warns = list(dict.fromkeys(f"{x.category.__name__}: {x.message}" for x in caught
@@ -450,6 +455,7 @@ def child(spec:dict)->dict:
     res['optimizer'] = f"{type(opt).__module__.split('.')[0]}.{type(opt).__name__}" + (' (fused)' if getattr(opt, 'defaults', {}).get('fused') else '')
     if cuda: res['peak_mem_gb'] = torch.cuda.max_memory_allocated() / 2**30
     if spec.get('get_preds'): res['get_preds_s'] = get_preds_s
+    if host_work: res['host_work_ms'] = dict(median=1e3*statistics.median(host_work[len(host_work)//2:]), batches=len(host_work)//2)
     try: # Inductor's cache hits and misses in this process: a warm compile hits
         from torch._dynamo.utils import counters
         res['inductor_counters'] = {k: v for k,v in counters['inductor'].items() if 'cache' in k}
@@ -539,6 +545,23 @@ def run_copies(args, job, spec_base, caches:dict, tmp:Path, log)->dict|list:
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
+
+def library_host_work(end)->list:
+    "Seconds of the host's time each training batch spends in the library's own code: `CompilerCallback`'s events, copying the batch ahead"
+    from fastxtend_compile.callback import CompilerCallback
+    from fastxtend_compile.pace import Prefetch
+    spent, per_batch = [0.], []
+    def timed(f):
+        def inner(*args, **kwargs):
+            t = time.perf_counter()
+            try: return f(*args, **kwargs)
+            finally: spent[0] += time.perf_counter() - t
+        return inner
+    CompilerCallback.__call__ = timed(CompilerCallback.__call__)
+    Prefetch._copy, Prefetch._ready = timed(Prefetch._copy), timed(Prefetch._ready)
+    def batch_done(): per_batch.append(spent[0]); spent[0] = 0.
+    end.batch_done = batch_done
+    return per_batch
 
 def steady_epochs(rec)->list:
     "The last fit's epochs after its first (which carries the compile): the steady state. Empty with a one-epoch fit"
@@ -678,6 +701,7 @@ def main():
     p.add_argument('--budget', type=float, default=None, help='start no arm process after this many seconds (the rest are marked skipped)')
     p.add_argument('--data-dir', default=None, help='where to write the image files (default: a temporary folder, removed at the end)')
     p.add_argument('--get-preds', action='store_true', help='also time learn.get_preds() on the validation set after the fit')
+    p.add_argument('--bar', action='store_true', help="fit with fastai's progress bar shown, as users train (default: no bar)")
     p.add_argument('--child', default=None, help=argparse.SUPPRESS)
     p.add_argument('--result', default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -720,7 +744,7 @@ def main():
             c = configs[w]
             spec = dict(workflow=w, config=c, device=args.device, smoke=args.smoke, backend=args.backend,
                         compile_kwargs=json.loads(args.compile_kwargs), num_workers=num_workers, matmul_precision=args.matmul_precision,
-                        get_preds=args.get_preds)
+                        get_preds=args.get_preds, bar=args.bar)
             if w.startswith('vision'):
                 data = Path(args.data_dir)/w if args.data_dir else tmp/f'data-{w}'
                 if not (data/'train').exists():

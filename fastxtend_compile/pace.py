@@ -35,11 +35,11 @@ class Prefetch(GetAttr):
     def __init__(self,
         dl, # The fastai `DataLoader` whose batches go to its `device`, a CUDA GPU
         waits:list|None=None, # Where the host's seconds fetching each batch go
+        walls:list|None=None, # Where the seconds between the batches' requests go, on the host's clock
     ):
         store_attr()
         self.device = dl.device # What the `DataLoader` says while its batches are copied here
         self.stream = torch.cuda.Stream(self.device)
-        self.walls = [] # Seconds between the batches' requests, on the host's clock
         self.asked = None # When the last batch was asked for
 
     def __len__(self): return len(self.dl)
@@ -49,10 +49,14 @@ class Prefetch(GetAttr):
         t = time.perf_counter()
         b = next(it, None)
         if b is None: return None
-        b = apply(_pin, b)
-        with torch.cuda.stream(self.stream): b = to_device(b, self.device, non_blocking=True)
+        b = self._copy(b)
         if self.waits is not None: self.waits.append(time.perf_counter() - t)
         return b
+
+    def _copy(self, b):
+        "Batch `b` pinned, its copy to the device queued on the side stream"
+        b = apply(_pin, b)
+        with torch.cuda.stream(self.stream): return to_device(b, self.device, non_blocking=True)
 
     def _ready(self, b, after_batch):
         "Batch `b` for the step on the current stream: its copy waited for, its memory kept while the step reads it"
@@ -70,7 +74,7 @@ class Prefetch(GetAttr):
             nxt = self._fetch(it)
             while nxt is not None:
                 now = time.perf_counter()
-                if self.asked is not None: self.walls.append(now - self.asked)
+                if self.asked is not None and self.walls is not None: self.walls.append(now - self.asked)
                 self.asked = now
                 cur, nxt = nxt, self._fetch(it)
                 yield self._ready(cur, after_batch)
@@ -145,11 +149,28 @@ class Pace:
 
 # %% ../nbs/19_pace.ipynb #e3627b65
 class ShownLoss:
-    "The progress bar's comment: the smooth loss, read from the device when the bar is drawn"
-    def __init__(self, learn): self.learn = learn
-    def __bool__(self): return getattr(self.learn, 'smooth_loss', None) is not None
-    def __str__(self): return f'{self.learn.smooth_loss.item():.4f}'
-    def __format__(self, spec:str): return format(str(self), spec)
+    "The progress bar's comment: the smooth loss as of the bar's last drawing, copied from a GPU without waiting for it"
+    def __init__(self, learn):
+        self.learn = learn
+        self.text = '' # What the bar shows
+        self.copy = None # (pinned host tensor, CUDA event) of the copy of the smooth loss in flight
+
+    def _read(self)->str:
+        "The text to show: the smooth loss on the host, or the last copy from the GPU to have arrived, a new one queued"
+        loss = getattr(self.learn, 'smooth_loss', None)
+        if not isinstance(loss, torch.Tensor): return self.text
+        if not loss.is_cuda: self.text = f'{loss.item():.4f}'; return self.text
+        if self.copy is not None and self.copy[1].query(): self.text, self.copy = f'{self.copy[0].item():.4f}', None
+        if self.copy is None:
+            host = torch.empty(loss.shape, dtype=loss.dtype, pin_memory=True).copy_(loss.detach(), non_blocking=True)
+            self.copy = host, torch.cuda.Event()
+            self.copy[1].record()
+        return self.text
+
+    def __bool__(self): return bool(self._read())
+    def __len__(self): return len(self._read()) # fastprogress 1.0 asks the comment's length
+    def __str__(self): return self._read()
+    def __format__(self, spec:str): return format(self._read(), spec)
 
 # %% ../nbs/19_pace.ipynb #59eea0ec
 _progress_after_batch = ProgressCallback.after_batch

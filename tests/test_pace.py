@@ -1,5 +1,5 @@
 "A compiled fit at its step's pace: fastai's smooth loss kept on the device, the batches copied ahead, the report's account of a batch"
-import time
+import re, time
 import numpy as np, pytest, torch
 from fastai.learner import Learner, AvgSmoothLoss
 from fastai.callback.progress import ProgressCallback
@@ -70,8 +70,20 @@ def test_the_progress_bar_reads_the_smooth_loss_when_it_draws(digits, monkeypatc
 def test_shown_loss():
     from types import SimpleNamespace
     learn = SimpleNamespace(smooth_loss=torch.tensor(2.718281))
-    assert f'... {ShownLoss(learn)}' == '... 2.7183' and bool(ShownLoss(learn))
-    assert not ShownLoss(SimpleNamespace())
+    assert f'... {ShownLoss(learn)}' == '... 2.7183' and bool(ShownLoss(learn)) and len(ShownLoss(learn)) == 6
+    assert not ShownLoss(SimpleNamespace()) and len(ShownLoss(SimpleNamespace())) == 0
+
+@cuda
+def test_the_bar_shows_the_loss_of_its_last_drawing_once_copied_from_the_gpu():
+    from types import SimpleNamespace
+    learn = SimpleNamespace(smooth_loss=torch.tensor(2.718281, device='cuda'))
+    shown = ShownLoss(learn)
+    assert str(shown) == '' # Its copy queued, nothing arrived yet
+    torch.cuda.synchronize()
+    learn.smooth_loss = torch.tensor(1.5, device='cuda')
+    assert str(shown) == '2.7183' # The last drawing's value, a copy of the new one queued
+    torch.cuda.synchronize()
+    assert f'{shown}' == '1.5000'
 
 def report_of(walls_ms, waits_ms, steps_ms)->CompileReport:
     r = CompileReport()
@@ -135,6 +147,7 @@ def test_a_settled_compiled_training_batch_never_waits_for_the_gpu():
     r = learn.compiler.report
     assert len(r.data_waits) >= len(learn.dls.train) and r.batch_walls and all(s is not None for s,_ in r.batch_times)
     assert r.pace() is not None, r.summary()
+    assert re.fullmatch(r'\d+\.\d{4}', str(learn.progress.pbar.comment)) # The bar showed the smooth loss
 
 @cuda
 def test_a_gpu_fit_with_its_batches_copied_ahead_trains_as_fastai():
