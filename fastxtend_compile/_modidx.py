@@ -700,6 +700,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                 'fastxtend_compile/internals.py'),
                                              'fastxtend_compile.internals.set_optimize_ddp': ( 'internals.html#set_optimize_ddp',
                                                                                                'fastxtend_compile/internals.py'),
+                                             'fastxtend_compile.internals.subclass_dispatch_off': ( 'internals.html#subclass_dispatch_off',
+                                                                                                    'fastxtend_compile/internals.py'),
                                              'fastxtend_compile.internals.tensor_version': ( 'internals.html#tensor_version',
                                                                                              'fastxtend_compile/internals.py'),
                                              'fastxtend_compile.internals.traced_op_error': ( 'internals.html#traced_op_error',

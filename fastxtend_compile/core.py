@@ -417,7 +417,8 @@ def _last_batch(learn)->bool:
     return n is not None and getattr(learn, 'iter', None) == n - 1
 
 # %% ../nbs/00_core.ipynb #e939e865
-def _shapes(leaves:list)->tuple: return tuple(tuple(o.shape) for o in leaves if isinstance(o, Tensor))
+def _shapes(leaves:list)->tuple:
+    with subclass_dispatch_off(): return tuple(tuple(o.shape) for o in leaves if isinstance(o, Tensor))
 
 def _varying_dims(shapes:list)->frozenset:
     "The (input, dimension) pairs in which input `shapes`, each a tuple of tensor shapes, differ; empty if their tensors or ranks differ"

@@ -18,7 +18,7 @@ from fastai.optimizer import (Optimizer, Lookahead, weight_decay, l2_reg, averag
 
 from .core import *
 from .core import name_frames, compile_settings
-from .internals import own_function, fused_kernel_devices, fused_adam_kernel, tensor_version, at_backward_end
+from .internals import own_function, fused_kernel_devices, fused_adam_kernel, tensor_version, at_backward_end, subclass_dispatch_off
 
 # %% auto #0
 __all__ = ['step_rules', 'StepRule', 'compile_optimizer', 'compiled_optimizer_settings', 'uncompile_optimizer']
@@ -182,7 +182,8 @@ class ZeroedGrads:
         loss:Tensor, # What the backward starts from: `learn.loss_grad`
     ):
         "The backward from `loss` writes the gradients `zero_grad` zeroed: they go as it starts, after every callback's `before_backward`"
-        if self.zeroed and getattr(loss, 'requires_grad', False): loss.register_hook(self._starts)
+        with subclass_dispatch_off(): # fastai's loss is a `TensorBase`
+            if self.zeroed and getattr(loss, 'requires_grad', False): loss.register_hook(self._starts)
 
     def _starts(self, grad):
         # Only a gradient the backward can write (a frozen parameter keeps its zeros), the same tensor, unchanged since:

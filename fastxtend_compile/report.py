@@ -295,7 +295,8 @@ def _library_reason(reason:str, raw:str)->str:
     return (f"{reason.split(':')[0]}, in fastai's or torch's own code ({Path(at[0]).name}:{at[1]}), not yours: it follows "
             "the shape of the batches (batches of one size, `drop_last=True`, keep it fixed)")
 
-def _shapes(xb)->tuple: return tuple(tuple(o.shape) for o in xb if isinstance(o, torch.Tensor))
+def _shapes(xb)->tuple:
+    with subclass_dispatch_off(): return tuple(tuple(o.shape) for o in xb if isinstance(o, torch.Tensor))
 
 def _image_batches(dl)->bool:
     "Whether `dl` makes batches of images: fastai's `IntToFloatTensor` turns their pixels to floats"

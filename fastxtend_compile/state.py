@@ -13,6 +13,7 @@ import torch
 from torch import nn, Tensor
 
 from .worker import autocast_dtype
+from .internals import subclass_dispatch_off
 
 # %% auto #0
 __all__ = ['model_token', 'StateKey', 'state_key', 'Stage', 'Probe', 'ModelState']
@@ -53,10 +54,10 @@ def state_key(
     params:list|None=None, # `model`'s parameters, where the caller keeps them from batch to batch; else found in its modules
 )->StateKey:
     "The model state of this batch"
-    inputs = tuple((tuple(o.shape), o.dtype) for o in xb if isinstance(o, Tensor))
-    params = model.parameters() if params is None else params # Walking the modules costs more than reading 100 flags
-    return StateKey(model_token(model), tuple(p.requires_grad for p in params), training, torch.is_grad_enabled(),
-                    inputs, autocast_dtype(model))
+    with subclass_dispatch_off(): inputs = tuple((tuple(o.shape), o.dtype) for o in xb if isinstance(o, Tensor))
+    params = list(model.parameters()) if params is None else params # Walking the modules costs more than reading 100 flags
+    return StateKey(model_token(model), tuple([p.requires_grad for p in params]), training, torch.is_grad_enabled(),
+                    inputs, autocast_dtype(model, params[0].device if params else None))
 
 # %% ../nbs/15_state.ipynb #47721700
 class Stage(Enum):

@@ -62,9 +62,9 @@ def _pickle_model(model:nn.Module, device:str)->bytes:
     return buf.getvalue()
 
 # %% ../nbs/13_worker.ipynb #d87d6de8
-def autocast_dtype(model:nn.Module)->torch.dtype|None:
-    "The dtype autocast runs `model`'s device in now, `None` where it is off"
-    dev = next(model.parameters(), torch.empty(0)).device.type
+def autocast_dtype(model:nn.Module, device:torch.device|None=None)->torch.dtype|None:
+    "The dtype autocast runs `model`'s device (or `device`, where the caller knows it) in now, `None` where it is off"
+    dev = (next(model.parameters(), torch.empty(0)).device if device is None else device).type
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
 
 def job_payload(

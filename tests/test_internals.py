@@ -478,3 +478,19 @@ def test_tensor_version_moves_on_with_each_in_place_change():
     v = tensor_version(g)
     torch._foreach_zero_([g])
     assert tensor_version(g) > v
+
+def test_subclass_dispatch_off_skips_a_subclass_torch_function():
+    "What the library reads of fastai's `TensorBase` inputs each batch (shapes, dtypes, `requires_grad`) skips its `__torch_function__`"
+    from fastxtend_compile.internals import subclass_dispatch_off
+    calls = []
+    class Spied(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            calls.append(func)
+            return super().__torch_function__(func, types, args, kwargs or {})
+    t = torch.zeros(2, 3).as_subclass(Spied).requires_grad_()
+    calls.clear(); _ = t.shape, t.requires_grad
+    assert len(calls) == 2 # Each read dispatches
+    calls.clear()
+    with subclass_dispatch_off(): shape, dtype, grad = tuple(t.shape), t.dtype, t.requires_grad
+    assert calls == [] and shape == (2, 3) and dtype == torch.float32 and grad
