@@ -19,6 +19,7 @@ __all__ = ['DeviceSmoothLoss', 'Prefetch', 'prefetches', 'Pace', 'ShownLoss']
 class DeviceSmoothLoss(AvgSmoothLoss):
     "fastai's smooth loss, kept on the loss's device: no copy to the host at each batch"
     def accumulate(self, learn):
+        "Add the batch's loss, as fastai's smooth loss does, on its device"
         loss = to_detach(learn.loss.mean(), cpu=False) # Gathered over the ranks, as fastai's, but not copied to the host
         self.count += 1
         self.val = torch.lerp(loss, self.val if self.count > 1 else torch.zeros_like(loss), self.beta)
@@ -122,7 +123,9 @@ class Pace:
         _swap(rec, DeviceSmoothLoss(self.smooth.beta))
 
     @property
-    def on(self)->bool: return self.recorder is not None
+    def on(self)->bool:
+        "Whether this fit's smooth loss stays on the device"
+        return self.recorder is not None
 
     def before_train(self, learn):
         "Copy the training batches ahead, where the `DataLoader` copies them to a CUDA GPU"
