@@ -42,6 +42,7 @@ class Prefetch(GetAttr):
         self.device = dl.device # What the `DataLoader` says while its batches are copied here
         self.stream = torch.cuda.Stream(self.device)
         self.asked = None # When the last batch was asked for
+        self.running = None # The iteration under way, which `close` ends
 
     def __len__(self): return len(self.dl)
 
@@ -67,6 +68,15 @@ class Prefetch(GetAttr):
         return after_batch(b)
 
     def __iter__(self):
+        self.running = self._batches()
+        return self.running
+
+    def close(self):
+        "End the iteration under way, if any: the `DataLoader` as it was, whether or not the epoch ran to its end"
+        if self.running is not None: self.running.close()
+        self.running = None
+
+    def _batches(self):
         dl, after_batch = self.dl, self.dl.after_batch
         own = 'after_batch' in dl.__dict__ # A `TfmdDL`'s pipeline, else the class's method
         dl.device, dl.after_batch = None, lambda b: b # The loader yields host batches; the copy and `after_batch` are done here
@@ -129,17 +139,25 @@ class Pace:
 
     def before_train(self, learn):
         "Copy the training batches ahead, where the `DataLoader` copies them to a CUDA GPU"
+        self._close(learn) # An epoch cut short (`CancelEpochException`) skips `after_train`
         if self.report is None or not prefetches(learn.dl): return
         self.loader = learn.dl = Prefetch(learn.dl, self.report.data_waits, self.report.batch_walls)
 
     def after_train(self, learn):
         "An epoch's training ended: its smoothed losses to the host, one copy for all"
-        if self.loader is not None: learn.dl, self.loader = self.loader.dl, None
+        self._close(learn)
         if not self.on: return
         losses = self.recorder.losses
         if at := [i for i,o in enumerate(losses) if isinstance(o, torch.Tensor) and o.device.type != 'cpu']:
             for i,o in zip(at, torch.stack([losses[i] for i in at]).cpu()): losses[i] = o
         if hasattr(learn, 'smooth_loss'): learn.smooth_loss = _on_host(learn.smooth_loss)
+
+    def _close(self, learn):
+        "The training `DataLoader` as it was, not copied ahead any more"
+        if self.loader is None: return
+        self.loader.close()
+        if learn.dl is self.loader: learn.dl = self.loader.dl
+        self.loader = None
 
     def stop(self, learn):
         "The fit ended or raised: everything on the host again, fastai's own smooth loss back with its state"

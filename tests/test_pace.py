@@ -110,6 +110,63 @@ def test_a_batch_not_read_from_the_device_yet_is_left_out_of_the_compiled_step()
     r = CompileReport(batch_times=[(0.5, True), (0.01, False), (None, False), (0.03, False), (None, True)])
     assert r.compiled_step == 0.03 and r.compile_spike == pytest.approx(0.47)
 
+class _NoStreams:
+    "Stands in for CUDA's streams, so that `Prefetch`'s iteration runs on the CPU: its copies are then plain `to`s"
+    def __init__(self, *args): pass
+    def wait_stream(self, other): pass
+
+def cpu_prefetch(monkeypatch, dl):
+    from contextlib import nullcontext
+    monkeypatch.setattr(torch.cuda, 'Stream', _NoStreams)
+    monkeypatch.setattr(torch.cuda, 'stream', lambda s: nullcontext())
+    monkeypatch.setattr(torch.cuda, 'current_stream', lambda device=None: _NoStreams())
+    import fastxtend_compile.pace as pace
+    monkeypatch.setattr(pace, '_pin', lambda o: o) # Pinned memory needs CUDA
+    return Prefetch(dl, waits=[], walls=[])
+
+def test_prefetch_yields_what_the_loader_yields_and_leaves_it_as_it_was(monkeypatch):
+    "On the CPU, with CUDA's streams stood in for: the batches, their transforms, the loader restored after an epoch cut short"
+    set_seed(0)
+    dl = digits_dls(bs=32).valid # Not shuffled, with its batch transforms (`IntToFloatTensor`)
+    want = list(dl)
+    device, after_batch = dl.device, dl.after_batch
+    p = cpu_prefetch(monkeypatch, dl)
+    got = list(p)
+    assert len(got) == len(want) == len(p)
+    for b, w in zip(got, want):
+        for t, u in zip(b, w): assert type(t) is type(u) and t.dtype == u.dtype and torch.equal(t, u)
+    assert len(p.waits) == len(want) and len(p.walls) == len(want) - 1
+    assert dl.device == device and dl.after_batch is after_batch
+    it = iter(p); next(it)
+    assert dl.device is None and dl.after_batch is not after_batch # Mid-epoch: the loader yields host batches to copy
+    p.close()
+    assert dl.device == device and dl.after_batch is after_batch # Closed: the loader as it was
+
+def test_the_training_loader_is_restored_after_an_epoch_cut_short(monkeypatch):
+    from fastai.callback.core import Callback, CancelEpochException
+    class Cut(Callback):
+        order = 13
+        def before_batch(self):
+            if self.training and self.epoch == 0 and self.iter == 3: raise CancelEpochException()
+    seen = []
+    class Sees(Callback):
+        order = 14
+        def before_batch(self):
+            if self.training: seen.append((type(self.learn.dl).__name__, self.epoch))
+    monkeypatch.setattr(Pace, 'devices', ('cuda', 'cpu'))
+    import fastxtend_compile.pace as pace
+    monkeypatch.setattr(pace, 'prefetches', lambda dl: True)
+    set_seed(0)
+    dls = digits_dls(bs=32)
+    cpu_prefetch(monkeypatch, dls.train)
+    device, after_batch = dls.train.device, dls.train.after_batch
+    learn = Learner(dls, bn_cnn(), cbs=[Cut(), Sees()]).compile(backend='eager')
+    with learn.no_bar(): learn.fit(2)
+    assert seen[0] == ('Prefetch', 0) and ('Prefetch', 1) in seen # Copied ahead in both epochs, the first cut short
+    assert len([s for s in seen if s[1] == 1]) == len(dls.train)
+    assert dls.train.device == device and dls.train.after_batch is after_batch
+    assert len(learn.recorder.losses) == 3 + len(dls.train)
+
 # On a CUDA GPU
 
 def gpu_digits(): return digits_dls(bs=32).cuda()
