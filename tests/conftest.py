@@ -47,15 +47,25 @@ def compile_in_the_fits_path(monkeypatch, request):
     # tenth of a core (a start-up of 3s took 40-50s). One test keeps the library's priority, which it checks
     if 'worker_priority' not in request.keywords: monkeypatch.setattr(Worker, 'nice', 0)
 
+class ItemsOnce(TfmdDL):
+    "A `TfmdDL` that makes each item once and then reuses it: for data whose item transforms always give the same item"
+    # Making an item of the digits (an image through PIL, its label through `Categorize`, each a tensor subclass) costs more
+    # host time than the tests' models do: without this, 40% of the default set's CPU time went to the epochs' items
+    def do_item(self, s):
+        made = self.__dict__.setdefault('made', {}) # Set here, not in `__init__`: `TfmdDL.__init__` makes an item first
+        key = (s, getattr(self.dataset, 'split_idx', None)) # `tta` makes the items of another split from the same dataset
+        if key not in made: made[key] = super().do_item(s)
+        return made[key]
+
 def digits_dls(bs=64, seed=42):
-    "scikit-learn's 8x8 digits as a fastai image task through a `DataBlock`"
+    "scikit-learn's 8x8 digits as a fastai image task through a `DataBlock`, each item made once (`ItemsOnce`)"
     from sklearn.datasets import load_digits
     d = load_digits()
     imgs, labels = (d.images * 255 / 16).astype(np.uint8), d.target
     dblock = DataBlock(blocks=(ImageBlock(cls=PILImageBW), CategoryBlock),
                        get_x=lambda i: PILImageBW.create(imgs[i]), get_y=lambda i: labels[i],
                        splitter=RandomSplitter(0.2, seed=seed))
-    return dblock.dataloaders(range(len(imgs)), bs=bs, num_workers=0)
+    return dblock.dataloaders(range(len(imgs)), bs=bs, num_workers=0, dl_type=ItemsOnce)
 
 def cancer_dls(bs=64, seed=42):
     "scikit-learn's breast cancer data as a fastai tabular task"
