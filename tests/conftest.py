@@ -51,11 +51,14 @@ class ItemsOnce(TfmdDL):
     "A `TfmdDL` that makes each item once and then reuses it: for data whose item transforms always give the same item"
     # Making an item of the digits (an image through PIL, its label through `Categorize`, each a tensor subclass) costs more
     # host time than the tests' models do: without this, 40% of the default set's CPU time went to the epochs' items
+    def __init__(self, *args, **kwargs):
+        self.made = {} # Before `TfmdDL.__init__`, which makes an item
+        super().__init__(*args, **kwargs)
+
     def do_item(self, s):
-        made = self.__dict__.setdefault('made', {}) # Set here, not in `__init__`: `TfmdDL.__init__` makes an item first
         key = (s, getattr(self.dataset, 'split_idx', None)) # `tta` makes the items of another split from the same dataset
-        if key not in made: made[key] = super().do_item(s)
-        return made[key]
+        if key not in self.made: self.made[key] = super().do_item(s)
+        return self.made[key]
 
 def digits_dls(bs=64, seed=42):
     "scikit-learn's 8x8 digits as a fastai image task through a `DataBlock`, each item made once (`ItemsOnce`)"
