@@ -74,12 +74,11 @@ def table()->str:
 
 def table_cell()->str:
     "The source of nbs/index.ipynb's cell that shows the table"
-    return ('`bash .ci/run`, the CI, tests the versions below together, each row in a virtual environment of its own. The rows are\n'
-            "`settings.ini`'s `test_envs`, which CI reads and this table is written from:\n\n" + table() + '\n\n'
-            "*newest* is the newest release on PyPI when CI runs: CI installs it whatever the machine's `pip` configuration\n"
-            'caps, and checks that it did. The first row is the oldest of each that the package supports (`settings.ini`\n'
-            'requires them). What needs a newer torch than yours says so, and its tests and notebook cells are skipped with\n'
-            'the reason: `precompile=True` needs torch 2.15.')
+    return ('`bash .ci/run`, the CI, tests these versions together, each row (`settings.ini`\'s `test_envs`) in a virtual\n'
+            'environment of its own:\n\n' + table() + '\n\n'
+            "*newest* is PyPI's newest release when CI runs, whatever the machine's `pip` configuration caps. The first row is\n"
+            'the oldest of each that the package supports. What needs a newer torch says so and is skipped with the reason:\n'
+            '`precompile=True` needs torch 2.15.')
 
 def declared_problems()->list:
     "Where settings.ini's requirements and setup.py's classifiers disagree with the oldest environment tested"

@@ -1,6 +1,7 @@
 """Build the documentation site from `nbs/` into `_site/` with MkDocs (Material), without Quarto. Called by `.ci/site`.
 
 Steps, each failing the run on a problem:
+  clean    the source notebooks hold no execution metadata or timestamps, and no cell over 6,000 characters
   execute  every notebook runs on the CPU, each in a process of its own, as `nbdev-test` runs it (cells flagged with
            `tst_flags`, `#| notest` and `#| cuda`, are skipped); the outputs go to a build directory, never to `nbs/`
   process  nbdev's doc processing (the processors `nbdev-docs` uses) turns each executed notebook into a page notebook:
@@ -149,6 +150,19 @@ def execute(src, executed, cfg):
 
 def _src(x): return ''.join(x) if isinstance(x, list) else (x or '')
 
+MAX_CELL = 6000 # Characters a notebook cell may hold: a longer class is split over cells by method
+_STAMP = re.compile(r'\d{4}-\d\d-\d\dT\d\d:\d\d') # An ISO timestamp, as Jupyter's execution records write them
+
+def source_problems(nb:Path)->list:
+    "What keeps the source notebook `nb` from being clean: execution records or timestamps in its metadata, long cells"
+    d, res = json.loads(nb.read_text()), []
+    if _STAMP.search(json.dumps(d.get('metadata', {}))): res.append(f'nbs/{nb.name}: its metadata holds a timestamp')
+    for i, c in enumerate(d['cells']):
+        meta = json.dumps(c.get('metadata', {}))
+        if 'execution' in c.get('metadata', {}) or _STAMP.search(meta): res.append(f'nbs/{nb.name}: cell {i} has execution metadata')
+        if (n := len(_src(c['source']))) > MAX_CELL: res.append(f'nbs/{nb.name}: cell {i} has {n:,} characters, over {MAX_CELL:,}')
+    return res
+
 def _opts(src):
     "Quarto cell options (`#| key: value`) at the top of `src`, and the source without them"
     opts, lines = {}, src.splitlines()
@@ -248,7 +262,19 @@ class Converter:
         self.problems.append(f'{page.nb.name}: link to {url}, which is neither a page nor a file of the repository')
         return url
 
+    def entry(self, url)->bool:
+        "Whether `url` is a page's `show_doc` entry, or a section of one (nbdev's `#class.method` for a method shown with its class)"
+        path, _, f = url.lstrip('/').partition('#')
+        if path not in self.by_html: return True
+        names = self.api[self.by_html[path].md]
+        while f not in names and '.' in f: f = f.rpartition('.')[0]
+        return f in names
+
     def links(self, md, page):
+        # nbdev links every name its index knows; a name without an entry on its page (a private helper, a parameter
+        # named as a function is) stays plain code
+        md = re.sub(r'\[(`([\w.]+)`)\]\(([^)\s#]+#([\w.]+))\)',
+                    lambda m: m[0] if m[4] != m[2].lower() or self.entry(m[3]) else m[1], md)
         md = re.sub(r'(\]\()([^)\s]+)((?:\s+"[^"]*")?\))', lambda m: m[1] + self.link(m[2], page) + m[3], md)
         return re.sub(r'((?:href|src)=")([^"]+)(")', lambda m: m[1] + self.link(m[2], page) + m[3], md)
 
@@ -387,6 +413,8 @@ def main():
     a = ap.parse_args()
     if a.one: return execute_and_process(Path(a.one[0]).resolve(), Path(a.one[1]).resolve(), a.reuse)
 
+    if (problems := [p for nb in notebooks() for p in source_problems(nb)]):
+        sys.exit('site: ' + '\n  '.join(['the notebooks are not clean (clear their execution metadata; split long cells):', *problems]))
     t0 = time.time()
     tmp = Path(a.build_dir).resolve() if a.build_dir else Path(tempfile.mkdtemp(prefix='site-'))
     if a.reuse: shutil.rmtree(tmp/'docs', ignore_errors=True)

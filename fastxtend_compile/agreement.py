@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from fastcore.basics import patch
 
 from .state import Stage, ModelState
 from .worker import JobResult
@@ -149,32 +150,6 @@ class DDP(Local):
         st.to(Stage.DONE)
         return True
 
-    def gather(self, obj, where:str)->list:
-        "Every rank's `obj`, by rank; raises a clear error where another rank doesn't come within `timeout_s`"
-        out = [None]*self.world
-        try: dist.all_gather_object(out, obj, group=self.group)
-        except RuntimeError as e:
-            raise RuntimeError(f"torch.compile's background compile under DDP: rank {self.rank} waited for the other ranks at {where} "
-                               f"and they did not come (within {self.timeout_s:.0f}s, or one ended): another rank stopped, and "
-                               "its own output says why") from e
-        return out
-
-    def view(self, aside, st:ModelState)->dict|None:
-        "This rank's part of an agreement on its batch's state: rank 0's verdict, and its device's worker's progress; `None` once settled"
-        if st.stage in (Stage.READY, Stage.FAILED, Stage.SHORT): return None
-        if st.stage is Stage.DONE: worker = 'done' if st.result.ok else 'failed'
-        elif aside.compiling is not None: worker = 'compiling'
-        elif aside.warm_starts.get(st.compiled_record) is not None: worker = 'warm' # Inductor's cache on this host has its code
-        else: worker = 'none'
-        failure = None if st.result is None or st.result.ok else (st.result.took_s, st.result.error, st.result.oom, f'{self.host} ({self.device})')
-        return dict(key=st.record, worth=st.stage is not Stage.PROBING, worker=worker, leader=self.leader, failure=failure,
-                    first=None if st.first is None else st.first[1], path=st.path)
-
-    def settled(self, st:ModelState, mine:dict|None)->bool:
-        "Whether this rank waits for no decision: its state settled (`mine`, its view, `None`) or only probed by rank 0, and every part at rest"
-        # Rank 0 alone judges a state: one it found too short to compile stays probing on the other ranks, and rank 0's view carries the rest
-        return (mine is None or (st.stage is Stage.PROBING and not self.judges(True))) and all(p.settled(st) for p in self.parts)
-
     def agree(self, aside, learn, st:ModelState, model):
         "At the agreements' training batches, on every rank: gather the views, decide, and act on the decision together"
         if learn.train_iter < self.next_at: return
@@ -205,3 +180,33 @@ class DDP(Local):
         "The fit ended: its group goes"
         if self.group is not None and dist.is_initialized(): dist.destroy_process_group(self.group)
         self.group, self.hosts, self.parts = None, [], [] # `held` stays till the next fit starts
+
+# %% ../nbs/16_agreement.ipynb #20cd3dcb
+@patch
+def gather(self:DDP, obj, where:str)->list:
+    "Every rank's `obj`, by rank; raises a clear error where another rank doesn't come within `timeout_s`"
+    out = [None]*self.world
+    try: dist.all_gather_object(out, obj, group=self.group)
+    except RuntimeError as e:
+        raise RuntimeError(f"torch.compile's background compile under DDP: rank {self.rank} waited for the other ranks at {where} "
+                           f"and they did not come (within {self.timeout_s:.0f}s, or one ended): another rank stopped, and "
+                           "its own output says why") from e
+    return out
+
+@patch
+def view(self:DDP, aside, st:ModelState)->dict|None:
+    "This rank's part of an agreement on its batch's state: rank 0's verdict, and its device's worker's progress; `None` once settled"
+    if st.stage in (Stage.READY, Stage.FAILED, Stage.SHORT): return None
+    if st.stage is Stage.DONE: worker = 'done' if st.result.ok else 'failed'
+    elif aside.compiling is not None: worker = 'compiling'
+    elif aside.warm_starts.get(st.compiled_record) is not None: worker = 'warm' # Inductor's cache on this host has its code
+    else: worker = 'none'
+    failure = None if st.result is None or st.result.ok else (st.result.took_s, st.result.error, st.result.oom, f'{self.host} ({self.device})')
+    return dict(key=st.record, worth=st.stage is not Stage.PROBING, worker=worker, leader=self.leader, failure=failure,
+                first=None if st.first is None else st.first[1], path=st.path)
+
+@patch
+def settled(self:DDP, st:ModelState, mine:dict|None)->bool:
+    "Whether this rank waits for no decision: its state settled (`mine`, its view, `None`) or only probed by rank 0, and every part at rest"
+    # Rank 0 alone judges a state: one it found too short to compile stays probing on the other ranks, and rank 0's view carries the rest
+    return (mine is None or (st.stage is Stage.PROBING and not self.judges(True))) and all(p.settled(st) for p in self.parts)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from fastai.torch_core import num_distrib
+from fastcore.basics import patch
 
 from .core import model_fingerprint
 from .internals import inductor_cache_dir
@@ -112,6 +113,7 @@ class _WarmTimer:
         if (learn.epoch, learn.training) != (epoch, training) or learn.iter <= it: return None
         return record, note, max(now - start - (learn.iter - it)*(step_s or 0.), 0.)
 
+# %% ../nbs/08_background.ipynb #6bb21e7a
 class WarmStarts:
     "The one writer of warm records: what each compile of a fit took, kept in inductor's cache so later fits compile at once"
     def __init__(self,
@@ -158,38 +160,45 @@ class WarmStarts:
         if num_distrib() > 1: return # Under DDP the fit's path compiles DDP's graphs, split at its buckets: not the worker's
         self.path(self.key(model, state_key(model, xb, training)), seconds)
 
-    def kept(self,
-        record:str, # The state's record, compiled with the tier
-        tier_s:float|None, # Seconds of the tier's step; `None`: the tier is no longer kept
-        other_s:float|None=None, # Seconds of the step it beat
-        other:str='', # Which step that was: the default's, or the eager one
-    ):
-        "The fit kept the tier of `record`, faster than `other`'s step: a later fit of the state, in any process, keeps it at once"
-        # The record's name holds the device's kind: a verdict on an H100 is not taken for another GPU
-        self.records.put(record, kept=None if tier_s is None else [tier_s, other_s, other])
+# %% ../nbs/08_background.ipynb #8c0fef84
+@patch
+def kept(self:WarmStarts,
+    record:str, # The state's record, compiled with the tier
+    tier_s:float|None, # Seconds of the tier's step; `None`: the tier is no longer kept
+    other_s:float|None=None, # Seconds of the step it beat
+    other:str='', # Which step that was: the default's, or the eager one
+):
+    "The fit kept the tier of `record`, faster than `other`'s step: a later fit of the state, in any process, keeps it at once"
+    # The record's name holds the device's kind: a verdict on an H100 is not taken for another GPU
+    self.records.put(record, kept=None if tier_s is None else [tier_s, other_s, other])
 
-    def was_kept(self, record:str)->list|None:
-        "(tier's seconds, other's seconds, which other) where an earlier fit kept the tier of `record`; else `None`"
-        return (self.get(record) or {}).get('kept')
+@patch
+def was_kept(self:WarmStarts, record:str)->list|None:
+    "(tier's seconds, other's seconds, which other) where an earlier fit kept the tier of `record`; else `None`"
+    return (self.get(record) or {}).get('kept')
 
-    def warmed(self, record:str, seconds:float):
-        "The fit's path compiled `record` from inductor's cache in `seconds`"
-        if self.times_warm: self.records.put(record, warm_s=seconds)
+@patch
+def warmed(self:WarmStarts, record:str, seconds:float):
+    "The fit's path compiled `record` from inductor's cache in `seconds`"
+    if self.times_warm: self.records.put(record, warm_s=seconds)
 
-    def time(self, record:str, now:float, note:int, learn):
-        "Time the warm compile of `record` that this batch runs, for the report's line `note`, until a later batch can tell"
-        self.timer.start(record, now, note, learn)
+@patch
+def time(self:WarmStarts, record:str, now:float, note:int, learn):
+    "Time the warm compile of `record` that this batch runs, for the report's line `note`, until a later batch can tell"
+    self.timer.start(record, now, note, learn)
 
-    def timed(self, now:float, learn, step_s:float|None)->tuple|None:
-        "(note, seconds) of a warm compile timed, recorded, once this batch (`now`) can tell; each batch between counts as `step_s`"
-        if (t := self.timer.stop(now, learn, step_s)) is None: return None
-        record, note, seconds = t
-        self.warmed(record, seconds)
-        return note, seconds
+@patch
+def timed(self:WarmStarts, now:float, learn, step_s:float|None)->tuple|None:
+    "(note, seconds) of a warm compile timed, recorded, once this batch (`now`) can tell; each batch between counts as `step_s`"
+    if (t := self.timer.stop(now, learn, step_s)) is None: return None
+    record, note, seconds = t
+    self.warmed(record, seconds)
+    return note, seconds
 
-    def end_fit(self):
-        "The fit ended: a warm compile still timed is left out"
-        self.timer = _WarmTimer()
+@patch
+def end_fit(self:WarmStarts):
+    "The fit ended: a warm compile still timed is left out"
+    self.timer = _WarmTimer()
 
 # %% ../nbs/08_background.ipynb #f47c974a
 class BackgroundCompile:
@@ -249,107 +258,121 @@ class BackgroundCompile:
         "Whether `key`'s compiled code runs, its hand-over done"
         return (st := self.states.get(key)) is not None and st.stage is Stage.READY and st.handover is None
 
-    def runs_eagerly(self,
-        learn, # The `Learner` whose batch this is
-        key:StateKey, # The batch's model state
-        model:nn.Module, # The model being compiled (not DDP's wrapper)
-    )->bool:
-        "Whether this batch runs eagerly: its model state's compiled code isn't ready; moves the state on"
-        now = time.perf_counter()
-        self.handover.timed(now, learn)
-        self._collect()
-        st = self.state(key, model)
-        if st.stage is Stage.READY: return self.handover.take_over(st, learn, now)
-        if st.stage in (Stage.FAILED, Stage.SHORT): return True
-        if self.compiling is not None: # The worker compiles a state: the others wait their turn
-            self.compiling.eager_batches += key.training
-            return True
-        if st.stage is not Stage.PROBING or not self.ranks.judges(key.training): return self._waits(key.training)
-        if key.training and not self.probes.judge(self, st, learn): return True
-        return self.ranks.judged(self, st, learn, model, now)
-
-    @property
-    def probing(self)->bool:
-        "Whether the batch running is an eager batch of a new state's probe, for the report's recorder to time alone"
-        return self.probes.timing is not None
-
-    def probed(self, seconds:float):
-        "The batch running ended in `seconds`, timed alone: its probe's time, where it was a probe's batch"
-        self.probes.timed(seconds)
-
-    def agree(self,
-        learn, # The `Learner` whose training batch this is, the same batch on every rank
-        key:StateKey, # The batch's model state
-        model:nn.Module, # The model being compiled (not DDP's wrapper)
-    ):
-        "Under DDP, at the training batches `DDP.agree` sets: the ranks agree on this state, and act on it together from the next batch"
-        self._collect()
-        self.ranks.agree(self, learn, self.state(key, model), model)
-
-    def _waits(self, training:bool)->bool:
-        "This batch runs eagerly: its state waits (a verdict, its turn, the ranks), or isn't judged here"
-        if not training and not self.ranks.evaluates and (n := _eval_eager()) not in self.notes: self.notes.append(n)
+# %% ../nbs/08_background.ipynb #25110aeb
+@patch
+def runs_eagerly(self:BackgroundCompile,
+    learn, # The `Learner` whose batch this is
+    key:StateKey, # The batch's model state
+    model:nn.Module, # The model being compiled (not DDP's wrapper)
+)->bool:
+    "Whether this batch runs eagerly: its model state's compiled code isn't ready; moves the state on"
+    now = time.perf_counter()
+    self.handover.timed(now, learn)
+    self._collect()
+    st = self.state(key, model)
+    if st.stage is Stage.READY: return self.handover.take_over(st, learn, now)
+    if st.stage in (Stage.FAILED, Stage.SHORT): return True
+    if self.compiling is not None: # The worker compiles a state: the others wait their turn
+        self.compiling.eager_batches += key.training
         return True
+    if st.stage is not Stage.PROBING or not self.ranks.judges(key.training): return self._waits(key.training)
+    if key.training and not self.probes.judge(self, st, learn): return True
+    return self.ranks.judged(self, st, learn, model, now)
 
-    def submit(self,
-        model:nn.Module, # The model being compiled, in the state of this batch
-        learn, # The `Learner` whose batch this is: its inputs are the job's
-        settings:dict|None=None, # `torch.compile` settings: the model's (`None`), or a faster tier's
-        held:bool=False, # Only prepare the job: `release` sends it
-    )->Job:
-        "Send this batch's model state to the worker, to compile with `settings` for the device it trains on"
-        payload = job_payload(model, learn.xb, self.settings if settings is None else settings, self.regional)
-        return self.worker.submit(payload, model, held=held)
+@patch(as_prop=True)
+def probing(self:BackgroundCompile)->bool:
+    "Whether the batch running is an eager batch of a new state's probe, for the report's recorder to time alone"
+    return self.probes.timing is not None
 
-    def release(self, job:Job)->Job:
-        "Send `job` to the worker, where it was held"
-        return self.worker.release(job)
+@patch
+def probed(self:BackgroundCompile, seconds:float):
+    "The batch running ended in `seconds`, timed alone: its probe's time, where it was a probe's batch"
+    self.probes.timed(seconds)
 
-    def poll(self, job:Job)->JobResult|None:
-        "How `job` went; `None` while it compiles, or is held"
-        return self.worker.poll(job)
+@patch
+def agree(self:BackgroundCompile,
+    learn, # The `Learner` whose training batch this is, the same batch on every rank
+    key:StateKey, # The batch's model state
+    model:nn.Module, # The model being compiled (not DDP's wrapper)
+):
+    "Under DDP, at the training batches `DDP.agree` sets: the ranks agree on this state, and act on it together from the next batch"
+    self._collect()
+    self.ranks.agree(self, learn, self.state(key, model), model)
 
-    def send(self, st:ModelState, learn, model:nn.Module)->bool:
-        "Have the worker compile `st` while the fit trains eagerly"
-        try:
-            st.job = self.submit(model, learn, None if st.first is None else st.first[0])
-            # The default's code, for the A/B: sent once the tier runs, not to compile beside its hand-over's compile
-            if st.first is not None: st.fallback = self.submit(model, learn, held=True)
-        except Exception as e:
-            st.first = None # Compiled in the fit's path: the default's code
-            why = f"the model could not be sent to a worker process ({type(e).__name__}: {e})"
-            return self.ranks.unsent(self, st, why)
-        st.to(Stage.COMPILING)
-        st.eager_batches, st.sent_at, self.compiling = int(st.key.training), where(learn), st
-        return True
+@patch
+def _waits(self:BackgroundCompile, training:bool)->bool:
+    "This batch runs eagerly: its state waits (a verdict, its turn, the ranks), or isn't judged here"
+    if not training and not self.ranks.evaluates and (n := _eval_eager()) not in self.notes: self.notes.append(n)
+    return True
 
-    def _collect(self):
-        "Take in the worker's result for the state it compiles, if it is done"
-        if self.compiling is None or (res := self.poll(self.compiling.job)) is None: return
-        st, self.compiling = self.compiling, None
-        if not res.ok and st.fallback is not None: # The tier compiled first failed: the default's code, compiling next, serves
-            st.job, st.fallback, st.first, self.compiling = self.release(st.fallback), None, None, st
-            return self.notes.append(_first_failed(res))
-        st.result = res
-        st.to(Stage.DONE)
-        self.warm_starts.compiled(st.compiled_record, res)
-        self.ranks.done(self, st)
+# %% ../nbs/08_background.ipynb #c2b5193a
+@patch
+def submit(self:BackgroundCompile,
+    model:nn.Module, # The model being compiled, in the state of this batch
+    learn, # The `Learner` whose batch this is: its inputs are the job's
+    settings:dict|None=None, # `torch.compile` settings: the model's (`None`), or a faster tier's
+    held:bool=False, # Only prepare the job: `release` sends it
+)->Job:
+    "Send this batch's model state to the worker, to compile with `settings` for the device it trains on"
+    payload = job_payload(model, learn.xb, self.settings if settings is None else settings, self.regional)
+    return self.worker.submit(payload, model, held=held)
 
-    def stop(self):
-        "End the worker (the fit ended, or raised) and remove its files; keep the states whose code runs"
-        if (st := self.compiling) is not None: self.notes.append(_unfinished(st))
-        self.worker.end()
-        self.ranks.end()
-        self.ranks, self.compiling, self.probes, self.params = Local(), None, _Probes(), None
-        self.warm_starts.end_fit()
-        self.states = {k: s for k,s in self.states.items() if s.stage is Stage.READY}
-        for s in self.states.values(): s.end_fit() # Its code compiles at its next batch, unannounced
+@patch
+def release(self:BackgroundCompile, job:Job)->Job:
+    "Send `job` to the worker, where it was held"
+    return self.worker.release(job)
 
-    def take_notes(self)->list:
-        "The report's lines about this fit, emptied for the next"
-        notes, self.notes = self.notes, []
-        return notes
+@patch
+def poll(self:BackgroundCompile, job:Job)->JobResult|None:
+    "How `job` went; `None` while it compiles, or is held"
+    return self.worker.poll(job)
 
+@patch
+def send(self:BackgroundCompile, st:ModelState, learn, model:nn.Module)->bool:
+    "Have the worker compile `st` while the fit trains eagerly"
+    try:
+        st.job = self.submit(model, learn, None if st.first is None else st.first[0])
+        # The default's code, for the A/B: sent once the tier runs, not to compile beside its hand-over's compile
+        if st.first is not None: st.fallback = self.submit(model, learn, held=True)
+    except Exception as e:
+        st.first = None # Compiled in the fit's path: the default's code
+        why = f"the model could not be sent to a worker process ({type(e).__name__}: {e})"
+        return self.ranks.unsent(self, st, why)
+    st.to(Stage.COMPILING)
+    st.eager_batches, st.sent_at, self.compiling = int(st.key.training), where(learn), st
+    return True
+
+@patch
+def _collect(self:BackgroundCompile):
+    "Take in the worker's result for the state it compiles, if it is done"
+    if self.compiling is None or (res := self.poll(self.compiling.job)) is None: return
+    st, self.compiling = self.compiling, None
+    if not res.ok and st.fallback is not None: # The tier compiled first failed: the default's code, compiling next, serves
+        st.job, st.fallback, st.first, self.compiling = self.release(st.fallback), None, None, st
+        return self.notes.append(_first_failed(res))
+    st.result = res
+    st.to(Stage.DONE)
+    self.warm_starts.compiled(st.compiled_record, res)
+    self.ranks.done(self, st)
+
+@patch
+def stop(self:BackgroundCompile):
+    "End the worker (the fit ended, or raised) and remove its files; keep the states whose code runs"
+    if (st := self.compiling) is not None: self.notes.append(_unfinished(st))
+    self.worker.end()
+    self.ranks.end()
+    self.ranks, self.compiling, self.probes, self.params = Local(), None, _Probes(), None
+    self.warm_starts.end_fit()
+    self.states = {k: s for k,s in self.states.items() if s.stage is Stage.READY}
+    for s in self.states.values(): s.end_fit() # Its code compiles at its next batch, unannounced
+
+@patch
+def take_notes(self:BackgroundCompile)->list:
+    "The report's lines about this fit, emptied for the next"
+    notes, self.notes = self.notes, []
+    return notes
+
+# %% ../nbs/08_background.ipynb #41809e3e
 class Handover:
     "How a state's compiled code takes over from eager, at once from inductor's cache or from the worker's job: announced, its warm compile timed"
     def __init__(self,

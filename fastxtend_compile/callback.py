@@ -208,11 +208,10 @@ class _DDPStrategy:
         if self.old_cache is not None: set_aot_autograd_cache(self.old_cache)
         self.old, self.old_reducer, self.old_cache = None, None, None
 
-# %% ../nbs/02_callback.ipynb #68817f12
+# %% ../nbs/02_callback.ipynb #d5da3f59
 class CompilerCallback(Callback):
     "A callback for using `torch.compile` with fastai"
     order = 12 # After `DistributedTrainer` (11) wraps the model in DDP, so the module inside it is compiled
-
     def __init__(self,
         fullgraph:bool=False, # Prevent breaking model into subgraphs
         dynamic:bool=False, # Use dynamic shape tracing
@@ -265,194 +264,230 @@ class CompilerCallback(Callback):
         "The float32 matmul precision set during a fit"
         return self.precision.precision
 
-    def before_fit(self):
-        self.fits += 1
-        if self.fits > 1 or self._stands_aside(): return # A `validate` or `get_preds` inside the fit compiles as the fit does
-        if self._frozen_runs_eagerly():
-            self._compile_optimizer(fused_only=True) # Nothing compiles in this fit, yet fastai's `Adam` runs as one fused kernel
-            return self.compile_recorder.note_eager_frozen()
-        device = model_device(self.learn.model)
-        if reason := cannot_compile_reason(self.settings['backend'], device):
-            return warnings.warn(f"Not compiling the model: {reason}. Training continues eagerly.")
-        self.active = True # From here on `restore` undoes what changes, after the fit or when it raises
-        self._start_parts(device)
-        self._compile_optimizer()
-        self.cudagraph_grads = device.type == 'cuda' and uses_cudagraphs(self.settings)
-        self._own_grads()
-        if self.recompile and self.freeze_changed: self._compile()
-        self.freeze_changed = False
+# %% ../nbs/02_callback.ipynb #4eb05dfa
+@patch
+def before_fit(self:CompilerCallback):
+    self.fits += 1
+    if self.fits > 1 or self._stands_aside(): return # A `validate` or `get_preds` inside the fit compiles as the fit does
+    if self._frozen_runs_eagerly():
+        self._compile_optimizer(fused_only=True) # Nothing compiles in this fit, yet fastai's `Adam` runs as one fused kernel
+        return self.compile_recorder.note_eager_frozen()
+    device = model_device(self.learn.model)
+    if reason := cannot_compile_reason(self.settings['backend'], device):
+        return warnings.warn(f"Not compiling the model: {reason}. Training continues eagerly.")
+    self.active = True # From here on `restore` undoes what changes, after the fit or when it raises
+    self._start_parts(device)
+    self._compile_optimizer()
+    self.cudagraph_grads = device.type == 'cuda' and uses_cudagraphs(self.settings)
+    self._own_grads()
+    if self.recompile and self.freeze_changed: self._compile()
+    self.freeze_changed = False
 
-    def _start_parts(self, device:torch.device):
-        "Start this fit's parts: the recorder, the DDP strategy, the matmul precision, precompiling, the eager policy and the collector"
-        model, rec = self.learn.model, self.compile_recorder
-        self.collector.start()
-        rec.model_name, rec.show = type(inner_model(model)).__name__, self._show
-        ddp = self.ddp.set(model)
-        cuda = device.type == 'cuda'
-        rec.start(partial(torch.cuda.synchronize, device) if cuda else None, ddp=ddp, compiled_backward=self.ddp.in_backward,
-                  train=self.learn.dls.train, epochs=getattr(self.learn, 'n_epoch', 1), clock=device if cuda else None)
-        self.pace.start(self.learn, device, rec.report)
-        self.precision.set(device)
-        self.precompile.set(inner_model(model), ddp=isinstance(model, DistributedDataParallel))
-        self.policy.start_fit(self.aside if self._compiles_in_background(device, model) else None, self.report.pays_back)
-        self.tiers.start(self.policy.aside, device)
-        self.ddp.start_sync(model, self.policy.aside) # After the background compile started: the ranks switch at its agreements
-        rec.report.ddp_reducer = self.ddp.reducer
+@patch
+def _start_parts(self:CompilerCallback, device:torch.device):
+    "Start this fit's parts: the recorder, the DDP strategy, the matmul precision, precompiling, the eager policy and the collector"
+    model, rec = self.learn.model, self.compile_recorder
+    self.collector.start()
+    rec.model_name, rec.show = type(inner_model(model)).__name__, self._show
+    ddp = self.ddp.set(model)
+    cuda = device.type == 'cuda'
+    rec.start(partial(torch.cuda.synchronize, device) if cuda else None, ddp=ddp, compiled_backward=self.ddp.in_backward,
+              train=self.learn.dls.train, epochs=getattr(self.learn, 'n_epoch', 1), clock=device if cuda else None)
+    self.pace.start(self.learn, device, rec.report)
+    self.precision.set(device)
+    self.precompile.set(inner_model(model), ddp=isinstance(model, DistributedDataParallel))
+    self.policy.start_fit(self.aside if self._compiles_in_background(device, model) else None, self.report.pays_back)
+    self.tiers.start(self.policy.aside, device)
+    self.ddp.start_sync(model, self.policy.aside) # After the background compile started: the ranks switch at its agreements
+    rec.report.ddp_reducer = self.ddp.reducer
 
-    def _compile_optimizer(self,
-        fused_only:bool=False, # PyTorch's fused kernel alone, with nothing compiled: for a fit that runs eagerly
-    ):
-        "Compile the step of a fastai `Optimizer`: `create_opt` makes an eager one, so it is checked at every fit"
-        if not self.compile_opt or self.learn.opt is None: return
-        # Parameter shapes never change, and CUDA graphs don't suit a step that updates its inputs in place
-        compile_optimizer(self.learn.opt, fused_only=fused_only, **{**self.settings, 'dynamic': False, 'mode': None, 'fullgraph': False})
+@patch
+def _compile_optimizer(self:CompilerCallback,
+    fused_only:bool=False, # PyTorch's fused kernel alone, with nothing compiled: for a fit that runs eagerly
+):
+    "Compile the step of a fastai `Optimizer`: `create_opt` makes an eager one, so it is checked at every fit"
+    if not self.compile_opt or self.learn.opt is None: return
+    # Parameter shapes never change, and CUDA graphs don't suit a step that updates its inputs in place
+    compile_optimizer(self.learn.opt, fused_only=fused_only, **{**self.settings, 'dynamic': False, 'mode': None, 'fullgraph': False})
 
-    def _compiles_in_background(self, device:torch.device, model:nn.Module)->bool:
-        "Whether this fit compiles in a worker process: `background`, on a CUDA GPU by default; under DDP, one for each host"
-        on = device.type in BackgroundCompile.default_on if self.background is None else self.background
-        ddp = isinstance(model, DistributedDataParallel)
-        if on and ddp and self.ddp.in_backward:
-            self.compile_recorder.note_background("compiled in the fit's path: with `ddp_compiled_autograd=True` each backward "
-                                                  "compiles with DDP's all-reduces, which a worker process can't run")
-            return False
-        if on: self.aside.start(self._show, device, ddp)
-        return on
+@patch
+def _compiles_in_background(self:CompilerCallback, device:torch.device, model:nn.Module)->bool:
+    "Whether this fit compiles in a worker process: `background`, on a CUDA GPU by default; under DDP, one for each host"
+    on = device.type in BackgroundCompile.default_on if self.background is None else self.background
+    ddp = isinstance(model, DistributedDataParallel)
+    if on and ddp and self.ddp.in_backward:
+        self.compile_recorder.note_background("compiled in the fit's path: with `ddp_compiled_autograd=True` each backward "
+                                              "compiles with DDP's all-reduces, which a worker process can't run")
+        return False
+    if on: self.aside.start(self._show, device, ddp)
+    return on
 
-    def _stands_aside(self)->bool:
-        "Whether a `CompilerCallback` passed to this fit (the newest) compiles it instead of this one"
-        return compiler_of(self.learn) is not self
+# %% ../nbs/02_callback.ipynb #05b56e62
+@patch
+def _stands_aside(self:CompilerCallback)->bool:
+    "Whether a `CompilerCallback` passed to this fit (the newest) compiles it instead of this one"
+    return compiler_of(self.learn) is not self
 
-    def _frozen(self): return self.learn.opt is not None and self.learn.opt.frozen_idx > 0
+@patch
+def _frozen(self:CompilerCallback): return self.learn.opt is not None and self.learn.opt.frozen_idx > 0
 
-    def _frozen_runs_eagerly(self)->bool:
-        "`fine_tune(compile_frozen=False)`: the frozen epochs run eagerly"
-        return self.frozen_eager and self._frozen() and not is_compiled(inner_model(self.learn.model))
+@patch
+def _frozen_runs_eagerly(self:CompilerCallback)->bool:
+    "`fine_tune(compile_frozen=False)`: the frozen epochs run eagerly"
+    return self.frozen_eager and self._frozen() and not is_compiled(inner_model(self.learn.model))
 
-    @contextmanager
-    def eager_while_frozen(self,
-        on:bool=True, # Run fits of the frozen model eagerly, unless it is compiled already
-    ):
-        "A context in which fits of the frozen model run eagerly: `fine_tune(compile_frozen=False)`'s frozen epochs"
-        old, self.frozen_eager = self.frozen_eager, on
-        try: yield
-        finally: self.frozen_eager = old
+@patch
+@contextmanager
+def eager_while_frozen(self:CompilerCallback,
+    on:bool=True, # Run fits of the frozen model eagerly, unless it is compiled already
+):
+    "A context in which fits of the frozen model run eagerly: `fine_tune(compile_frozen=False)`'s frozen epochs"
+    old, self.frozen_eager = self.frozen_eager, on
+    try: yield
+    finally: self.frozen_eager = old
 
-    def before_ddp_wraps(self):
-        "Called by `Learner.fit` before any callback: what DDP reads as it wraps the model for the fit"
-        if not self.ddp.compiled_autograd: return
-        # Not for a fit that will run eagerly: DDP's Python reducer would all-reduce each gradient of an eager backward alone
-        device = getattr(self.learn.dls, 'device', default_device()) # Where fastai's `TrainEvalCallback` puts the model
-        if self._frozen_runs_eagerly() or cannot_compile_reason(self.settings['backend'], device): return
-        self.ddp.before_wrap()
+@patch
+def before_ddp_wraps(self:CompilerCallback):
+    "Called by `Learner.fit` before any callback: what DDP reads as it wraps the model for the fit"
+    if not self.ddp.compiled_autograd: return
+    # Not for a fit that will run eagerly: DDP's Python reducer would all-reduce each gradient of an eager backward alone
+    device = getattr(self.learn.dls, 'device', default_device()) # Where fastai's `TrainEvalCallback` puts the model
+    if self._frozen_runs_eagerly() or cannot_compile_reason(self.settings['backend'], device): return
+    self.ddp.before_wrap()
 
-    def after_freeze(self):
-        "Called by `Learner.freeze_to` when parameters' `requires_grad` changed"
-        self.freeze_changed = True
-        self.compile_recorder.note_freeze_change()
-        if self.active: self._own_grads() # Parameters unfrozen during the fit
-        self.ddp.params_changed()
+@patch
+def after_freeze(self:CompilerCallback):
+    "Called by `Learner.freeze_to` when parameters' `requires_grad` changed"
+    self.freeze_changed = True
+    self.compile_recorder.note_freeze_change()
+    if self.active: self._own_grads() # Parameters unfrozen during the fit
+    self.ddp.params_changed()
 
-    def before_batch(self):
-        if not self.active: return
-        # Compile here, not only before the fit, so a model swapped mid-fit is compiled too
-        if self.compiled_model is None or self.compiled_model() is not get_model(self.learn.model): self._compile()
-        rec, p, model = self.compile_recorder, self.policy, get_model(self.learn.model)
-        key = None if p.aside is None else p.aside.batch_key(model, self.learn.xb, self.training) # Once a batch, for every part that asks
-        p.start_batch(self.learn, key, measure=rec.wants_eager_step(getattr(self.learn, 'n_iter', 0)), whole_backward=self.ddp.in_backward)
-        self.tiers.before_batch(self.learn, p.eager, key, model)
-        if self.training: self.ddp.before_batch(not p.eager)
-        if p.timed: rec.batch_start(self.training, self.learn.xb, p.measuring or p.probing, p.valid_eager)
+# %% ../nbs/02_callback.ipynb #60be4119
+@patch
+def before_batch(self:CompilerCallback):
+    if not self.active: return
+    # Compile here, not only before the fit, so a model swapped mid-fit is compiled too
+    if self.compiled_model is None or self.compiled_model() is not get_model(self.learn.model): self._compile()
+    rec, p, model = self.compile_recorder, self.policy, get_model(self.learn.model)
+    key = None if p.aside is None else p.aside.batch_key(model, self.learn.xb, self.training) # Once a batch, for every part that asks
+    p.start_batch(self.learn, key, measure=rec.wants_eager_step(getattr(self.learn, 'n_iter', 0)), whole_backward=self.ddp.in_backward)
+    self.tiers.before_batch(self.learn, p.eager, key, model)
+    if self.training: self.ddp.before_batch(not p.eager)
+    if p.timed: rec.batch_start(self.training, self.learn.xb, p.measuring or p.probing, p.valid_eager)
 
-    def before_train(self):
-        if self.active: self.pace.before_train(self.learn)
-    def after_train(self): self.pace.after_train(self.learn)
+@patch
+def before_train(self:CompilerCallback):
+    if self.active: self.pace.before_train(self.learn)
 
-    def _own_grads(self):
-        "With CUDA graphs, give each parameter that trains a zero gradient of its own if it has none"
-        if self.cudagraph_grads: own_grads(self.learn.opt)
+@patch
+def after_train(self:CompilerCallback): self.pace.after_train(self.learn)
 
-    def _writes_grads(self)->bool:
-        "Whether this batch's backward may write the gradients `zero_grad` zeroed: not where CUDA graphs make them (their next replay overwrites them), nor through compiled autograd (it traces the backward's hooks)"
-        return not (self.cudagraph_grads or self.tiers.graphs_now() or self.ddp.in_backward)
+@patch
+def _own_grads(self:CompilerCallback):
+    "With CUDA graphs, give each parameter that trains a zero gradient of its own if it has none"
+    if self.cudagraph_grads: own_grads(self.learn.opt)
 
-    def before_backward(self):
-        # First, so that the zeros a parameter without a gradient gets back are there when DDP's gradients are averaged
-        if (z := zeroed_grads(self.learn.opt)) and self._writes_grads(): z.before_backward(self.learn.loss_grad)
-        if self.active: self.ddp.enter_backward(self.learn.loss_grad)
-        self.compile_recorder.part = 'backward' # What a compile now compiles, for its notice
+@patch
+def _writes_grads(self:CompilerCallback)->bool:
+    "Whether this batch's backward may write the gradients `zero_grad` zeroed: not where CUDA graphs make them (their next replay overwrites them), nor through compiled autograd (it traces the backward's hooks)"
+    return not (self.cudagraph_grads or self.tiers.graphs_now() or self.ddp.in_backward)
 
-    def after_backward(self):
-        self.ddp.exit_backward()
-        self.compile_recorder.part = ''
+@patch
+def before_backward(self:CompilerCallback):
+    # First, so that the zeros a parameter without a gradient gets back are there when DDP's gradients are averaged
+    if (z := zeroed_grads(self.learn.opt)) and self._writes_grads(): z.before_backward(self.learn.loss_grad)
+    if self.active: self.ddp.enter_backward(self.learn.loss_grad)
+    self.compile_recorder.part = 'backward' # What a compile now compiles, for its notice
 
-    def before_step(self): self.compile_recorder.part = 'step'
-    def after_step(self): self.compile_recorder.part = ''
+@patch
+def after_backward(self:CompilerCallback):
+    self.ddp.exit_backward()
+    self.compile_recorder.part = ''
 
-    def after_batch(self):
-        if not self.active: return
-        tier = self.tiers.after_batch() # A batch that ran a faster tier compiled the tier, not the model's own code
-        took = self.compile_recorder.batch_done() if self.policy.timed else None
-        if (s := self.compile_recorder.take_compiled()) and not tier: self.aside.warm_starts.in_path(get_model(self.learn.model), self.learn.xb, self.training, s)
-        self.policy.end_batch(self.training, took)
+@patch
+def before_step(self:CompilerCallback): self.compile_recorder.part = 'step'
 
-    def after_fit(self):
-        self.fits -= 1
-        if self.fits: return
-        trained = self.active and self.policy.trained
-        self.restore()
-        if self.verbose and trained: self._show(self.report.summary())
+@patch
+def after_step(self:CompilerCallback): self.compile_recorder.part = ''
 
-    def _show(self, msg:str):
-        "Print `msg` as fastai prints a fit's results: above the progress bar, on rank 0, not under `learn.no_logging()`"
-        if self.learn is None or self.learn.logger is noop or rank_distrib(): return
-        mbar = getattr(getattr(self.learn, 'progress', None), 'mbar', None)
-        if mbar is not None: mbar.write(msg)
-        else: print(msg)
+@patch
+def after_batch(self:CompilerCallback):
+    if not self.active: return
+    tier = self.tiers.after_batch() # A batch that ran a faster tier compiled the tier, not the model's own code
+    took = self.compile_recorder.batch_done() if self.policy.timed else None
+    if (s := self.compile_recorder.take_compiled()) and not tier: self.aside.warm_starts.in_path(get_model(self.learn.model), self.learn.xb, self.training, s)
+    self.policy.end_batch(self.training, took)
 
-    def _compile(self):
-        # Under DistributedDataParallel, compile the module DDP runs rather than DDP, whose forward breaks the graph on
-        # purpose: it runs inside DDP's forward, where TorchDynamo sees DDP
-        model = self.learn.model
-        inner = get_model(model)
-        compiled = compile_model(inner, self.regional, on_refused=self._refused, policy=self.policy, switch=self.tiers.switch, **self.settings)
-        if inner is model: self.learn.model = compiled
-        elif compiled is not inner: model.module = compiled # `inner` was an `OptimizedModule`
-        self.compiled_model = weakref.ref(compiled)
-        self.policy.watch(compiled)
-        self.compile_recorder.phase_shapes = {}
+# %% ../nbs/02_callback.ipynb #e9355ad1
+@patch
+def after_fit(self:CompilerCallback):
+    self.fits -= 1
+    if self.fits: return
+    trained = self.active and self.policy.trained
+    self.restore()
+    if self.verbose and trained: self._show(self.report.summary())
 
-    def restore(self):
-        "Undo what `before_fit` changed outside the model, once, whether the fit ended or raised"
-        self.fits = 0
-        if self.active:
-            self.active = False
-            self.tiers.stop()
-            self.aside.stop() # A worker still compiling, and its files
-            self.compile_recorder.note_background(*self.aside.take_notes(), *self.tiers.take_notes())
-            p = self.policy
-            self.compile_recorder.stop(p.compiled_calls(), self.ddp.backward_graphs(), p.eager_eval, p.eager_lr_find, self.collector.stop())
-            self.policy.stop()
-            self.precision.restore()
-            self.precompile.restore()
-            self.pace.stop(self.learn)
-        self.ddp.restore() # Set before the fit's callbacks ran, compiled or not
+@patch
+def _show(self:CompilerCallback, msg:str):
+    "Print `msg` as fastai prints a fit's results: above the progress bar, on rank 0, not under `learn.no_logging()`"
+    if self.learn is None or self.learn.logger is noop or rank_distrib(): return
+    mbar = getattr(getattr(self.learn, 'progress', None), 'mbar', None)
+    if mbar is not None: mbar.write(msg)
+    else: print(msg)
 
-    def uncompile(self):
-        "Return the Learner to eager: undo the fit's changes, and uncompile the model and the optimizer step"
-        self.restore()
-        model = None if self.compiled_model is None else self.compiled_model()
-        if model is not None: uncompile_model(model)
-        if self.learn is not None and self.learn.opt is not None: uncompile_optimizer(self.learn.opt)
-        self.compiled_model = None
-        self.policy.watch(None)
+@patch
+def _compile(self:CompilerCallback):
+    # Under DistributedDataParallel, compile the module DDP runs rather than DDP, whose forward breaks the graph on
+    # purpose: it runs inside DDP's forward, where TorchDynamo sees DDP
+    model = self.learn.model
+    inner = get_model(model)
+    compiled = compile_model(inner, self.regional, on_refused=self._refused, policy=self.policy, switch=self.tiers.switch, **self.settings)
+    if inner is model: self.learn.model = compiled
+    elif compiled is not inner: model.module = compiled # `inner` was an `OptimizedModule`
+    self.compiled_model = weakref.ref(compiled)
+    self.policy.watch(compiled)
+    self.compile_recorder.phase_shapes = {}
 
-    def _refused(self):
-        "The compile was refused (`fullgraph=True` with a graph break): leave the Learner as it was without this callback"
-        if self.learn is not None: self.learn.remove_cb(self)
+@patch
+def _refused(self:CompilerCallback):
+    "The compile was refused (`fullgraph=True` with a graph break): leave the Learner as it was without this callback"
+    if self.learn is not None: self.learn.remove_cb(self)
 
-    def plot_batch_times(self, ax=None):
-        "Plot the time of each training batch, compile spikes against the steady state"
-        return self.report.plot(ax=ax)
+# %% ../nbs/02_callback.ipynb #42f06972
+@patch
+def restore(self:CompilerCallback):
+    "Undo what `before_fit` changed outside the model, once, whether the fit ended or raised"
+    self.fits = 0
+    if self.active:
+        self.active = False
+        self.tiers.stop()
+        self.aside.stop() # A worker still compiling, and its files
+        self.compile_recorder.note_background(*self.aside.take_notes(), *self.tiers.take_notes())
+        p = self.policy
+        self.compile_recorder.stop(p.compiled_calls(), self.ddp.backward_graphs(), p.eager_eval, p.eager_lr_find, self.collector.stop())
+        self.policy.stop()
+        self.precision.restore()
+        self.precompile.restore()
+        self.pace.stop(self.learn)
+    self.ddp.restore() # Set before the fit's callbacks ran, compiled or not
+
+@patch
+def uncompile(self:CompilerCallback):
+    "Return the Learner to eager: undo the fit's changes, and uncompile the model and the optimizer step"
+    self.restore()
+    model = None if self.compiled_model is None else self.compiled_model()
+    if model is not None: uncompile_model(model)
+    if self.learn is not None and self.learn.opt is not None: uncompile_optimizer(self.learn.opt)
+    self.compiled_model = None
+    self.policy.watch(None)
+
+@patch
+def plot_batch_times(self:CompilerCallback,
+    ax=None, # Matplotlib axes to draw on; `None` makes a figure
+):
+    "Plot the time of each training batch, compile spikes against the steady state"
+    return self.report.plot(ax=ax)
 
 # %% ../nbs/02_callback.ipynb #b498dbea
 def compiler_of(

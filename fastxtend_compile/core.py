@@ -12,6 +12,7 @@ from typing import Callable, Dict, Union
 
 import torch
 from torch import nn, Tensor
+from fastcore.basics import patch
 from fastcore.meta import delegates
 
 from .internals import *
@@ -263,6 +264,11 @@ class EagerPolicy:
         "Whether the batch running runs eagerly, whatever its inputs"
         return self.measuring or self.valid_eager or self.waiting or self.evaluating
 
+    @property
+    def timed(self)->bool:
+        "Whether the report times this batch: as compiled, not one left eager while its code compiles elsewhere or isn't worth it; or as eager, a probe's"
+        return self.probing or not (self.waiting or self.evaluating)
+
     def watch(self,
         model:nn.Module|None, # The model compiled in place (`compile_model`), `None` for none
     ):
@@ -271,142 +277,70 @@ class EagerPolicy:
 
     def compiled_calls(self)->list: return [c for r in self.calls if (c := r()) is not None]
 
-    def start_fit(self,
-        aside=None, # A compile outside the fit's path (`runs_eagerly`, `agree`, `probing`, `probed`, as `BackgroundCompile`); `None` compiles in it
-        pays:Callable|None=None, # `pays(batches)`: whether that many batches pay back compiling their graph; `None`: never judged to
-    ):
-        "A fit starts: it has trained no batch yet"
-        self.trained, self.aside, self.pays, self.unpaid, self.eager_eval, self.eager_lr_find = False, aside, pays, None, 0, 0
-        self.validation = None
+# %% ../nbs/00_core.ipynb #15fcd710
+@patch
+def start_fit(self:EagerPolicy,
+    aside=None, # A compile outside the fit's path (`runs_eagerly`, `agree`, `probing`, `probed`, as `BackgroundCompile`); `None` compiles in it
+    pays:Callable|None=None, # `pays(batches)`: whether that many batches pay back compiling their graph; `None`: never judged to
+):
+    "A fit starts: it has trained no batch yet"
+    self.trained, self.aside, self.pays, self.unpaid, self.eager_eval, self.eager_lr_find = False, aside, pays, None, 0, 0
+    self.validation = None
 
-    def start_batch(self,
-        learn, # The `Learner` whose batch starts
-        key=None, # The batch's model state (`state_key`), where a compile outside the fit's path asks about it
-        measure:bool=False, # The report asks for a training batch run eagerly, to measure the eager step
-        whole_backward:bool=False, # Training runs compiled: compiled autograd runs the backward, DDP's all-reduces in it
-    ):
-        "Decide whether the batch starting runs eagerly, and whether it is a one-off"
-        # An eager backward would all-reduce each gradient alone: not DDP's eager step, and not a training batch to leave out
-        training = learn.training
-        self.evaluating = self._unpaid(learn, training)
-        self.measuring = training and measure and not whole_backward and not self.evaluating
-        validation = self._validation(learn) if not training and self.trained else None
-        self.valid_eager = validation == 'eager'
-        self.one_off = _last_batch(learn) and not (training and whole_backward)
-        # The compile outside the fit's path is asked about batches whose graph the fit would compile: not a validation's
-        # whose graph exists, nor one run eagerly (an evaluation's last batch, a one-off, runs eagerly in `runs_eagerly`)
-        asks = (self.aside is not None and not (self.evaluating or self.measuring or (self.one_off and not training))
-                and validation in (None, 'compile'))
-        self.waiting = asks and self.aside.runs_eagerly(learn, key, _get_model(learn.model))
-        self.probing = self.waiting and training and self.aside.probing
-        if self.aside is not None and training: self.aside.agree(learn, key, _get_model(learn.model)) # Under DDP, at every rank's same batches
-        if self.evaluating and training: self.eager_lr_find += 1
-        elif self.evaluating: self.eager_eval += 1
-        self.graph_step = False
+@patch
+def start_batch(self:EagerPolicy,
+    learn, # The `Learner` whose batch starts
+    key=None, # The batch's model state (`state_key`), where a compile outside the fit's path asks about it
+    measure:bool=False, # The report asks for a training batch run eagerly, to measure the eager step
+    whole_backward:bool=False, # Training runs compiled: compiled autograd runs the backward, DDP's all-reduces in it
+):
+    "Decide whether the batch starting runs eagerly, and whether it is a one-off"
+    # An eager backward would all-reduce each gradient alone: not DDP's eager step, and not a training batch to leave out
+    training = learn.training
+    self.evaluating = self._unpaid(learn, training)
+    self.measuring = training and measure and not whole_backward and not self.evaluating
+    validation = self._validation(learn) if not training and self.trained else None
+    self.valid_eager = validation == 'eager'
+    self.one_off = _last_batch(learn) and not (training and whole_backward)
+    # The compile outside the fit's path is asked about batches whose graph the fit would compile: not a validation's
+    # whose graph exists, nor one run eagerly (an evaluation's last batch, a one-off, runs eagerly in `runs_eagerly`)
+    asks = (self.aside is not None and not (self.evaluating or self.measuring or (self.one_off and not training))
+            and validation in (None, 'compile'))
+    self.waiting = asks and self.aside.runs_eagerly(learn, key, _get_model(learn.model))
+    self.probing = self.waiting and training and self.aside.probing
+    if self.aside is not None and training: self.aside.agree(learn, key, _get_model(learn.model)) # Under DDP, at every rank's same batches
+    if self.evaluating and training: self.eager_lr_find += 1
+    elif self.evaluating: self.eager_eval += 1
+    self.graph_step = False
 
-    def _unpaid(self, learn, training:bool)->bool:
-        "Whether this batch of an evaluation outside a training fit, or of an `lr_find`, runs eagerly: its graph wouldn't pay back"
-        # A graph compiled in the fit's path costs seconds to minutes; the few hundred batches of a `get_preds` or an
-        # `lr_find` seldom save as much. They run their graph where it is compiled already, and compile it only where the
-        # report's measurements say their batches pay it back (`compile_valid=True` always compiles evaluation). Decided
-        # at the fit's first batch: a training fit's first batch trains, and its validation is judged by `_validation`
-        if self.unpaid is None: self.unpaid = self._judge(learn, training)
-        return self.unpaid
+@patch
+def end_batch(self:EagerPolicy,
+    training:bool, # The batch trained
+    took:float|None=None, # Seconds the batch took, timed alone by the report's recorder, where it was
+):
+    "The batch ended: what comes next is decided afresh"
+    if self.probing and took is not None: self.aside.probed(took)
+    self.trained |= training
+    self.measuring = self.valid_eager = self.waiting = self.evaluating = self.one_off = self.probing = False
+    if training: self.validation = None # The next validation is judged afresh, with fewer batches left
+    self.graph_step = None
 
-    def _judge(self, learn, training:bool)->bool:
-        "Whether the fit starting is an evaluation outside a training fit, or an `lr_find`, whose graph wouldn't pay back"
-        finder = _lr_finder(learn) if training else None
-        if (training and finder is None) or self.trained or (not training and self.compile_valid): return False
-        if self._compiled_already(training): return False
-        batches = finder.num_it if finder is not None else getattr(learn, 'n_iter', 1)
-        return self.pays is None or not self.pays(batches)
+@patch
+def stop(self:EagerPolicy):
+    "The fit ended or raised: calls outside a fit run as their shapes say"
+    self.end_batch(False)
+    self.aside, self.pays, self.unpaid, self.validation = None, None, None, None
 
-    def _compiled_already(self, training:bool)->bool:
-        "Whether any of the calls has a graph of the phase running: gradients on or off, in `training` mode or not"
-        return any(c.shapes.get((torch.is_grad_enabled(), training)) for c in self.compiled_calls())
+@patch
+def begins_graph_step(self:EagerPolicy)->bool:
+    "Whether a compiled call with CUDA graphs begins a new step of them: a batch's first call, or any call outside a batch"
+    # A new step lets CUDA graphs reuse the memory of the last one's outputs. Within a batch, the outputs of its earlier
+    # calls (a regional model's blocks, a model called twice) are still needed by its backward
+    if self.graph_step is None: return True
+    begins, self.graph_step = not self.graph_step, True
+    return begins
 
-    def _validation(self, learn)->str:
-        "How this validation of a training fit runs, decided at its first batch: 'compiled', 'compile' or 'eager'"
-        # A fit's validation is a few batches an epoch, often waiting for the DataLoader: its graph (a recompile for the
-        # evaluation phase, each freeze state) is compiled, as evaluation outside a fit is, only where the report's
-        # measurements say the fit's validation batches left, this epoch's included, pay it back
-        if self.validation is None: self.validation = self._judge_validation(learn)
-        return self.validation
-
-    def _judge_validation(self, learn)->str:
-        "'compiled' where its graph exists, 'compile' where `compile_valid` or its batches left pay it back, else 'eager'"
-        if self._compiled_already(False): return 'compiled'
-        if self.compile_valid: return 'compile'
-        epochs = getattr(learn, 'n_epoch', 1) - getattr(learn, 'epoch', 0) # This epoch's and those after it
-        batches = getattr(learn, 'n_iter', 1) * max(epochs, 1)
-        return 'compile' if self.pays is not None and self.pays(batches) else 'eager'
-
-    def end_batch(self,
-        training:bool, # The batch trained
-        took:float|None=None, # Seconds the batch took, timed alone by the report's recorder, where it was
-    ):
-        "The batch ended: what comes next is decided afresh"
-        if self.probing and took is not None: self.aside.probed(took)
-        self.trained |= training
-        self.measuring = self.valid_eager = self.waiting = self.evaluating = self.one_off = self.probing = False
-        if training: self.validation = None # The next validation is judged afresh, with fewer batches left
-        self.graph_step = None
-
-    def begins_graph_step(self)->bool:
-        "Whether a compiled call with CUDA graphs begins a new step of them: a batch's first call, or any call outside a batch"
-        # A new step lets CUDA graphs reuse the memory of the last one's outputs. Within a batch, the outputs of its earlier
-        # calls (a regional model's blocks, a model called twice) are still needed by its backward
-        if self.graph_step is None: return True
-        begins, self.graph_step = not self.graph_step, True
-        return begins
-
-    @property
-    def timed(self)->bool:
-        "Whether the report times this batch: as compiled, not one left eager while its code compiles elsewhere or isn't worth it; or as eager, a probe's"
-        return self.probing or not (self.waiting or self.evaluating)
-
-    def stop(self):
-        "The fit ended or raised: calls outside a fit run as their shapes say"
-        self.end_batch(False)
-        self.aside, self.pays, self.unpaid, self.validation = None, None, None, None
-
-    def runs_eagerly(self,
-        call:CompiledCall, # The compiled call asking, with its input shapes compiled for and run eagerly, by phase
-        shapes:tuple, # The shapes of its inputs' tensors
-    )->bool:
-        "Whether `call` runs eagerly: in an eager batch, or for input shapes new to its phase, seen once or a one-off"
-        # A new shape costs a graph of its own (with `dynamic=False`), which a one-off call would use once: the smaller
-        # last batch of a validation set, a `predict` on one item. It runs eagerly; a shape seen again is compiled. A
-        # one-off call without gradients runs eagerly even where its phase has no graph yet (a `predict` after a fit)
-        if self.eager: return True
-        if call.settings.get('dynamic'): return False # Dynamic graphs take new shapes without recompiling
-        phase = (torch.is_grad_enabled(), call.module.training)
-        known = call.shapes.setdefault(phase, set())
-        if dims := call.dims.get(phase): shapes = _masked(shapes, dims)
-        if shapes in known: return False
-        one_off = self.one_off and (known or not phase[0]) # Not a whole training fit's only shape (one batch an epoch)
-        if one_off:
-            call.eager_calls[phase, shapes] += 1
-            return True
-        if self._varies(call, phase, shapes): return False
-        if known and not call.eager_calls[phase, shapes]:
-            call.eager_calls[phase, shapes] += 1
-            return True
-        known.add(shapes)
-        return False
-
-    def _varies(self, call:CompiledCall, phase:tuple, shapes:tuple)->bool:
-        "Whether the phase's input shapes keep changing, met at its `vary_after`th shape: its changing sizes then compile dynamically"
-        # Text padded to each batch's longest item changes length at every batch: a graph per length would recompile until
-        # TorchDynamo's limit. Sizes that changed once (the last batch) run eagerly as one-offs; sizes that keep changing
-        # get one graph with symbolic sizes
-        seen = call.seen.setdefault(phase, set())
-        seen.add(shapes)
-        if len(seen) < self.vary_after or phase in call.dims or not (dims := _varying_dims(list(seen))): return False
-        call.dims[phase] = dims
-        call.shapes[phase] = {_masked(shapes, dims)}
-        return True
-
+# %% ../nbs/00_core.ipynb #aa04d598
 def _lr_finder(learn):
     "fastai's `LRFinder` running `learn`'s fit (`lr_find`), or `None`"
     return next((cb for cb in getattr(learn, 'cbs', ()) if _is_fastai(cb, 'fastai.callback.schedule', 'LRFinder')), None)
@@ -416,7 +350,49 @@ def _last_batch(learn)->bool:
     n = getattr(learn, 'n_iter', None)
     return n is not None and getattr(learn, 'iter', None) == n - 1
 
-# %% ../nbs/00_core.ipynb #e939e865
+@patch
+def _unpaid(self:EagerPolicy, learn, training:bool)->bool:
+    "Whether this batch of an evaluation outside a training fit, or of an `lr_find`, runs eagerly: its graph wouldn't pay back"
+    # A graph compiled in the fit's path costs seconds to minutes; the few hundred batches of a `get_preds` or an
+    # `lr_find` seldom save as much. They run their graph where it is compiled already, and compile it only where the
+    # report's measurements say their batches pay it back (`compile_valid=True` always compiles evaluation). Decided
+    # at the fit's first batch: a training fit's first batch trains, and its validation is judged by `_validation`
+    if self.unpaid is None: self.unpaid = self._judge(learn, training)
+    return self.unpaid
+
+@patch
+def _judge(self:EagerPolicy, learn, training:bool)->bool:
+    "Whether the fit starting is an evaluation outside a training fit, or an `lr_find`, whose graph wouldn't pay back"
+    finder = _lr_finder(learn) if training else None
+    if (training and finder is None) or self.trained or (not training and self.compile_valid): return False
+    if self._compiled_already(training): return False
+    batches = finder.num_it if finder is not None else getattr(learn, 'n_iter', 1)
+    return self.pays is None or not self.pays(batches)
+
+@patch
+def _compiled_already(self:EagerPolicy, training:bool)->bool:
+    "Whether any of the calls has a graph of the phase running: gradients on or off, in `training` mode or not"
+    return any(c.shapes.get((torch.is_grad_enabled(), training)) for c in self.compiled_calls())
+
+@patch
+def _validation(self:EagerPolicy, learn)->str:
+    "How this validation of a training fit runs, decided at its first batch: 'compiled', 'compile' or 'eager'"
+    # A fit's validation is a few batches an epoch, often waiting for the DataLoader: its graph (a recompile for the
+    # evaluation phase, each freeze state) is compiled, as evaluation outside a fit is, only where the report's
+    # measurements say the fit's validation batches left, this epoch's included, pay it back
+    if self.validation is None: self.validation = self._judge_validation(learn)
+    return self.validation
+
+@patch
+def _judge_validation(self:EagerPolicy, learn)->str:
+    "'compiled' where its graph exists, 'compile' where `compile_valid` or its batches left pay it back, else 'eager'"
+    if self._compiled_already(False): return 'compiled'
+    if self.compile_valid: return 'compile'
+    epochs = getattr(learn, 'n_epoch', 1) - getattr(learn, 'epoch', 0) # This epoch's and those after it
+    batches = getattr(learn, 'n_iter', 1) * max(epochs, 1)
+    return 'compile' if self.pays is not None and self.pays(batches) else 'eager'
+
+# %% ../nbs/00_core.ipynb #f126ba32
 def _shapes(leaves:list)->tuple:
     with subclass_dispatch_off(): return tuple(tuple(o.shape) for o in leaves if isinstance(o, Tensor))
 
@@ -429,6 +405,46 @@ def _masked(shapes:tuple, dims:frozenset)->tuple:
     "`shapes` with the sizes of the dynamic `dims` left out (`None`): the shapes one dynamic graph serves"
     return tuple(tuple(None if (i,d) in dims else n for d,n in enumerate(s)) for i,s in enumerate(shapes))
 
+@patch
+def runs_eagerly(self:EagerPolicy,
+    call:CompiledCall, # The compiled call asking, with its input shapes compiled for and run eagerly, by phase
+    shapes:tuple, # The shapes of its inputs' tensors
+)->bool:
+    "Whether `call` runs eagerly: in an eager batch, or for input shapes new to its phase, seen once or a one-off"
+    # A new shape costs a graph of its own (with `dynamic=False`), which a one-off call would use once: the smaller
+    # last batch of a validation set, a `predict` on one item. It runs eagerly; a shape seen again is compiled. A
+    # one-off call without gradients runs eagerly even where its phase has no graph yet (a `predict` after a fit)
+    if self.eager: return True
+    if call.settings.get('dynamic'): return False # Dynamic graphs take new shapes without recompiling
+    phase = (torch.is_grad_enabled(), call.module.training)
+    known = call.shapes.setdefault(phase, set())
+    if dims := call.dims.get(phase): shapes = _masked(shapes, dims)
+    if shapes in known: return False
+    one_off = self.one_off and (known or not phase[0]) # Not a whole training fit's only shape (one batch an epoch)
+    if one_off:
+        call.eager_calls[phase, shapes] += 1
+        return True
+    if self._varies(call, phase, shapes): return False
+    if known and not call.eager_calls[phase, shapes]:
+        call.eager_calls[phase, shapes] += 1
+        return True
+    known.add(shapes)
+    return False
+
+@patch
+def _varies(self:EagerPolicy, call:CompiledCall, phase:tuple, shapes:tuple)->bool:
+    "Whether the phase's input shapes keep changing, met at its `vary_after`th shape: its changing sizes then compile dynamically"
+    # Text padded to each batch's longest item changes length at every batch: a graph per length would recompile until
+    # TorchDynamo's limit. Sizes that changed once (the last batch) run eagerly as one-offs; sizes that keep changing
+    # get one graph with symbolic sizes
+    seen = call.seen.setdefault(phase, set())
+    seen.add(shapes)
+    if len(seen) < self.vary_after or phase in call.dims or not (dims := _varying_dims(list(seen))): return False
+    call.dims[phase] = dims
+    call.shapes[phase] = {_masked(shapes, dims)}
+    return True
+
+# %% ../nbs/00_core.ipynb #e939e865
 class CompiledCall:
     "The compiled `__call__` of a module: `torch.compile` on plain tensors, with outputs typed as fastai's eager ones"
     def __init__(self,
@@ -449,87 +465,6 @@ class CompiledCall:
         self.dims = {} # The input sizes compiled dynamically, by phase, once they kept changing: {(input, dimension)}
         self.around = '' # The recurrent layers this part of a model is compiled around, which run eagerly (`_rnn_free_parts`)
         self.new_entry(entries)
-
-    def new_entry(self, entries:dict|None=None):
-        "Compile afresh, with the hooks registered now (TorchDynamo doesn't notice hooks added or removed later)"
-        self.hooks, self.warned_hooks = self._hooks(), None
-        self.entries = {} if entries is None else entries
-        self.params = list(self.module.parameters())
-        self._use_entry(self._trains())
-
-    def _trains(self)->tuple: return tuple([p.requires_grad for p in self.params])
-
-    def _use_entry(self, trains:tuple):
-        "Run the compiled function for the freeze state `trains` (which parameters train), compiled afresh if new"
-        # Some torch versions (2.11) don't guard on a parameter's `requires_grad` when the module is an argument: a graph
-        # traced frozen would keep its parameters frozen. One function per freeze state compiles each once, on any torch
-        self.trains, self.shapes = trains, {} # `shapes`: input shapes compiled for, by phase (gradients on, training mode)
-        self.seen = {} # Input shapes met by phase, one-offs left out
-        # Made at the first compiled call: `torch.compile` imports inductor, seconds that a fit running eagerly (while a
-        # worker compiles, or for its measurement batches) needn't wait for
-        self.entry = self.entries.get(trains)
-        self.unchecked = False # A new entry's first call must capture a graph, or the model runs eagerly
-        self.dynamic_entry = None # Compiled for the phases whose input sizes keep changing, once one does
-
-    def _static_entry(self)->Callable:
-        "The compiled function for this freeze state: a twin's (regional compilation), or made now"
-        if (entry := self.entries.get(self.trains)) is not None: return entry
-        loads = precompiled_loads()
-        entry = self.entries[self.trains] = compiled_entry(type(self.module).__name__, self._precompile_key(self.trains), **self.settings)
-        self.unchecked = precompiled_loads() == loads # Code TorchDynamo precompiled has its graphs: nothing to check
-        return entry
-
-    def _dynamic_entry(self):
-        "The compiled function for inputs whose sizes keep changing: marked dynamic, and TorchDynamo's automatic dynamic shapes inside"
-        key = (self.trains, 'dynamic')
-        if key not in self.entries:
-            self.entries[key] = compiled_entry(type(self.module).__name__, self._precompile_key(key), **{**self.settings, 'dynamic': None})
-        return self.entries[key]
-
-    def _entry_for(self, args:tuple, kwargs:dict, tier:tuple|None=None)->Callable:
-        "The compiled function for this call: the dynamic one, its inputs' changing sizes marked, where the phase has one; else `tier`'s"
-        if self.entry is None: self.entry = self._static_entry()
-        dims = self.dims.get((torch.is_grad_enabled(), self.module.training))
-        if not dims and tier is not None: return self._tier_entry(*tier)
-        if not dims: return self.entry
-        tensors = [o for o in tree_flatten((args, kwargs))[0] if isinstance(o, Tensor)]
-        for i,d in dims: mark_dynamic(tensors[i], d)
-        if self.dynamic_entry is None: self.dynamic_entry = self._dynamic_entry()
-        return self.dynamic_entry
-
-    def _tier(self)->tuple|None:
-        "The tier (name, settings) that runs this call: one its switch chose for a training batch, for the training phase alone"
-        tier = None if self.switch is None else self.switch.tier
-        return tier if tier is not None and self.module.training and torch.is_grad_enabled() else None
-
-    def _tier_entry(self, name:str, settings:dict)->Callable:
-        "The compiled function of tier `name` for this freeze state: `settings` over the model's, made at its first call"
-        key = (self.trains, 'tier', name)
-        if key not in self.entries:
-            both = {**self.settings, **settings}
-            self.entries[key] = compiled_entry(type(self.module).__name__, self._precompile_key(key, both), **both)
-        return self.entries[key]
-
-    def drop_tier(self,
-        name:str, # The tier whose compiled functions go, with the memory their graphs hold
-    ):
-        "Drop the compiled functions of tier `name`, every freeze state's"
-        for k in [k for k in self.entries if len(k) == 3 and k[1:] == ('tier', name)]: del self.entries[k]
-
-    def dynamic_shapes(self, phase:tuple)->tuple|None:
-        "The input shapes the phase's dynamic graph serves, `None` for each size that changes; `None` if it has none"
-        return next(iter(self.shapes.get(phase, ())), None) if phase in self.dims else None
-
-    def _precompile_key(self, trains:tuple, settings:dict|None=None)->str|None:
-        "What the code TorchDynamo precompiles for this entry is for: the model, the settings, the freeze state and the hooks"
-        # TorchDynamo finds precompiled code by the function's name, and it leaves out guards it can't save: this key keeps
-        # another model's code, or another freeze state's (some torch versions don't guard `requires_grad`), from loading
-        if not caching_precompile(): return None
-        settings = sorted((k, str(v)) for k,v in (self.settings if settings is None else settings).items())
-        what = (model_fingerprint(self.module), settings, trains, list(map(hook_owner, self.hooks)))
-        return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
-
-    def _hooks(self)->tuple: return tuple(h for d in self.hook_dicts if d for h in d.values())
 
     def __call__(self, *args, **kwargs):
         if self.hooks or any(self.hook_dicts): # The fast path has no hooks, before and now
@@ -571,38 +506,138 @@ class CompiledCall:
         cls = self.casts[-1].tensor_cls if self.casts else None if like is None else type(like)
         return out if cls is None else tree_map_only(Tensor, lambda t: _retyped(t, cls, like), out)
 
-    def _runs_eagerly(self, leaves:list)->bool:
-        "Whether this call runs eagerly, as its `EagerPolicy` decides for the batch running and the shapes of `leaves`"
-        return self.policy.runs_eagerly(self, _shapes(leaves))
+# %% ../nbs/00_core.ipynb #e4009b98
+@patch
+def new_entry(self:CompiledCall, entries:dict|None=None):
+    "Compile afresh, with the hooks registered now (TorchDynamo doesn't notice hooks added or removed later)"
+    self.hooks, self.warned_hooks = self._hooks(), None
+    self.entries = {} if entries is None else entries
+    self.params = list(self.module.parameters())
+    self._use_entry(self._trains())
 
-    def _raise_as_eager(self, error:Exception, args:tuple, kwargs:dict, held:HeldRecords|None=None):
-        "Raise what eager raises for this call, where TorchDynamo failed to run one of its operations while tracing it"
-        # A bug of the model's (a shape or device that doesn't fit) reaches TorchDynamo as an error about its fake tensors:
-        # eager's error says it in the model's terms, at the model's line, as it would without compiling
-        buffers = [(b, b.clone()) for b in self.module.buffers()]
-        call_module(self.module, *args, **kwargs)
-        with torch.no_grad(): # Eager ran it, so the compiler failed, not the model: undo its running statistics
-            for b,old in buffers: b.copy_(old)
-        if held is not None: held.release() # What torch logged of the compiler's failure
-        raise error
+@patch
+def _trains(self:CompiledCall)->tuple: return tuple([p.requires_grad for p in self.params])
 
-    def _check_captured(self, graphs_before:int):
-        "Warn when the first call captured no graph: TorchDynamo skipped the model, which then runs eagerly"
-        self.unchecked = False
-        if graphs_compiled() > graphs_before: return
-        warnings.warn(f"torch.compile captured no graph of {type(self.module).__name__}: TorchDynamo skipped its code or broke "
-                      "the graph before any operation, so it runs eagerly. `DynamoExplainCallback` shows where it breaks; "
-                      "`TORCH_LOGS=graph_breaks` shows why a frame was skipped.", stacklevel=3)
+@patch
+def _use_entry(self:CompiledCall, trains:tuple):
+    "Run the compiled function for the freeze state `trains` (which parameters train), compiled afresh if new"
+    # Some torch versions (2.11) don't guard on a parameter's `requires_grad` when the module is an argument: a graph
+    # traced frozen would keep its parameters frozen. One function per freeze state compiles each once, on any torch
+    self.trains, self.shapes = trains, {} # `shapes`: input shapes compiled for, by phase (gradients on, training mode)
+    self.seen = {} # Input shapes met by phase, one-offs left out
+    # Made at the first compiled call: `torch.compile` imports inductor, seconds that a fit running eagerly (while a
+    # worker compiles, or for its measurement batches) needn't wait for
+    self.entry = self.entries.get(trains)
+    self.unchecked = False # A new entry's first call must capture a graph, or the model runs eagerly
+    self.dynamic_entry = None # Compiled for the phases whose input sizes keep changing, once one does
 
-    def _warn_eager(self, observers:list):
-        "Say, once for each set of hooks, that the model runs eagerly while they look at its values"
-        if observers == self.warned_hooks: return
-        self.warned_hooks = observers
-        owners = ', '.join(dict.fromkeys(map(hook_owner, observers)))
-        warnings.warn(f"{owners} registered hooks on {len(observers)} module(s) of {type(self.module).__name__} that read its "
-            "values out (fastai `Hook`s with `detach=True`). Compiled, each would break the graph and recompile at every "
-            "batch, so the model runs eagerly while they are registered and compiled once they are removed (HookCallbacks "
-            "such as ActivationStats remove theirs after the fit).", stacklevel=3)
+@patch
+def _static_entry(self:CompiledCall)->Callable:
+    "The compiled function for this freeze state: a twin's (regional compilation), or made now"
+    if (entry := self.entries.get(self.trains)) is not None: return entry
+    loads = precompiled_loads()
+    entry = self.entries[self.trains] = compiled_entry(type(self.module).__name__, self._precompile_key(self.trains), **self.settings)
+    self.unchecked = precompiled_loads() == loads # Code TorchDynamo precompiled has its graphs: nothing to check
+    return entry
+
+@patch
+def _dynamic_entry(self:CompiledCall):
+    "The compiled function for inputs whose sizes keep changing: marked dynamic, and TorchDynamo's automatic dynamic shapes inside"
+    key = (self.trains, 'dynamic')
+    if key not in self.entries:
+        self.entries[key] = compiled_entry(type(self.module).__name__, self._precompile_key(key), **{**self.settings, 'dynamic': None})
+    return self.entries[key]
+
+@patch
+def _entry_for(self:CompiledCall, args:tuple, kwargs:dict, tier:tuple|None=None)->Callable:
+    "The compiled function for this call: the dynamic one, its inputs' changing sizes marked, where the phase has one; else `tier`'s"
+    if self.entry is None: self.entry = self._static_entry()
+    dims = self.dims.get((torch.is_grad_enabled(), self.module.training))
+    if not dims and tier is not None: return self._tier_entry(*tier)
+    if not dims: return self.entry
+    tensors = [o for o in tree_flatten((args, kwargs))[0] if isinstance(o, Tensor)]
+    for i,d in dims: mark_dynamic(tensors[i], d)
+    if self.dynamic_entry is None: self.dynamic_entry = self._dynamic_entry()
+    return self.dynamic_entry
+
+@patch
+def dynamic_shapes(self:CompiledCall, phase:tuple)->tuple|None:
+    "The input shapes the phase's dynamic graph serves, `None` for each size that changes; `None` if it has none"
+    return next(iter(self.shapes.get(phase, ())), None) if phase in self.dims else None
+
+@patch
+def _hooks(self:CompiledCall)->tuple: return tuple(h for d in self.hook_dicts if d for h in d.values())
+
+# %% ../nbs/00_core.ipynb #6354bbcb
+@patch
+def _tier(self:CompiledCall)->tuple|None:
+    "The tier (name, settings) that runs this call: one its switch chose for a training batch, for the training phase alone"
+    tier = None if self.switch is None else self.switch.tier
+    return tier if tier is not None and self.module.training and torch.is_grad_enabled() else None
+
+@patch
+def _tier_entry(self:CompiledCall, name:str, settings:dict)->Callable:
+    "The compiled function of tier `name` for this freeze state: `settings` over the model's, made at its first call"
+    key = (self.trains, 'tier', name)
+    if key not in self.entries:
+        both = {**self.settings, **settings}
+        self.entries[key] = compiled_entry(type(self.module).__name__, self._precompile_key(key, both), **both)
+    return self.entries[key]
+
+@patch
+def drop_tier(self:CompiledCall,
+    name:str, # The tier whose compiled functions go, with the memory their graphs hold
+):
+    "Drop the compiled functions of tier `name`, every freeze state's"
+    for k in [k for k in self.entries if len(k) == 3 and k[1:] == ('tier', name)]: del self.entries[k]
+
+@patch
+def _precompile_key(self:CompiledCall, trains:tuple, settings:dict|None=None)->str|None:
+    "What the code TorchDynamo precompiles for this entry is for: the model, the settings, the freeze state and the hooks"
+    # TorchDynamo finds precompiled code by the function's name, and it leaves out guards it can't save: this key keeps
+    # another model's code, or another freeze state's (some torch versions don't guard `requires_grad`), from loading
+    if not caching_precompile(): return None
+    settings = sorted((k, str(v)) for k,v in (self.settings if settings is None else settings).items())
+    what = (model_fingerprint(self.module), settings, trains, list(map(hook_owner, self.hooks)))
+    return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
+
+# %% ../nbs/00_core.ipynb #1bc2c207
+@patch
+def _runs_eagerly(self:CompiledCall, leaves:list)->bool:
+    "Whether this call runs eagerly, as its `EagerPolicy` decides for the batch running and the shapes of `leaves`"
+    return self.policy.runs_eagerly(self, _shapes(leaves))
+
+@patch
+def _raise_as_eager(self:CompiledCall, error:Exception, args:tuple, kwargs:dict, held:HeldRecords|None=None):
+    "Raise what eager raises for this call, where TorchDynamo failed to run one of its operations while tracing it"
+    # A bug of the model's (a shape or device that doesn't fit) reaches TorchDynamo as an error about its fake tensors:
+    # eager's error says it in the model's terms, at the model's line, as it would without compiling
+    buffers = [(b, b.clone()) for b in self.module.buffers()]
+    call_module(self.module, *args, **kwargs)
+    with torch.no_grad(): # Eager ran it, so the compiler failed, not the model: undo its running statistics
+        for b,old in buffers: b.copy_(old)
+    if held is not None: held.release() # What torch logged of the compiler's failure
+    raise error
+
+@patch
+def _check_captured(self:CompiledCall, graphs_before:int):
+    "Warn when the first call captured no graph: TorchDynamo skipped the model, which then runs eagerly"
+    self.unchecked = False
+    if graphs_compiled() > graphs_before: return
+    warnings.warn(f"torch.compile captured no graph of {type(self.module).__name__}: TorchDynamo skipped its code or broke "
+                  "the graph before any operation, so it runs eagerly. `DynamoExplainCallback` shows where it breaks; "
+                  "`TORCH_LOGS=graph_breaks` shows why a frame was skipped.", stacklevel=3)
+
+@patch
+def _warn_eager(self:CompiledCall, observers:list):
+    "Say, once for each set of hooks, that the model runs eagerly while they look at its values"
+    if observers == self.warned_hooks: return
+    self.warned_hooks = observers
+    owners = ', '.join(dict.fromkeys(map(hook_owner, observers)))
+    warnings.warn(f"{owners} registered hooks on {len(observers)} module(s) of {type(self.module).__name__} that read its "
+        "values out (fastai `Hook`s with `detach=True`). Compiled, each would break the graph and recompile at every "
+        "batch, so the model runs eagerly while they are registered and compiled once they are removed (HookCallbacks "
+        "such as ActivationStats remove theirs after the fit).", stacklevel=3)
 
 # %% ../nbs/00_core.ipynb #d74f1d6a
 def unwrap_model(

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from fastcore.basics import store_attr
+from fastcore.basics import store_attr, patch
 from fastcore.meta import delegates
 from fastai.optimizer import (Optimizer, Lookahead, weight_decay, l2_reg, average_grad, average_sqr_grad, step_stat,
     debias, sgd_step, momentum_step, rms_prop_step, adam_step, radam_step, qhadam_step, larc_layer_lr, larc_step, lamb_step)
@@ -232,69 +232,6 @@ class CompiledOptimizerStep:
     def __reduce__(self): # Compiled anew when unpickled or copied
         return (partial(type(self), fused=self.fused_ok, fused_only=self.fused_only, **self.settings), (self.opt,))
 
-    def _set_rules(self):
-        self.cbs = tuple(self.opt.cbs)
-        rules = [_rule_of(cb) for cb in self.cbs]
-        unknown = [name for rule,_,name in rules if rule is None]
-        self.rules = None if unknown else [(rule, fixed) for rule,fixed,_ in rules]
-        if unknown and not self.warned:
-            warnings.warn(f"The optimizer step runs eagerly: `step_rules` has no `StepRule` for {', '.join(unknown)}.")
-            self.warned = True
-        if unknown: return
-        self.updates = tuple(rule.update for rule,_ in self.rules)
-        self.static = [(n, fixed.get(n)) for rule,fixed in self.rules for n in rule.static]
-        self.counts = [k for rule,_ in self.rules for k in rule.counts]
-        self.state = {k:make for rule,_ in self.rules for k,make in (rule.state or {}).items()}
-        self.fused = _fused_kernel(self.cbs, self.rules) if self.fused_ok else None
-
-    def _groups(self)->dict:
-        "Parameters with a gradient and their states, by parameter group, device, dtype, static arguments and counts like `step`"
-        groups, state, static, counts = {}, self.opt.state, self.static, self.counts
-        for i,(ps,hyper) in enumerate(zip(self.opt.param_lists, self.opt.hypers)):
-            for p in ps:
-                if p.grad is None: continue
-                st = state[p]
-                key = (i, p.device, p.dtype, tuple([hyper[n] if n in hyper else st.get(n, d) for n,d in static]),
-                       tuple([st.get(k) for k in counts]))
-                groups.setdefault(key, []).append((p, st))
-        return groups
-
-    def _prepare(self, j:int, key:tuple, pairs:list):
-        "Group `j`'s static arguments, lists of tensors and scalars, its states, and the counts they keep after the step"
-        i, device, dtype, static, counts = key
-        ps, states = [p for p,_ in pairs], [st for _,st in pairs]
-        t = dict(p=ps, g=[p.grad for p in ps])
-        for k,make in self.state.items(): t[k] = [_state_tensor(st, k, make, p) for p,st in pairs]
-        if (j, device, dtype) not in self.scalars: self.scalars[j, device, dtype] = _Scalars(device, torch.promote_types(dtype, torch.float32))
-        scalar, static, env = self.scalars[j, device, dtype], iter(static), {k:v for k,v in zip(self.counts, counts) if v is not None}
-        statics, coefs, hyper = [], [], self.opt.hypers[i]
-        for r,(rule, fixed) in enumerate(self.rules):
-            s = {n: next(static) for n in rule.static}
-            vals = rule.scalars(**{**fixed, **env, **hyper, **s})
-            env.update({k: vals.pop(k) for k in rule.counts})
-            statics.append(s)
-            coefs.append({n: scalar((r, n), v) for n,v in vals.items()})
-        return (tuple(statics), t, tuple(coefs)), states, {k:env[k] for k in self.counts}
-
-    def _fusable(self, key:tuple)->bool:
-        return self.fused is not None and key[1].type in _fused_devices and key[2].is_floating_point
-
-    def _fused_step(self, key:tuple, pairs:list):
-        "Step one group with PyTorch's fused Adam kernel, keeping fastai's state: `grad_avg`, `sqr_avg` and `step`"
-        i, device, dtype, (do_wd,), (step,) = key
-        ps, hyper, step = [p for p,_ in pairs], self.opt.hypers[i], (step or 0) + 1
-        if ('fused', device) not in self.scalars: self.scalars['fused', device] = _Scalars(device, torch.float32)
-        step_t = self.scalars['fused', device]('step', step) # The kernel reads the step from a tensor: one, for all of them
-        grads, wd = [p.grad for p in ps], hyper['wd'] if do_wd else 0.
-        if wd and self.fused is _l2_kernel: # fastai's L2 adds `wd*p` to the gradients themselves, where `after_step` sees it
-            torch._foreach_add_(grads, ps, alpha=wd)
-            wd = 0.
-        self.fused(ps, grads, [_state_tensor(st, 'grad_avg', _zeros, p) for p,st in pairs],
-                   [_state_tensor(st, 'sqr_avg', _zeros, p) for p,st in pairs], [], [step_t]*len(ps),
-                   lr=hyper['lr'], beta1=hyper['mom'], beta2=hyper['sqr_mom'], weight_decay=wd,
-                   eps=hyper['eps'], amsgrad=False, maximize=False)
-        for _,st in pairs: st['step'] = step
-
     def zero_grad(self):
         "fastai's `zero_grad`: every gradient zeroed in place, by one foreach kernel rather than one kernel per parameter"
         ps = [p for group in self.opt.param_lists for p in group if p.grad is not None]
@@ -318,6 +255,76 @@ class CompiledOptimizerStep:
         for _,states,counts in groups:
             if counts:
                 for st in states: st.update(counts)
+
+# %% ../nbs/05_optimizer.ipynb #c24f06c8
+@patch
+def _set_rules(self:CompiledOptimizerStep):
+    self.cbs = tuple(self.opt.cbs)
+    rules = [_rule_of(cb) for cb in self.cbs]
+    unknown = [name for rule,_,name in rules if rule is None]
+    self.rules = None if unknown else [(rule, fixed) for rule,fixed,_ in rules]
+    if unknown and not self.warned:
+        warnings.warn(f"The optimizer step runs eagerly: `step_rules` has no `StepRule` for {', '.join(unknown)}.")
+        self.warned = True
+    if unknown: return
+    self.updates = tuple(rule.update for rule,_ in self.rules)
+    self.static = [(n, fixed.get(n)) for rule,fixed in self.rules for n in rule.static]
+    self.counts = [k for rule,_ in self.rules for k in rule.counts]
+    self.state = {k:make for rule,_ in self.rules for k,make in (rule.state or {}).items()}
+    self.fused = _fused_kernel(self.cbs, self.rules) if self.fused_ok else None
+
+@patch
+def _groups(self:CompiledOptimizerStep)->dict:
+    "Parameters with a gradient and their states, by parameter group, device, dtype, static arguments and counts like `step`"
+    groups, state, static, counts = {}, self.opt.state, self.static, self.counts
+    for i,(ps,hyper) in enumerate(zip(self.opt.param_lists, self.opt.hypers)):
+        for p in ps:
+            if p.grad is None: continue
+            st = state[p]
+            key = (i, p.device, p.dtype, tuple([hyper[n] if n in hyper else st.get(n, d) for n,d in static]),
+                   tuple([st.get(k) for k in counts]))
+            groups.setdefault(key, []).append((p, st))
+    return groups
+
+@patch
+def _prepare(self:CompiledOptimizerStep, j:int, key:tuple, pairs:list):
+    "Group `j`'s static arguments, lists of tensors and scalars, its states, and the counts they keep after the step"
+    i, device, dtype, static, counts = key
+    ps, states = [p for p,_ in pairs], [st for _,st in pairs]
+    t = dict(p=ps, g=[p.grad for p in ps])
+    for k,make in self.state.items(): t[k] = [_state_tensor(st, k, make, p) for p,st in pairs]
+    if (j, device, dtype) not in self.scalars: self.scalars[j, device, dtype] = _Scalars(device, torch.promote_types(dtype, torch.float32))
+    scalar, static, env = self.scalars[j, device, dtype], iter(static), {k:v for k,v in zip(self.counts, counts) if v is not None}
+    statics, coefs, hyper = [], [], self.opt.hypers[i]
+    for r,(rule, fixed) in enumerate(self.rules):
+        s = {n: next(static) for n in rule.static}
+        vals = rule.scalars(**{**fixed, **env, **hyper, **s})
+        env.update({k: vals.pop(k) for k in rule.counts})
+        statics.append(s)
+        coefs.append({n: scalar((r, n), v) for n,v in vals.items()})
+    return (tuple(statics), t, tuple(coefs)), states, {k:env[k] for k in self.counts}
+
+# %% ../nbs/05_optimizer.ipynb #7d82f899
+@patch
+def _fusable(self:CompiledOptimizerStep, key:tuple)->bool:
+    return self.fused is not None and key[1].type in _fused_devices and key[2].is_floating_point
+
+@patch
+def _fused_step(self:CompiledOptimizerStep, key:tuple, pairs:list):
+    "Step one group with PyTorch's fused Adam kernel, keeping fastai's state: `grad_avg`, `sqr_avg` and `step`"
+    i, device, dtype, (do_wd,), (step,) = key
+    ps, hyper, step = [p for p,_ in pairs], self.opt.hypers[i], (step or 0) + 1
+    if ('fused', device) not in self.scalars: self.scalars['fused', device] = _Scalars(device, torch.float32)
+    step_t = self.scalars['fused', device]('step', step) # The kernel reads the step from a tensor: one, for all of them
+    grads, wd = [p.grad for p in ps], hyper['wd'] if do_wd else 0.
+    if wd and self.fused is _l2_kernel: # fastai's L2 adds `wd*p` to the gradients themselves, where `after_step` sees it
+        torch._foreach_add_(grads, ps, alpha=wd)
+        wd = 0.
+    self.fused(ps, grads, [_state_tensor(st, 'grad_avg', _zeros, p) for p,st in pairs],
+               [_state_tensor(st, 'sqr_avg', _zeros, p) for p,st in pairs], [], [step_t]*len(ps),
+               lr=hyper['lr'], beta1=hyper['mom'], beta2=hyper['sqr_mom'], weight_decay=wd,
+               eps=hyper['eps'], amsgrad=False, maximize=False)
+    for _,st in pairs: st['step'] = step
 
 # %% ../nbs/05_optimizer.ipynb #befb19e7
 def _inner(opt):

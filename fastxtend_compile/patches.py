@@ -39,13 +39,21 @@ _fastai_save, _fastai_load = Learner.save, Learner.load
 
 @patch
 @delegates(_fastai_save)
-def save(self:Learner, file, **kwargs):
+def save(self:Learner,
+    file, # Saved as `self.path/self.model_dir/f'{file}.pth'`
+    **kwargs
+):
     "Save model and optimizer state (if `with_opt`) to `self.path/self.model_dir/file`, without `torch.compile` key prefixes"
     with plain_model(self): return _fastai_save(self, file, **kwargs)
 
+
+# %% ../nbs/03_patches.ipynb #5e45aa3a
 @patch
 @delegates(_fastai_load)
-def load(self:Learner, file, **kwargs):
+def load(self:Learner,
+    file, # Loaded from `self.path/self.model_dir/f'{file}.pth'`
+    **kwargs
+):
     "Load model and optimizer state (if `with_opt`) from `self.path/self.model_dir/file` into the plain or compiled model"
     with plain_model(self): return _fastai_load(self, file, **kwargs)
 
@@ -56,7 +64,10 @@ def _compile_cbs(learn): return [cb for cb in learn.cbs if type(cb).__module__.s
 
 @patch
 @delegates(_fastai_export)
-def export(self:Learner, fname='export.pkl', **kwargs):
+def export(self:Learner,
+    fname='export.pkl', # Saved as `self.path/fname`
+    **kwargs
+):
     "Export the content of `self` without the items and the optimizer state for inference"
     # The pickle holds what plain fastai's holds: the plain model, without this library's callbacks or TorchDynamo's marks
     cbs = _compile_cbs(self)
@@ -68,6 +79,21 @@ def export(self:Learner, fname='export.pkl', **kwargs):
         if kept is not None: self.compiler = kept
         self.add_cbs(cbs)
 
+# %% ../nbs/03_patches.ipynb #e993f1e6
+_fastai_load_learner = fastai.learner.load_learner
+
+@delegates(_fastai_load_learner)
+def load_learner(
+    fname, # A file `Learner.export` wrote
+    cpu:bool=True, # Load onto the CPU; `False`: onto the default device
+    **kwargs
+):
+    "Load a `Learner` object in `fname`, by default putting it on the `cpu`, without any `CompilerCallback`"
+    learn = _fastai_load_learner(fname, cpu=cpu, **kwargs)
+    learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, CompilerCallback)])
+    learn.model = uncompile_model(learn.model)
+    return learn
+
 # %% ../nbs/03_patches.ipynb #22369670
 @patch
 def remove_cb(self:Learner,
@@ -76,17 +102,6 @@ def remove_cb(self:Learner,
     "Remove `cb` from the list of `Callback`s; a removed `CompilerCallback` returns the `Learner` to eager"
     if isinstance(cb, CompilerCallback) and cb.learn is self: cb.uncompile()
     return _fastai_remove_cb(self, cb)
-
-# %% ../nbs/03_patches.ipynb #e993f1e6
-_fastai_load_learner = fastai.learner.load_learner
-
-@delegates(_fastai_load_learner)
-def load_learner(fname, cpu:bool=True, **kwargs):
-    "Load a `Learner` object in `fname`, by default putting it on the `cpu`, without any `CompilerCallback`"
-    learn = _fastai_load_learner(fname, cpu=cpu, **kwargs)
-    learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, CompilerCallback)])
-    learn.model = uncompile_model(learn.model)
-    return learn
 
 # %% ../nbs/03_patches.ipynb #9b11a4c5
 _fastai_fit = Learner.fit

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch, fastai
 from fastai.data.transforms import IntToFloatTensor
-from fastcore.basics import store_attr, groupby
+from fastcore.basics import store_attr, groupby, patch
 
 from .core import graph_break_reason, frame_name, hook_owner
 from .internals import *
@@ -59,7 +59,9 @@ class CompileEvent:
     raw_reason:str='' # TorchDynamo's own reason
     during:str='' # When it happened: 'training batch 1', 'validation'...
 
-    def text(self, alike:list|None=None)->str:
+    def text(self,
+        alike:list|None=None, # Events alike, this one among them, to tell as one line with their count and time
+    )->str:
         "The event as a line; with `alike`, the events of its kind, frame, moment and reason (itself included) as one line"
         when = f' during {self.during}' if self.during else ''
         took = f"{self.seconds:.2f}s" if len(alike or [self]) == 1 else f"{len(alike)} times, {sum(e.seconds for e in alike):.2f}s in all"
@@ -67,7 +69,7 @@ class CompileEvent:
         return f"{self.kind} of {self.frame}{when}, {took}{why}"
     def __str__(self): return self.text()
 
-# %% ../nbs/01_report.ipynb #77cd4273
+# %% ../nbs/01_report.ipynb #72a8973c
 def _ms(s:float)->str: return f"{s*1e3:.1f} ms"
 
 def _event(device:torch.device):
@@ -79,6 +81,7 @@ def _median(xs:list)->float: return sorted(xs)[len(xs)//2]
 
 def _shape_text(shapes:tuple)->str: return ', '.join('×'.join('n' if n is None else str(n) for n in s) for s in shapes) or 'no tensors'
 
+# %% ../nbs/01_report.ipynb #1e0e2724
 @dataclass
 class CompileReport:
     "What the compiler did during a fit, and whether it paid"
@@ -109,7 +112,6 @@ class CompileReport:
     ddp_reducer:str|None = None # Why DDP's reducer averaged the compiled batches' gradients; `None` where this library did
     background:list = field(default_factory=list) # What compiling outside the fit's path did, a line each (`background`)
     gc_pauses:list = field(default_factory=list) # Seconds of each of Python's full garbage collections during the fits (`GCFreeze`)
-
     @property
     def graph_breaks(self)->int:
         "Number of graph breaks TorchDynamo hit"
@@ -126,52 +128,6 @@ class CompileReport:
     def fallbacks(self)->list:
         "The frames that hit the recompile limit and run eagerly"
         return [e for e in self.events if e.kind == 'fallback']
-    @property
-    def compiled_step(self)->float|None:
-        "Median seconds of a compiled training batch that compiled nothing, since the eager step was measured"
-        steady = [s for s,c in self.batch_times[self.measured_from:] if not c and s is not None] # `None`: not read from the device yet
-        return _median(steady) if steady else None
-    @property
-    def eager_step(self)->float|None:
-        "Median seconds of an eager training batch, its first (warm-up) one left out"
-        times = sorted(self.eager_times[1:])
-        return times[len(times)//2] if times else None
-    @property
-    def data_share(self)->float|None:
-        "The share of a training step spent waiting for the DataLoader"
-        if not self.data_waits: return None
-        wait = sum(self.data_waits) / len(self.data_waits)
-        if self.batch_walls: return wait / max(_median(self.batch_walls), wait) # Copied ahead: the host's time between batches
-        step = self.compiled_step or self.eager_step
-        return None if step is None else wait / (wait + step)
-
-    @property
-    def device_idles(self)->bool:
-        "Whether the device waits between compiled training batches: its step takes under 80% of the time between them"
-        step = self.compiled_step
-        return not self.batch_walls or step is None or step < 0.8 * _median(self.batch_walls)
-
-    def pace(self)->str|None:
-        "Where a compiled training batch's time goes, where the fit copied its batches ahead: `None` elsewhere"
-        step = self.compiled_step
-        if not self.batch_walls or not self.data_waits or step is None: return None
-        wall, data = _median(self.batch_walls), _median(self.data_waits)
-        bound = "the device's step bounds the fit" if not self.device_idles else "the host bounds the fit: the device waits for it"
-        return (f"pace: a compiled training batch every {_ms(wall)} on the host's clock, its step {_ms(step)} on the device, "
-                f"{_ms(data)} of the host's time fetching the next batch; {bound}")
-
-    @property
-    def compile_spike(self)->float|None:
-        "Seconds the slowest compiling training batch took beyond the compiled step: what a new graph costs here"
-        comp, spikes = self.compiled_step, [s for s,c in self.batch_times if c and s is not None]
-        return None if comp is None or not spikes else max(spikes) - comp
-
-    @property
-    def step_saving(self)->float|None:
-        "Seconds a compiled training step saves, at the least: the fastest eager batch measured against the compiled step"
-        # A busy machine only ever slows a batch down: the fastest of the few eager batches is the surest
-        comp, eager = self.compiled_step, self.eager_times[1:]
-        return None if comp is None or not eager else max(min(eager) - comp, 0.)
 
     def pays_back(self,
         batches:int, # Batches a graph not compiled yet would run
@@ -182,101 +138,174 @@ class CompileReport:
         saving, cost = self.step_saving, self.compile_spike
         return None not in (saving, cost) and pays_back(batches, saving, cost)
 
-    def _unpaid(self, what:str, n:int, extra:str='')->str:
-        "The summary's line for `n` batches of `what` run eagerly, too few to pay back their graph"
-        saving, cost = self.step_saving, self.compile_spike
-        why = ("no fit has measured yet what compiling saves here" if None in (saving, cost) else
-               f"a compiled step saves {_ms(saving)} against {cost:.1f}s to compile")
-        return f"ran eagerly, {what}: {n} batch(es), too few to pay back compiling their graph ({why}){extra}"
-
-    def payoff(self)->str:
-        "Whether compiling paid: the compiled step against the eager one, and the epochs that pay back the compile"
-        comp, eager = self.compiled_step, self.eager_step
-        if comp is not None and eager is None and self.ddp_backward_graphs is not None:
-            return "payoff: not measured (with `ddp_compiled_autograd` an eager backward would all-reduce each gradient alone)"
-        if comp is None or eager is None: return "payoff: not measured (the fit ran too few compiled training batches)"
-        line = f"compiled step {_ms(comp)} against {_ms(eager)} eager"
-        if comp > 0.95*eager: return f"did not pay: {line}: the compiled model is not measurably faster here"
-        if comp > 0.95*(fast := min(self.eager_times[1:])):
-            return (f"payoff: not measured enough: {line}, but the fastest eager batch took {_ms(fast)}: too few eager batches "
-                    "to tell (a longer fit measures more)")
-        epochs = self.compile_seconds / ((eager - comp) * max(self.epoch_steps, 1))
-        back = f"the {self.compile_seconds:.1f}s of compiling pay back after {epochs:.1f} epoch(s)"
-        if self.fit_steps and not pays_back(self.fit_steps, eager - comp, self.compile_seconds):
-            return f"faster, not paid back yet: {line} ({eager/comp:.2f}×); {back}, more than the {self.fit_steps/max(self.epoch_steps, 1):g} trained"
-        return f"paid: {line} ({eager/comp:.2f}×); {back}"
-
-    def ddp_strategy(self)->str:
-        "How the compiled model ran under DistributedDataParallel"
-        if self.ddp_backward_graphs is not None:
-            return (f"DDP: whole graphs, each backward compiled by compiled autograd with DDP's all-reduces in its graph "
-                    f"(DDP's Python reducer, `ddp_compiled_autograd=True`): {self.ddp_backward_graphs} backward graph(s)")
-        how = "in one all-reduce" if self.ddp_reducer is None else f"by DDP's reducer ({self.ddp_reducer})"
-        return f"DDP: whole graphs, gradients all-reduced after the backward, {how}"
-
-    def data_advice(self, threshold:float=0.25)->str|None:
-        "What to do when the model waits for the DataLoader for more than `threshold` of training time, else `None`"
-        share = self.data_share
-        if share is None or share < threshold or not self.device_idles: return None
-        wait = (f"the DataLoader: {share:.0%} of training time waiting for batches (num_workers={self.num_workers}), so a faster "
-                "step helps little. ")
-        if not self.images: return wait + "More `num_workers`, or data prepared once before training (tokenised, cached), would help more"
-        return wait + ("More `num_workers`, augmentations in `batch_tfms` (on the GPU) rather than `item_tfms`, or "
-                       "images cached at their training size would help more")
-
-    def summary(self)->str:
-        "The report as a few readable lines"
-        lines = [f"torch.compile: {self.graphs} graph(s) compiled in {self.compile_seconds:.1f}s, "
-                 f"{self.graph_breaks} graph break(s), {len(self.recompiles)} recompile(s), {len(self.fallbacks)} eager fallback(s)"]
-        lines += [f"  graph break{f' ({n} times)' if n > 1 else ''}: {graph_break_reason(r)}"
-                  for r,n in Counter(self.break_reasons).most_common()]
-        if self.break_reasons: lines.append("  `DynamoExplainCallback` shows the file and line of each graph break")
-        # A regional model's twins recompile alike, and its blocks each see a one-off batch at a shape of their own: one line each
-        alike = groupby([e for e in self.events if e.kind != 'compile'], lambda e: (e.kind, e.frame, e.during, e.reason))
-        lines += [f"  {es[0].text(es)}" for es in alike.values()]
-        once = groupby(self.eager_calls.items(), lambda o: (o[0][0][0], o[1]), lambda o: _shape_text(o[0][1])) # By (grad, count)
-        lines += [f"  ran eagerly, {'a shape seen once' if n == 1 else 'a one-off shape (the last, smaller batch)'} and not worth "
-                  f"a graph: {n} {'training' if grad else 'validation or inference'} call(s) "
-                  + (f"with input {s[0]}" if len(s) == 1 else f"with each of the inputs {'; '.join(s)}")
-                  for (grad, n), s in once.items()]
-        lines += [f"  compiled dynamically: the {'training' if grad else 'validation or inference'} inputs of {part} kept changing "
-                  f"in size ({_shape_text(shapes)}; n for a size that changed), so one graph serves them all"
-                  for ((grad, _), part), shapes in self.dynamic.items()]
-        if self.rnns: lines.append(f"  ran eagerly: the model's {self.rnns} layers, which TorchDynamo doesn't trace (it would break the "
-                                   f"graph at each); compiled around them: {self.rnn_parts}")
-        if self.eager_hooks: lines.append(f"  ran eagerly while hooks of {self.eager_hooks} read the model's values (fastai `Hook`s "
-                                          "with `detach=True`): it compiles once they are removed")
-        if self.eager_frozen: lines.append(f"  ran eagerly: {self.eager_frozen} frozen fit(s) of `fine_tune` "
-                                           "(`fine_tune(compile_frozen=True)` compiles them too)")
-        if self.precompiled: lines.append(f"  loaded precompiled: {self.precompiled} compiled function(s) from the compile cache, "
-                                          "not traced again (`precompile=True`)")
-        if self.eager_valid: lines.append("  " + self._unpaid("validation within the fit", self.eager_valid,
-                                                              "; `compile_valid=True` compiles it"))
-        if self.eager_eval: lines.append("  " + self._unpaid("evaluation outside a fit (`get_preds`, `validate`)", self.eager_eval,
-                                                             "; `compile_valid=True` compiles it"))
-        if self.eager_lr_find: lines.append("  " + self._unpaid("`lr_find`", self.eager_lr_find))
-        if self.ddp: lines.append(f"  {self.ddp_strategy()}")
-        lines += [f"  {n}" for n in self.background]
-        if self.batch_times: lines.append(f"  {self.payoff()}")
-        if pace := self.pace(): lines.append(f"  {pace}")
-        if advice := self.data_advice(): lines.append(f"  {advice}")
-        return '\n'.join(lines)
-
     def __repr__(self): return self.summary()
 
-    def plot(self, ax=None):
-        "Plot the time of each training batch: compile spikes against the steady state"
-        import matplotlib.pyplot as plt
-        if ax is None: _,ax = plt.subplots(figsize=(6,4))
-        ax.plot([s for s,_ in self.batch_times], label='batch time')
-        hot = [(i,s) for i,(s,c) in enumerate(self.batch_times) if c and s is not None]
-        if hot: ax.scatter(*zip(*hot), color='red', zorder=3, label='compiling')
-        if (steady := self.compiled_step) is not None: ax.axhline(steady, color='gray', ls='--', label=f'median {_ms(steady)}')
-        if (eager := self.eager_step) is not None: ax.axhline(eager, color='orange', ls=':', label=f'eager {_ms(eager)}')
-        ax.set_yscale('log'); ax.set_xlabel('training batch'); ax.set_ylabel('seconds'); ax.legend()
-        return ax
+# %% ../nbs/01_report.ipynb #31a29593
+@patch(as_prop=True)
+def compiled_step(self:CompileReport)->float|None:
+    "Median seconds of a compiled training batch that compiled nothing, since the eager step was measured"
+    steady = [s for s,c in self.batch_times[self.measured_from:] if not c and s is not None] # `None`: not read from the device yet
+    return _median(steady) if steady else None
 
-# %% ../nbs/01_report.ipynb #78afe0f8
+# %% ../nbs/01_report.ipynb #7611dc83
+@patch(as_prop=True)
+def eager_step(self:CompileReport)->float|None:
+    "Median seconds of an eager training batch, its first (warm-up) one left out"
+    times = sorted(self.eager_times[1:])
+    return times[len(times)//2] if times else None
+
+# %% ../nbs/01_report.ipynb #79e076e4
+@patch(as_prop=True)
+def data_share(self:CompileReport)->float|None:
+    "The share of a training step spent waiting for the DataLoader"
+    if not self.data_waits: return None
+    wait = sum(self.data_waits) / len(self.data_waits)
+    if self.batch_walls: return wait / max(_median(self.batch_walls), wait) # Copied ahead: the host's time between batches
+    step = self.compiled_step or self.eager_step
+    return None if step is None else wait / (wait + step)
+
+# %% ../nbs/01_report.ipynb #976cb1f9
+@patch(as_prop=True)
+def device_idles(self:CompileReport)->bool:
+    "Whether the device waits between compiled training batches: its step takes under 80% of the time between them"
+    step = self.compiled_step
+    return not self.batch_walls or step is None or step < 0.8 * _median(self.batch_walls)
+
+# %% ../nbs/01_report.ipynb #34534d0a
+@patch(as_prop=True)
+def compile_spike(self:CompileReport)->float|None:
+    "Seconds the slowest compiling training batch took beyond the compiled step: what a new graph costs here"
+    comp, spikes = self.compiled_step, [s for s,c in self.batch_times if c and s is not None]
+    return None if comp is None or not spikes else max(spikes) - comp
+
+# %% ../nbs/01_report.ipynb #e7d04034
+@patch(as_prop=True)
+def step_saving(self:CompileReport)->float|None:
+    "Seconds a compiled training step saves, at the least: the fastest eager batch measured against the compiled step"
+    # A busy machine only ever slows a batch down: the fastest of the few eager batches is the surest
+    comp, eager = self.compiled_step, self.eager_times[1:]
+    return None if comp is None or not eager else max(min(eager) - comp, 0.)
+
+# %% ../nbs/01_report.ipynb #fa87c528
+@patch
+def _unpaid(self:CompileReport, what:str, n:int, extra:str='')->str:
+    "The summary's line for `n` batches of `what` run eagerly, too few to pay back their graph"
+    saving, cost = self.step_saving, self.compile_spike
+    why = ("no fit has measured yet what compiling saves here" if None in (saving, cost) else
+           f"a compiled step saves {_ms(saving)} against {cost:.1f}s to compile")
+    return f"ran eagerly, {what}: {n} batch(es), too few to pay back compiling their graph ({why}){extra}"
+
+# %% ../nbs/01_report.ipynb #ab5acaf1
+@patch
+def payoff(self:CompileReport)->str:
+    "Whether compiling paid: the compiled step against the eager one, and the epochs that pay back the compile"
+    comp, eager = self.compiled_step, self.eager_step
+    if comp is not None and eager is None and self.ddp_backward_graphs is not None:
+        return "payoff: not measured (with `ddp_compiled_autograd` an eager backward would all-reduce each gradient alone)"
+    if comp is None or eager is None: return "payoff: not measured (the fit ran too few compiled training batches)"
+    line = f"compiled step {_ms(comp)} against {_ms(eager)} eager"
+    if comp > 0.95*eager: return f"did not pay: {line}: the compiled model is not measurably faster here"
+    if comp > 0.95*(fast := min(self.eager_times[1:])):
+        return (f"payoff: not measured enough: {line}, but the fastest eager batch took {_ms(fast)}: too few eager batches "
+                "to tell (a longer fit measures more)")
+    epochs = self.compile_seconds / ((eager - comp) * max(self.epoch_steps, 1))
+    back = f"the {self.compile_seconds:.1f}s of compiling pay back after {epochs:.1f} epoch(s)"
+    if self.fit_steps and not pays_back(self.fit_steps, eager - comp, self.compile_seconds):
+        return f"faster, not paid back yet: {line} ({eager/comp:.2f}×); {back}, more than the {self.fit_steps/max(self.epoch_steps, 1):g} trained"
+    return f"paid: {line} ({eager/comp:.2f}×); {back}"
+
+# %% ../nbs/01_report.ipynb #82cfc2d3
+@patch
+def ddp_strategy(self:CompileReport)->str:
+    "How the compiled model ran under DistributedDataParallel"
+    if self.ddp_backward_graphs is not None:
+        return (f"DDP: whole graphs, each backward compiled by compiled autograd with DDP's all-reduces in its graph "
+                f"(DDP's Python reducer, `ddp_compiled_autograd=True`): {self.ddp_backward_graphs} backward graph(s)")
+    how = "in one all-reduce" if self.ddp_reducer is None else f"by DDP's reducer ({self.ddp_reducer})"
+    return f"DDP: whole graphs, gradients all-reduced after the backward, {how}"
+
+# %% ../nbs/01_report.ipynb #8e61370f
+@patch
+def pace(self:CompileReport)->str|None:
+    "Where a compiled training batch's time goes, where the fit copied its batches ahead: `None` elsewhere"
+    step = self.compiled_step
+    if not self.batch_walls or not self.data_waits or step is None: return None
+    wall, data = _median(self.batch_walls), _median(self.data_waits)
+    bound = "the device's step bounds the fit" if not self.device_idles else "the host bounds the fit: the device waits for it"
+    return (f"pace: a compiled training batch every {_ms(wall)} on the host's clock, its step {_ms(step)} on the device, "
+            f"{_ms(data)} of the host's time fetching the next batch; {bound}")
+
+# %% ../nbs/01_report.ipynb #30a6ec1e
+@patch
+def data_advice(self:CompileReport,
+    threshold:float=0.25, # Share of a training step waiting for the DataLoader above which it advises
+)->str|None:
+    "What to do when the model waits for the DataLoader for more than `threshold` of training time, else `None`"
+    share = self.data_share
+    if share is None or share < threshold or not self.device_idles: return None
+    wait = (f"the DataLoader: {share:.0%} of training time waiting for batches (num_workers={self.num_workers}), so a faster "
+            "step helps little. ")
+    if not self.images: return wait + "More `num_workers`, or data prepared once before training (tokenised, cached), would help more"
+    return wait + ("More `num_workers`, augmentations in `batch_tfms` (on the GPU) rather than `item_tfms`, or "
+                   "images cached at their training size would help more")
+
+# %% ../nbs/01_report.ipynb #b3313d35
+@patch
+def summary(self:CompileReport)->str:
+    "The report as a few readable lines"
+    lines = [f"torch.compile: {self.graphs} graph(s) compiled in {self.compile_seconds:.1f}s, "
+             f"{self.graph_breaks} graph break(s), {len(self.recompiles)} recompile(s), {len(self.fallbacks)} eager fallback(s)"]
+    lines += [f"  graph break{f' ({n} times)' if n > 1 else ''}: {graph_break_reason(r)}"
+              for r,n in Counter(self.break_reasons).most_common()]
+    if self.break_reasons: lines.append("  `DynamoExplainCallback` shows the file and line of each graph break")
+    # A regional model's twins recompile alike, and its blocks each see a one-off batch at a shape of their own: one line each
+    alike = groupby([e for e in self.events if e.kind != 'compile'], lambda e: (e.kind, e.frame, e.during, e.reason))
+    lines += [f"  {es[0].text(es)}" for es in alike.values()]
+    once = groupby(self.eager_calls.items(), lambda o: (o[0][0][0], o[1]), lambda o: _shape_text(o[0][1])) # By (grad, count)
+    lines += [f"  ran eagerly, {'a shape seen once' if n == 1 else 'a one-off shape (the last, smaller batch)'} and not worth "
+              f"a graph: {n} {'training' if grad else 'validation or inference'} call(s) "
+              + (f"with input {s[0]}" if len(s) == 1 else f"with each of the inputs {'; '.join(s)}")
+              for (grad, n), s in once.items()]
+    lines += [f"  compiled dynamically: the {'training' if grad else 'validation or inference'} inputs of {part} kept changing "
+              f"in size ({_shape_text(shapes)}; n for a size that changed), so one graph serves them all"
+              for ((grad, _), part), shapes in self.dynamic.items()]
+    if self.rnns: lines.append(f"  ran eagerly: the model's {self.rnns} layers, which TorchDynamo doesn't trace (it would break the "
+                               f"graph at each); compiled around them: {self.rnn_parts}")
+    if self.eager_hooks: lines.append(f"  ran eagerly while hooks of {self.eager_hooks} read the model's values (fastai `Hook`s "
+                                      "with `detach=True`): it compiles once they are removed")
+    if self.eager_frozen: lines.append(f"  ran eagerly: {self.eager_frozen} frozen fit(s) of `fine_tune` "
+                                       "(`fine_tune(compile_frozen=True)` compiles them too)")
+    if self.precompiled: lines.append(f"  loaded precompiled: {self.precompiled} compiled function(s) from the compile cache, "
+                                      "not traced again (`precompile=True`)")
+    if self.eager_valid: lines.append("  " + self._unpaid("validation within the fit", self.eager_valid,
+                                                          "; `compile_valid=True` compiles it"))
+    if self.eager_eval: lines.append("  " + self._unpaid("evaluation outside a fit (`get_preds`, `validate`)", self.eager_eval,
+                                                         "; `compile_valid=True` compiles it"))
+    if self.eager_lr_find: lines.append("  " + self._unpaid("`lr_find`", self.eager_lr_find))
+    if self.ddp: lines.append(f"  {self.ddp_strategy()}")
+    lines += [f"  {n}" for n in self.background]
+    if self.batch_times: lines.append(f"  {self.payoff()}")
+    if pace := self.pace(): lines.append(f"  {pace}")
+    if advice := self.data_advice(): lines.append(f"  {advice}")
+    return '\n'.join(lines)
+
+# %% ../nbs/01_report.ipynb #90384bc4
+@patch
+def plot(self:CompileReport,
+    ax=None, # Matplotlib axes to draw on; `None` makes a figure
+):
+    "Plot the time of each training batch: compile spikes against the steady state"
+    import matplotlib.pyplot as plt
+    if ax is None: _,ax = plt.subplots(figsize=(6,4))
+    ax.plot([s for s,_ in self.batch_times], label='batch time')
+    hot = [(i,s) for i,(s,c) in enumerate(self.batch_times) if c and s is not None]
+    if hot: ax.scatter(*zip(*hot), color='red', zorder=3, label='compiling')
+    if (steady := self.compiled_step) is not None: ax.axhline(steady, color='gray', ls='--', label=f'median {_ms(steady)}')
+    if (eager := self.eager_step) is not None: ax.axhline(eager, color='orange', ls=':', label=f'eager {_ms(eager)}')
+    ax.set_yscale('log'); ax.set_xlabel('training batch'); ax.set_ylabel('seconds'); ax.legend()
+    return ax
+
+# %% ../nbs/01_report.ipynb #089e8b70
 _shape_fix = ("pass `dynamic=True` (or `drop_last=True` for a smaller last batch) so fewer shapes need their own graph, "
               "or raise `torch._dynamo.config.recompile_limit`")
 
@@ -306,6 +335,7 @@ def _by_id(metrics:list)->dict:
     "`metrics` by `id`, kept alive: TorchDynamo keeps only the last 64, and a dropped one's id may be reused by a new one"
     return {id(m): m for m in metrics}
 
+# %% ../nbs/01_report.ipynb #00d9a4a8
 class CompileRecorder:
     "Fill a `CompileReport` while a fit runs, its one writer: TorchDynamo's compiles, the batches' times, what ran eagerly"
     eager_batches = 3 # Training batches run eagerly once, after the first compiled one, to measure what compiling gains
@@ -346,180 +376,198 @@ class CompileRecorder:
         "Add `lines` about compiling outside the fit's path to the report"
         self.report.background += lines
 
-    def start(self,
-        sync:Callable|None=None, # Waits for the device, where its work is asynchronous
-        ddp:bool=False, # The model runs under DDP, as this library sets it up
-        compiled_backward:bool=False, # Compiled autograd compiles the backwards (`ddp_compiled_autograd`)
-        train=None, # The fit's training `DataLoader`
-        epochs:int=1, # The fit's epochs
-        clock:torch.device|None=None, # A CUDA device: its events time the compiled training batches, so that none waits for it
-    ):
-        "Start recording compiles"
-        self.compiled_backward, self.compiled_s = compiled_backward, 0.
-        self.report.ddp = ddp
-        if train is not None: # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
-            r = self.report
-            r.epoch_steps, r.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)
-            r.fit_steps += epochs * len(train)
-            r.images = _image_batches(train)
-        self.compiling, self.batch_t, self.training, self.sync, self.batch_end = False, time.perf_counter(), None, sync, None
-        self.clock, self.mark, self.marks = clock, None, []
-        self.seen = _by_id(compilation_metrics()) # Those of earlier compiles, which are not this fit's
-        self.breaks0 = graph_break_reasons() # Those of earlier compiles, less those of this report's earlier fits
-        self.breaks0.subtract(self.report.break_reasons)
-        self.loads0 = precompiled_loads()
-        self.batches0 = len(self.report.batch_times) + len(self.report.eager_times) # Earlier fits': batches count from 1 each fit
-        add_compile_callbacks(self._on_start, self._on_end)
-        # TorchDynamo records no compilation metric when a frame hits the recompile limit, only this log line
-        self.log_handler = logging.Handler(logging.WARNING)
-        self.log_handler.emit = self._on_log
-        recompile_limit_logger.addHandler(self.log_handler)
-
-    def stop(self,
-        calls:list=(), # The model's `CompiledCall`s: their calls run eagerly for a shape seen once, and while whose hooks
-        ddp_backward_graphs:int|None=None, # The backward graphs compiled autograd captured in the fit, if it ran the backwards
-        eager_eval:int=0, # Batches of an evaluation outside a fit run eagerly, too few to pay back their graph
-        eager_lr_find:int=0, # Batches of an `lr_find` run eagerly, alike
-        gc_pauses:list=(), # Seconds of each full garbage collection during the fit
-    ):
-        "Stop recording and collect what is left"
+# %% ../nbs/01_report.ipynb #2b63bbf0
+@patch
+def start(self:CompileRecorder,
+    sync:Callable|None=None, # Waits for the device, where its work is asynchronous
+    ddp:bool=False, # The model runs under DDP, as this library sets it up
+    compiled_backward:bool=False, # Compiled autograd compiles the backwards (`ddp_compiled_autograd`)
+    train=None, # The fit's training `DataLoader`
+    epochs:int=1, # The fit's epochs
+    clock:torch.device|None=None, # A CUDA device: its events time the compiled training batches, so that none waits for it
+):
+    "Start recording compiles"
+    self.compiled_backward, self.compiled_s = compiled_backward, 0.
+    self.report.ddp = ddp
+    if train is not None: # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
         r = self.report
-        r.gc_pauses += gc_pauses
-        r.eager_eval += eager_eval
-        r.eager_lr_find += eager_lr_find
-        r.ddp_backward_graphs = ddp_backward_graphs
-        for c in calls: # What ran eagerly rather than compile a graph for a shape seen once (twin blocks see alike)
-            for k,n in c.eager_calls.items(): r.eager_calls[k] = max(r.eager_calls.get(k, 0), n)
-            for phase in c.dims: r.dynamic[phase, type(c.module).__name__] = c.dynamic_shapes(phase)
-            if c.warned_hooks: r.eager_hooks = ', '.join(dict.fromkeys(map(hook_owner, c.warned_hooks)))
-        if rnn := [c for c in calls if c.around]:
-            r.rnns, r.rnn_parts = rnn[0].around, ', '.join(dict.fromkeys(type(c.module).__name__ for c in rnn))
-        self.read_marks(wait=True)
-        remove_compile_callbacks(self._on_start, self._on_end)
-        recompile_limit_logger.removeHandler(self.log_handler)
-        self.collect(self.during)
-        self.report.precompiled += precompiled_loads() - self.loads0
-        self.training = None
+        r.epoch_steps, r.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)
+        r.fit_steps += epochs * len(train)
+        r.images = _image_batches(train)
+    self.compiling, self.batch_t, self.training, self.sync, self.batch_end = False, time.perf_counter(), None, sync, None
+    self.clock, self.mark, self.marks = clock, None, []
+    self.seen = _by_id(compilation_metrics()) # Those of earlier compiles, which are not this fit's
+    self.breaks0 = graph_break_reasons() # Those of earlier compiles, less those of this report's earlier fits
+    self.breaks0.subtract(self.report.break_reasons)
+    self.loads0 = precompiled_loads()
+    self.batches0 = len(self.report.batch_times) + len(self.report.eager_times) # Earlier fits': batches count from 1 each fit
+    add_compile_callbacks(self._on_start, self._on_end)
+    # TorchDynamo records no compilation metric when a frame hits the recompile limit, only this log line
+    self.log_handler = logging.Handler(logging.WARNING)
+    self.log_handler.emit = self._on_log
+    recompile_limit_logger.addHandler(self.log_handler)
 
-    def _on_log(self, record:logging.LogRecord):
-        "Turn TorchDynamo's 'hit config.recompile_limit' warning into a fallback event and a Python warning"
-        if (hit := recompile_limit_hit(record)) is None: return
-        limit_type, limit, func, reason = hit
-        frame = self.model_name if func is None else self._name(*func)
-        ev = CompileEvent('fallback', frame, 0., plain_reason(reason), reason, self.during)
+@patch
+def stop(self:CompileRecorder,
+    calls:list=(), # The model's `CompiledCall`s: their calls run eagerly for a shape seen once, and while whose hooks
+    ddp_backward_graphs:int|None=None, # The backward graphs compiled autograd captured in the fit, if it ran the backwards
+    eager_eval:int=0, # Batches of an evaluation outside a fit run eagerly, too few to pay back their graph
+    eager_lr_find:int=0, # Batches of an `lr_find` run eagerly, alike
+    gc_pauses:list=(), # Seconds of each full garbage collection during the fit
+):
+    "Stop recording and collect what is left"
+    r = self.report
+    r.gc_pauses += gc_pauses
+    r.eager_eval += eager_eval
+    r.eager_lr_find += eager_lr_find
+    r.ddp_backward_graphs = ddp_backward_graphs
+    for c in calls: # What ran eagerly rather than compile a graph for a shape seen once (twin blocks see alike)
+        for k,n in c.eager_calls.items(): r.eager_calls[k] = max(r.eager_calls.get(k, 0), n)
+        for phase in c.dims: r.dynamic[phase, type(c.module).__name__] = c.dynamic_shapes(phase)
+        if c.warned_hooks: r.eager_hooks = ', '.join(dict.fromkeys(map(hook_owner, c.warned_hooks)))
+    if rnn := [c for c in calls if c.around]:
+        r.rnns, r.rnn_parts = rnn[0].around, ', '.join(dict.fromkeys(type(c.module).__name__ for c in rnn))
+    self.read_marks(wait=True)
+    remove_compile_callbacks(self._on_start, self._on_end)
+    recompile_limit_logger.removeHandler(self.log_handler)
+    self.collect(self.during)
+    self.report.precompiled += precompiled_loads() - self.loads0
+    self.training = None
+
+# %% ../nbs/01_report.ipynb #99ebc51f
+@patch
+def _on_log(self:CompileRecorder, record:logging.LogRecord):
+    "Turn TorchDynamo's 'hit config.recompile_limit' warning into a fallback event and a Python warning"
+    if (hit := recompile_limit_hit(record)) is None: return
+    limit_type, limit, func, reason = hit
+    frame = self.model_name if func is None else self._name(*func)
+    ev = CompileEvent('fallback', frame, 0., plain_reason(reason), reason, self.during)
+    self.report.events.append(ev)
+    warnings.warn(f"torch.compile gave up on {ev.frame} after {limit} recompiles ({limit_type}) and runs it eagerly "
+                  f"from now on. Last cause: {ev.reason or 'unknown'}. To fix: {_fix(ev.reason)}.")
+
+@patch
+def _on_start(self:CompileRecorder, *args): self.compiling, self.started = True, time.perf_counter()
+
+@patch
+def _on_end(self:CompileRecorder, *args):
+    took = time.perf_counter() - self.started
+    self.report.compile_seconds += took
+    if self.part != 'step': self.compiled_s += took
+    if took >= self.notice_after and self.show is not None: self.show(f"torch.compile compiled {self._part_name()} for {self.during or 'its first call'} in {took:.1f}s")
+
+@patch
+def take_compiled(self:CompileRecorder)->float:
+    "Seconds the model compiled in the fit's path since the last call: those of the batch ending"
+    s, self.compiled_s = self.compiled_s, 0.
+    return s
+
+@patch
+def _part_name(self:CompileRecorder)->str:
+    "What a compile during the running part of the step compiled: the model, its backward graph or the optimizer step"
+    return {'backward': f"{self.model_name}'s backward", 'step': 'the optimizer step'}.get(self.part, self.model_name)
+
+@patch
+def _name(self:CompileRecorder, co_name:str, filename:str, line)->str:
+    "A compiled frame's name as the report shows it"
+    if (name := frame_name(co_name, filename, line)) is not None: return name # The library's own: a model, the optimizer step
+    if filename.startswith(_torch_dir): return self.model_name
+    if self.compiled_backward and is_fx_code(filename): return 'backward (compiled autograd)' # Its FX graph
+    return f"{co_name} ({filename}:{line})"
+
+@patch
+def _reason(self:CompileRecorder, raw:str, during:str)->str:
+    "The plain reason for a recompile during `during`, correcting what TorchDynamo can't see"
+    reason = _library_reason(plain_reason(raw), raw)
+    if self.training in self.froze: reason = _words['requires_grad'](()); self.froze.discard(self.training)
+    elif reason == _grad_mode_reason and (old := self.phase_shapes.get(self.training)) is not None:
+        # This phase had its graph already: TorchDynamo named the newest graph's failed guard, of the other phase
+        new = self.shapes
+        reason = (_words['batch_size']((old[0][0], new[0][0]))
+                  if old and new and old[0][0] != new[0][0] else "the inputs changed (their shape, dtype or layout)")
+    return reason
+
+# %% ../nbs/01_report.ipynb #2d622fa7
+@patch
+def collect(self:CompileRecorder, during:str=''):
+    "Turn compilation metrics added since the last call into `CompileEvent`s"
+    metrics = compilation_metrics()
+    new = [m for m in metrics if id(m) not in self.seen]
+    self.seen = _by_id(metrics)
+    for f in filter(None, map(frame_compile, new)): # Failed compiles are left to `_on_log`
+        raw, name = f.reason, self._name(f.name, f.filename, f.line)
+        # A model compiles afresh for a new freeze state (see `CompiledCall`): a recompile, with no reason from TorchDynamo
+        again = bool(raw) or (name != 'optimizer step' and self.training in self.froze)
+        ev = CompileEvent('recompile' if again else 'compile', name, f.seconds,
+                          self._reason(raw, during) if again else '', raw, during)
         self.report.events.append(ev)
-        warnings.warn(f"torch.compile gave up on {ev.frame} after {limit} recompiles ({limit_type}) and runs it eagerly "
-                      f"from now on. Last cause: {ev.reason or 'unknown'}. To fix: {_fix(ev.reason)}.")
+    if new and self.training is not None: self.phase_shapes[self.training] = self.shapes
+    breaks = graph_break_reasons()
+    breaks.subtract(self.breaks0)
+    self.report.break_reasons = {k:n for k,n in breaks.items() if n > 0}
 
-    def _on_start(self, *args): self.compiling, self.started = True, time.perf_counter()
+@patch(as_prop=True)
+def during(self:CompileRecorder)->str:
+    "The batch running now, for the events compiled during it"
+    if self.training is None: return ''
+    return f"training batch {len(self.report.batch_times)+len(self.report.eager_times)-self.batches0+1}" if self.training else 'validation'
 
-    def _on_end(self, *args):
-        took = time.perf_counter() - self.started
-        self.report.compile_seconds += took
-        if self.part != 'step': self.compiled_s += took
-        if took >= self.notice_after and self.show is not None: self.show(f"torch.compile compiled {self._part_name()} for {self.during or 'its first call'} in {took:.1f}s")
+# %% ../nbs/01_report.ipynb #74dbef00
+@patch
+def wants_eager_step(self:CompileRecorder,
+    n_iter:int, # Batches in an epoch of the fit
+)->bool:
+    "Whether the next training batch should run eagerly to measure the eager step: 3 batches after the first compiled one"
+    # Once per freeze state, in a fit long enough to hide them, after the first compiled batch (not delaying the compile)
+    r = self.report
+    return len(r.eager_times) < self.eager_batches and bool(r.batch_times) and n_iter >= 8
 
-    def take_compiled(self)->float:
-        "Seconds the model compiled in the fit's path since the last call: those of the batch ending"
-        s, self.compiled_s = self.compiled_s, 0.
-        return s
+@patch
+def batch_start(self:CompileRecorder,
+    training:bool, # A training batch
+    xb:tuple=(), # Its inputs
+    eager:bool=False, # It runs eagerly to measure the eager step
+    valid_eager:bool=False, # A validation batch of a training fit run eagerly, too few left to pay back its graph
+):
+    "Start timing a batch of inputs `xb`"
+    if eager and not self.report.eager_times: self.report.measured_from = len(self.report.batch_times)
+    if valid_eager: self.report.eager_valid += 1
+    if eager and self.sync is not None: self.sync() # Time the eager step alone, not the work queued before it
+    now = time.perf_counter()
+    # On a GPU whose events time the batches, the batches' copy ahead times the waits for the DataLoader (`Prefetch`)
+    if training and self.batch_end is not None and self.clock is None: self.report.data_waits.append(now - self.batch_end)
+    self.batch_t, self.compiling, self.training, self.shapes, self.eager, self.batch_end = now, False, training, _shapes(xb), eager, None
+    self.part = ''
+    if training and not eager and self.clock is not None: self.mark = _event(self.clock)
 
-    def _part_name(self)->str:
-        "What a compile during the running part of the step compiled: the model, its backward graph or the optimizer step"
-        return {'backward': f"{self.model_name}'s backward", 'step': 'the optimizer step'}.get(self.part, self.model_name)
+@patch
+def batch_done(self:CompileRecorder)->float|None:
+    "Record what was compiled during the batch `batch_start` began, and its time if it trained: the seconds it took"
+    if self.compiling: self.collect(self.during) # Before the batch is counted, so it is named as it ran
+    if not self.training: return None
+    if self.mark is not None: # A compiled batch on the GPU: timed by its events, read once the device gets there
+        self.marks.append((len(self.report.batch_times), self.mark, _event(self.clock)))
+        self.report.batch_times.append((None, self.compiling))
+        self.mark = None
+        return self.read_marks()
+    # Where the device works asynchronously, wait for it at the end of each eager batch (and of one compiled batch in
+    # 16 where no events time them): the time from there to the next batch is the device waiting for the DataLoader
+    sample = self.sync is None or self.eager or self.clock is None and len(self.report.batch_times) % 16 == 0
+    if sample and self.sync is not None: self.sync()
+    took = time.perf_counter() - self.batch_t
+    if self.eager: self.report.eager_times.append(took)
+    else: self.report.batch_times.append((took, self.compiling))
+    if sample: self.batch_end = time.perf_counter()
+    return took
 
-    def _name(self, co_name:str, filename:str, line)->str:
-        "A compiled frame's name as the report shows it"
-        if (name := frame_name(co_name, filename, line)) is not None: return name # The library's own: a model, the optimizer step
-        if filename.startswith(_torch_dir): return self.model_name
-        if self.compiled_backward and is_fx_code(filename): return 'backward (compiled autograd)' # Its FX graph
-        return f"{co_name} ({filename}:{line})"
-
-    def _reason(self, raw:str, during:str)->str:
-        "The plain reason for a recompile during `during`, correcting what TorchDynamo can't see"
-        reason = _library_reason(plain_reason(raw), raw)
-        if self.training in self.froze: reason = _words['requires_grad'](()); self.froze.discard(self.training)
-        elif reason == _grad_mode_reason and (old := self.phase_shapes.get(self.training)) is not None:
-            # This phase had its graph already: TorchDynamo named the newest graph's failed guard, of the other phase
-            new = self.shapes
-            reason = (_words['batch_size']((old[0][0], new[0][0]))
-                      if old and new and old[0][0] != new[0][0] else "the inputs changed (their shape, dtype or layout)")
-        return reason
-
-    def collect(self, during:str=''):
-        "Turn compilation metrics added since the last call into `CompileEvent`s"
-        metrics = compilation_metrics()
-        new = [m for m in metrics if id(m) not in self.seen]
-        self.seen = _by_id(metrics)
-        for f in filter(None, map(frame_compile, new)): # Failed compiles are left to `_on_log`
-            raw, name = f.reason, self._name(f.name, f.filename, f.line)
-            # A model compiles afresh for a new freeze state (see `CompiledCall`): a recompile, with no reason from TorchDynamo
-            again = bool(raw) or (name != 'optimizer step' and self.training in self.froze)
-            ev = CompileEvent('recompile' if again else 'compile', name, f.seconds,
-                              self._reason(raw, during) if again else '', raw, during)
-            self.report.events.append(ev)
-        if new and self.training is not None: self.phase_shapes[self.training] = self.shapes
-        breaks = graph_break_reasons()
-        breaks.subtract(self.breaks0)
-        self.report.break_reasons = {k:n for k,n in breaks.items() if n > 0}
-
-    @property
-    def during(self)->str:
-        "The batch running now, for the events compiled during it"
-        if self.training is None: return ''
-        return f"training batch {len(self.report.batch_times)+len(self.report.eager_times)-self.batches0+1}" if self.training else 'validation'
-
-    def wants_eager_step(self,
-        n_iter:int, # Batches in an epoch of the fit
-    )->bool:
-        "Whether the next training batch should run eagerly to measure the eager step: 3 batches after the first compiled one"
-        # Once per freeze state, in a fit long enough to hide them, after the first compiled batch (not delaying the compile)
-        r = self.report
-        return len(r.eager_times) < self.eager_batches and bool(r.batch_times) and n_iter >= 8
-
-    def batch_start(self,
-        training:bool, # A training batch
-        xb:tuple=(), # Its inputs
-        eager:bool=False, # It runs eagerly to measure the eager step
-        valid_eager:bool=False, # A validation batch of a training fit run eagerly, too few left to pay back its graph
-    ):
-        "Start timing a batch of inputs `xb`"
-        if eager and not self.report.eager_times: self.report.measured_from = len(self.report.batch_times)
-        if valid_eager: self.report.eager_valid += 1
-        if eager and self.sync is not None: self.sync() # Time the eager step alone, not the work queued before it
-        now = time.perf_counter()
-        # On a GPU whose events time the batches, the batches' copy ahead times the waits for the DataLoader (`Prefetch`)
-        if training and self.batch_end is not None and self.clock is None: self.report.data_waits.append(now - self.batch_end)
-        self.batch_t, self.compiling, self.training, self.shapes, self.eager, self.batch_end = now, False, training, _shapes(xb), eager, None
-        self.part = ''
-        if training and not eager and self.clock is not None: self.mark = _event(self.clock)
-
-    def batch_done(self)->float|None:
-        "Record what was compiled during the batch `batch_start` began, and its time if it trained: the seconds it took"
-        if self.compiling: self.collect(self.during) # Before the batch is counted, so it is named as it ran
-        if not self.training: return None
-        if self.mark is not None: # A compiled batch on the GPU: timed by its events, read once the device gets there
-            self.marks.append((len(self.report.batch_times), self.mark, _event(self.clock)))
-            self.report.batch_times.append((None, self.compiling))
-            self.mark = None
-            return self.read_marks()
-        # Where the device works asynchronously, wait for it at the end of each eager batch (and of one compiled batch in
-        # 16 where no events time them): the time from there to the next batch is the device waiting for the DataLoader
-        sample = self.sync is None or self.eager or self.clock is None and len(self.report.batch_times) % 16 == 0
-        if sample and self.sync is not None: self.sync()
-        took = time.perf_counter() - self.batch_t
-        if self.eager: self.report.eager_times.append(took)
-        else: self.report.batch_times.append((took, self.compiling))
-        if sample: self.batch_end = time.perf_counter()
-        return took
-
-    def read_marks(self,
-        wait:bool=False, # Wait for the device to reach the last (at a fit's end), else read only the events it reached
-    )->None:
-        "Put the times of the compiled batches whose events the device reached into `batch_times`"
-        if wait and self.marks: self.marks[-1][2].synchronize()
-        left = []
-        for i,start,end in self.marks:
-            if wait or end.query(): self.report.batch_times[i] = (start.elapsed_time(end) / 1e3, self.report.batch_times[i][1])
-            else: left.append((i, start, end))
-        self.marks = left
+@patch
+def read_marks(self:CompileRecorder,
+    wait:bool=False, # Wait for the device to reach the last (at a fit's end), else read only the events it reached
+)->None:
+    "Put the times of the compiled batches whose events the device reached into `batch_times`"
+    if wait and self.marks: self.marks[-1][2].synchronize()
+    left = []
+    for i,start,end in self.marks:
+        if wait or end.query(): self.report.batch_times[i] = (start.elapsed_time(end) / 1e3, self.report.batch_times[i][1])
+        else: left.append((i, start, end))
+    self.marks = left

@@ -10,6 +10,7 @@ from statistics import median
 
 import torch
 from torch import nn
+from fastcore.basics import patch
 
 from .core import uses_cudagraphs, compiled_call, CompiledCall
 from .internals import gpu_sleep, traced_op_error
@@ -19,7 +20,7 @@ from .payoff import batches_left, pays_back, pick_tier, first_tier, first_saving
 from .background import BackgroundCompile, profile_text, where
 
 # %% auto #0
-__all__ = ['TIERS', 'why_no_tiers', 'own_grads', 'TierStage', 'TierRun', 'decide_tier', 'FirstTier', 'Tiers', 'TierStages']
+__all__ = ['TIERS', 'why_no_tiers', 'own_grads', 'TierStage', 'TierRun', 'decide_tier', 'Tiers', 'FirstTier', 'TierStages']
 
 # %% ../nbs/09_tiers.ipynb #fd24c3e4
 TIERS = { # A tier's `torch.compile` settings, over the model's
@@ -223,6 +224,204 @@ def decide_tier(
         return None if any(m is None for m in done) else (kind, first)
     return kind, first # 'verdict': rank 0's A/B
 
+# %% ../nbs/09_tiers.ipynb #87f954ff
+class Tiers:
+    "Once the compiled code runs a state's training batches, a faster tier compiled in the worker, kept where an A/B on the fit's batches says so"
+    default_on = ('cuda',) # Device types where a fit that compiles in the background tries tiers
+    # Compiled batches the default runs before its step is timed (its caches warm), timed alone, their GPU work measured;
+    # tier batches run before the A/B (CUDA graphs record at their first runs); batches of each tier in the A/B, alternating
+    settle_batches, time_batches, profile_batches, warmup_batches, ab_batches = 4, 8, 3, 3, 8
+    # Seconds trying a tier costs the fit's path (its warm compile and A/B), and a cold compile, in the worker or the fit's
+    # path, is taken to take until one is recorded (13-25s for a transformer on an H100 or H200, torch 2.11): a tier is
+    # tried where the saving it is expected to bring over the batches left once it compiled pays back `try_cost_s`
+    try_cost_s, compile_guess_s = 6., 20.
+    pick = staticmethod(pick_tier) # The policy that picks a state's tier from its measured step
+    def __init__(self,
+        settings:dict, # The model's `torch.compile` settings, from `compile_settings`
+        regional:bool=False, # Only the model's repeated blocks are compiled
+    ):
+        self.settings, self.regional = settings, regional
+        self.aside = None # The fit's background compile, whose worker compiles the tiers; `None` while tiers are off
+        self.device = None # The device the fit trains on
+        self.switch = TierSwitch() # Which tier this batch's compiled calls run: the model's compiled calls read it
+        self.first = FirstTier(self) # Measures new states' eager steps, for a tier compiled first
+        self.stages = TierStages(self) # What each stage of a state's way through the tiers does with its batches
+        self.timer = _StepTimer() # Times a batch alone, where its state's stage needs
+        self.measuring = None # The `_Profile` measuring the GPU work of the batch running
+        self.notes = [] # The report's lines about the tiers of this fit
+        self.together = False # The fit's ranks decide together (DDP): what a rank measures waits for their agreement
+        self.raised = None # (name, error) of a tier that raised in this rank's path, for the other ranks to drop at the next agreement
+        self.dropped = set() # The tiers dropped in this fit, having raised
+
+    def __getstate__(self): return {**self.__dict__, 'aside': None, 'timer': _StepTimer(), 'measuring': None, 'raised': None, 'dropped': set()}
+
+    def start(self,
+        aside:BackgroundCompile|None, # The fit's background compile; `None` compiles in the fit's path, without tiers
+        device:torch.device, # Where the fit trains
+    ):
+        "A fit starts: it tries tiers where it compiles in the background on a device that has them, with the default mode"
+        self.aside, self.device, self.timer.device, self.together = None, device, device, False
+        if aside is None or device.type not in self.default_on: return
+        if (why := why_no_tiers(self.settings)) is not None:
+            if why: self.notes.append(why)
+            return
+        self.aside, self.together = aside, aside.ranks.agrees
+        aside.ranks.join(self) # Under DDP the ranks agree on each tier: picked, compiled on every device, kept
+
+# %% ../nbs/09_tiers.ipynb #fef401a8
+@patch
+def before_batch(self:Tiers,
+    learn, # The `Learner` whose batch starts
+    eager:bool, # The batch runs eagerly, as the callback's `EagerPolicy` decided
+    key:StateKey|None, # The batch's model state
+    model:nn.Module, # The model being compiled (not DDP's wrapper)
+):
+    "Choose the tier this training batch runs, and time it where its state's stage needs"
+    if (raised := self.switch.take_error()) is not None: self._raised(*raised, model)
+    # An epoch's last batch too: one of the state's shape runs its tier (a smaller one is a state of its own)
+    if self.aside is None or not learn.training or (st := self.aside.states.get(key)) is None: return
+    # Under DDP rank 0 alone probes the eager step: the others learn of a tier compiled first at an agreement (`agreed`)
+    if st.stage is Stage.PROBING: return self.first.batch(st, learn, model)
+    if eager or not self.aside.ready(key): return # The compiled code doesn't run it yet
+    if st.tier is None: st.tier = TierRun()
+    self.stages.batch(st.tier, learn, model, st)
+
+@patch
+def measure(self:Tiers, profile:_Profile, learn, step_s:float)->tuple|bool|None:
+    "Measure this batch's GPU work with `profile`, where it isn't done: `_Profile.batch`"
+    if (done := profile.batch(learn, self.device, step_s)) is None: self.measuring = profile
+    return done
+
+@patch
+def after_batch(self:Tiers)->bool:
+    "The batch ended: its GPU work and time, where they were measured; whether it ran a tier (the next runs the model's own code unless chosen again)"
+    if self.measuring is not None: self.measuring.batch_end(self.device)
+    self.measuring = None
+    self.timer.stop()
+    ran = self.switch.tier is not None
+    self.switch.end_batch()
+    return ran
+
+@patch
+def settings_of(self:Tiers, name:str)->dict:
+    "Tier `name`'s `torch.compile` settings: the model's, with the tier's over them"
+    return {**self.settings, **TIERS[name]}
+
+@patch
+def graphs(self:Tiers, name:str)->bool:
+    "Whether tier `name` runs CUDA graphs on the fit's device"
+    return self.device.type == 'cuda' and uses_cudagraphs(self.settings_of(name))
+
+@patch
+def graphs_now(self:Tiers)->bool:
+    "Whether this batch runs a tier with CUDA graphs"
+    return self.switch.tier is not None and self.graphs(self.switch.tier[0])
+
+@patch
+def record(self:Tiers, model:nn.Module, st, name:str)->str:
+    "The warm record of `st` compiled with tier `name`"
+    return self.aside.warm_starts.key(model, st.key, self.settings_of(name))
+
+@patch
+def run_tier(self:Tiers, learn, run:TierRun, counted:bool=False):
+    "This batch runs the tier's compiled code; `counted` among the batches it runs once kept"
+    self.switch.run(run.tier)
+    if not run.grads and self.graphs(run.tier): own_grads(learn.opt)
+    run.grads = True # fastai's `zero_grad` zeroes gradients in place: they stay the parameters' own
+    if counted: run.batches, run.since = run.batches + 1, run.since or where(learn)
+
+# %% ../nbs/09_tiers.ipynb #4f0e5566
+@patch
+def free(self:Tiers)->int|None:
+    "Bytes of GPU memory free on this rank's device; `None` off a GPU"
+    return torch.cuda.mem_get_info(self.device)[0] if self.device.type == 'cuda' else None
+
+@patch
+def decision(self:Tiers, run:TierRun)->tuple|None:
+    "(kind, value) decided on `run.vote`: at once in one process; under DDP the ranks', once agreed, `None` till then"
+    if not self.together: decided, run.vote = run.vote, None
+    else: decided, run.agreed = run.agreed, None
+    return decided
+
+@patch
+def view(self:Tiers, st)->dict:
+    "This rank's part of an agreement of the ranks: its vote on its batch's state's tier, a tier that raised here, the tier it compiles first, its GPU's free memory"
+    first = self.first.offer(st)
+    return dict(key=st.record, vote=None if st.tier is None else st.tier.vote, raised=self.raised, first=first,
+                free=None if first is not None else self.free())
+
+@patch
+def settled(self:Tiers, st)->bool:
+    "Whether `st`'s tiers wait for no agreement on this rank: no tier raised here, and the state's tier decided, or none to try"
+    if self.raised is not None: return False
+    return st.stage is not Stage.READY or (st.tier is not None and st.tier.stage is TierStage.DONE)
+
+@patch
+def agreed(self:Tiers, st, views:list, learn, model:nn.Module, decision:str|None=None):
+    "At an agreement, on every rank: a tier that raised on any rank is dropped on all; a vote all ranks cast is decided"
+    if (raised := next((v['raised'] for v in views if v['raised'] is not None), None)) is not None:
+        self.raised = None
+        if raised[0] not in self.dropped: self._drop_raised(raised[0], model, f"tier {raised[0]} failed in the fit's path of "
+                                                             f"another rank ({raised[1]}); every rank trains on with the default")
+    if st.tier is not None and st.tier.vote is not None and (decided := decide_tier(views)) is not None:
+        st.tier.vote, st.tier.agreed = None, decided
+    # Rank 0 compiles a tier first: every rank does, where its memory fits every rank's GPU; the state starts at the next agreement
+    if (offer := views[0]['first']) is not None and any(v['first'] is None for v in views) and st.stage in (Stage.PROBING, Stage.JUDGED):
+        if why := self.first.adopt(st, model, offer, [v['free'] for v in views if v['free'] is not None]): self.notes.append(why)
+
+# %% ../nbs/09_tiers.ipynb #03c8df60
+def _calls(model:nn.Module)->list:
+    "The compiled calls of `model` and its blocks"
+    return [c for m in model.modules() if isinstance(c := compiled_call(m), CompiledCall)]
+
+@patch
+def drop(self:Tiers, name:str, model:nn.Module):
+    "Drop tier `name`'s compiled functions, with the memory their graphs held"
+    for c in _calls(model): c.drop_tier(name)
+    if self.device.type == 'cuda': torch.cuda.empty_cache()
+
+@patch
+def _runs(self:Tiers)->list: return [] if self.aside is None else [s.tier for s in self.aside.states.values() if s.tier is not None]
+
+@patch
+def _raised(self:Tiers, name:str, error:Exception, model:nn.Module):
+    "A tier raised in the fit's path, where the worker had compiled it: the default tier trains on, the tier's graphs dropped; under DDP, on every rank from the next agreement"
+    if self.together: self.raised = (name, error_text(error))
+    self._drop_raised(name, model, f"tier {name} failed in the fit's path ({error_text(error)}); the default tier trains on")
+
+@patch
+def _drop_raised(self:Tiers, name:str, model:nn.Module, note:str):
+    "Drop tier `name`, which raised: no state keeps it, in this fit or later ones"
+    self.dropped.add(name)
+    for run in self._runs():
+        if run.tier != name: continue
+        run.to(TierStage.DONE)
+        run.kept = False
+        self.aside.warm_starts.kept(run.record, None) # A later fit tries it afresh
+    self.drop(name, model)
+    self.notes.append(note)
+
+@patch
+def stop(self:Tiers):
+    "The fit ended or raised: what each state's tier did, for the report; a tier compiling is abandoned with the worker"
+    self.timer, self.measuring, self.raised, self.dropped = _StepTimer(), None, None, set()
+    self.switch.reset() # Kept: the model's compiled calls read it
+    for r in self._runs():
+        if r.profile is not None: r.profile.end()
+        if r.stage is TierStage.COMPILE: self.notes.append(f"the fit ended before tier {r.tier} compiled in the worker process")
+        if r.stage is TierStage.WAIT and r.batches: self.notes.append(f"tier {r.tier} ran {r.batches} training batch(es) from {r.since} on, and the fit "
+                                                        "ended before the default's code compiled for the A/B")
+        if r.stage is TierStage.CHECK and r.batches: self.notes.append(f"tier {r.tier} ran {r.batches} training batch(es) from {r.since} on, and the "
+                                                         "fit ended before its steps were timed against the eager step")
+        if r.kept and r.batches: self.notes.append(f"tier {r.tier} ran {r.batches} training batch(es), from {r.since} on")
+    self.aside = None
+
+@patch
+def take_notes(self:Tiers)->list:
+    "The report's lines about this fit's tiers, emptied for the next"
+    notes, self.notes = self.notes, []
+    return notes
+
 # %% ../nbs/09_tiers.ipynb #04d59625
 class FirstTier:
     "Measure a new state's eager step once the background compile's probe timed it: where the saving expected of CUDA graphs pays back trying them, they compile first"
@@ -269,196 +468,29 @@ class FirstTier:
         st.tier, st.path, st.first = run, path, (self.tiers.settings_of(name), run.record)
         run.to(TierStage.FIRST)
 
-    def offer(self, st)->dict|None:
-        "The tier this rank compiles first for `st`, for the other ranks to adopt (`adopt`); `None` where it compiles none"
-        run = st.tier
-        if run is None or not run.first or st.first is None or run.stage is not TierStage.FIRST: return None
-        if st.stage not in (Stage.PROBING, Stage.JUDGED): return None # Settled: compiled, or too short to pay
-        return dict(tier=run.tier, path=st.path, why=run.why, step_bytes=run.step_bytes)
+# %% ../nbs/09_tiers.ipynb #0b9246a4
+@patch
+def offer(self:FirstTier, st)->dict|None:
+    "The tier this rank compiles first for `st`, for the other ranks to adopt (`adopt`); `None` where it compiles none"
+    run = st.tier
+    if run is None or not run.first or st.first is None or run.stage is not TierStage.FIRST: return None
+    if st.stage not in (Stage.PROBING, Stage.JUDGED): return None # Settled: compiled, or too short to pay
+    return dict(tier=run.tier, path=st.path, why=run.why, step_bytes=run.step_bytes)
 
-    def adopt(self,
-        st, # The state rank 0 judged, on this rank
-        model:nn.Module, # The model being compiled (not DDP's wrapper)
-        offer:dict, # Rank 0's `offer`
-        free:list, # Bytes each rank's GPU has free, where measured
-    )->str|None:
-        "Under DDP, on every rank: compile rank 0's tier first, where its CUDA graphs fit every rank's GPU; else why not (rank 0 drops it)"
-        if offer['step_bytes'] is not None and free and not cudagraphs_fit(min(free), offer['step_bytes']):
-            st.first, st.path, st.tier = None, False, TierRun() # The default's code first, its tier tried once it runs
-            return _no_room_first(offer['tier'], offer['step_bytes'], min(free))
-        if self.offer(st) is None: self._set(st.tier or TierRun(), st, model, offer['tier'], offer['path'], offer['why'], offer['step_bytes'])
+@patch
+def adopt(self:FirstTier,
+    st, # The state rank 0 judged, on this rank
+    model:nn.Module, # The model being compiled (not DDP's wrapper)
+    offer:dict, # Rank 0's `offer`
+    free:list, # Bytes each rank's GPU has free, where measured
+)->str|None:
+    "Under DDP, on every rank: compile rank 0's tier first, where its CUDA graphs fit every rank's GPU; else why not (rank 0 drops it)"
+    if offer['step_bytes'] is not None and free and not cudagraphs_fit(min(free), offer['step_bytes']):
+        st.first, st.path, st.tier = None, False, TierRun() # The default's code first, its tier tried once it runs
+        return _no_room_first(offer['tier'], offer['step_bytes'], min(free))
+    if self.offer(st) is None: self._set(st.tier or TierRun(), st, model, offer['tier'], offer['path'], offer['why'], offer['step_bytes'])
 
-class Tiers:
-    "Once the compiled code runs a state's training batches, a faster tier compiled in the worker, kept where an A/B on the fit's batches says so"
-    default_on = ('cuda',) # Device types where a fit that compiles in the background tries tiers
-    # Compiled batches the default runs before its step is timed (its caches warm), timed alone, their GPU work measured;
-    # tier batches run before the A/B (CUDA graphs record at their first runs); batches of each tier in the A/B, alternating
-    settle_batches, time_batches, profile_batches, warmup_batches, ab_batches = 4, 8, 3, 3, 8
-    # Seconds trying a tier costs the fit's path (its warm compile and A/B), and a cold compile, in the worker or the fit's
-    # path, is taken to take until one is recorded (13-25s for a transformer on an H100 or H200, torch 2.11): a tier is
-    # tried where the saving it is expected to bring over the batches left once it compiled pays back `try_cost_s`
-    try_cost_s, compile_guess_s = 6., 20.
-    pick = staticmethod(pick_tier) # The policy that picks a state's tier from its measured step
-    def __init__(self,
-        settings:dict, # The model's `torch.compile` settings, from `compile_settings`
-        regional:bool=False, # Only the model's repeated blocks are compiled
-    ):
-        self.settings, self.regional = settings, regional
-        self.aside = None # The fit's background compile, whose worker compiles the tiers; `None` while tiers are off
-        self.device = None # The device the fit trains on
-        self.switch = TierSwitch() # Which tier this batch's compiled calls run: the model's compiled calls read it
-        self.first = FirstTier(self) # Measures new states' eager steps, for a tier compiled first
-        self.stages = TierStages(self) # What each stage of a state's way through the tiers does with its batches
-        self.timer = _StepTimer() # Times a batch alone, where its state's stage needs
-        self.measuring = None # The `_Profile` measuring the GPU work of the batch running
-        self.notes = [] # The report's lines about the tiers of this fit
-        self.together = False # The fit's ranks decide together (DDP): what a rank measures waits for their agreement
-        self.raised = None # (name, error) of a tier that raised in this rank's path, for the other ranks to drop at the next agreement
-        self.dropped = set() # The tiers dropped in this fit, having raised
-
-    def __getstate__(self): return {**self.__dict__, 'aside': None, 'timer': _StepTimer(), 'measuring': None, 'raised': None, 'dropped': set()}
-
-    def start(self,
-        aside:BackgroundCompile|None, # The fit's background compile; `None` compiles in the fit's path, without tiers
-        device:torch.device, # Where the fit trains
-    ):
-        "A fit starts: it tries tiers where it compiles in the background on a device that has them, with the default mode"
-        self.aside, self.device, self.timer.device, self.together = None, device, device, False
-        if aside is None or device.type not in self.default_on: return
-        if (why := why_no_tiers(self.settings)) is not None:
-            if why: self.notes.append(why)
-            return
-        self.aside, self.together = aside, aside.ranks.agrees
-        aside.ranks.join(self) # Under DDP the ranks agree on each tier: picked, compiled on every device, kept
-
-    def before_batch(self,
-        learn, # The `Learner` whose batch starts
-        eager:bool, # The batch runs eagerly, as the callback's `EagerPolicy` decided
-        key:StateKey|None, # The batch's model state
-        model:nn.Module, # The model being compiled (not DDP's wrapper)
-    ):
-        "Choose the tier this training batch runs, and time it where its state's stage needs"
-        if (raised := self.switch.take_error()) is not None: self._raised(*raised, model)
-        # An epoch's last batch too: one of the state's shape runs its tier (a smaller one is a state of its own)
-        if self.aside is None or not learn.training or (st := self.aside.states.get(key)) is None: return
-        # Under DDP rank 0 alone probes the eager step: the others learn of a tier compiled first at an agreement (`agreed`)
-        if st.stage is Stage.PROBING: return self.first.batch(st, learn, model)
-        if eager or not self.aside.ready(key): return # The compiled code doesn't run it yet
-        if st.tier is None: st.tier = TierRun()
-        self.stages.batch(st.tier, learn, model, st)
-
-    def free(self)->int|None:
-        "Bytes of GPU memory free on this rank's device; `None` off a GPU"
-        return torch.cuda.mem_get_info(self.device)[0] if self.device.type == 'cuda' else None
-
-    def decision(self, run:TierRun)->tuple|None:
-        "(kind, value) decided on `run.vote`: at once in one process; under DDP the ranks', once agreed, `None` till then"
-        if not self.together: decided, run.vote = run.vote, None
-        else: decided, run.agreed = run.agreed, None
-        return decided
-
-    def view(self, st)->dict:
-        "This rank's part of an agreement of the ranks: its vote on its batch's state's tier, a tier that raised here, the tier it compiles first, its GPU's free memory"
-        first = self.first.offer(st)
-        return dict(key=st.record, vote=None if st.tier is None else st.tier.vote, raised=self.raised, first=first,
-                    free=None if first is not None else self.free())
-
-    def settled(self, st)->bool:
-        "Whether `st`'s tiers wait for no agreement on this rank: no tier raised here, and the state's tier decided, or none to try"
-        if self.raised is not None: return False
-        return st.stage is not Stage.READY or (st.tier is not None and st.tier.stage is TierStage.DONE)
-
-    def agreed(self, st, views:list, learn, model:nn.Module, decision:str|None=None):
-        "At an agreement, on every rank: a tier that raised on any rank is dropped on all; a vote all ranks cast is decided"
-        if (raised := next((v['raised'] for v in views if v['raised'] is not None), None)) is not None:
-            self.raised = None
-            if raised[0] not in self.dropped: self._drop_raised(raised[0], model, f"tier {raised[0]} failed in the fit's path of "
-                                                                 f"another rank ({raised[1]}); every rank trains on with the default")
-        if st.tier is not None and st.tier.vote is not None and (decided := decide_tier(views)) is not None:
-            st.tier.vote, st.tier.agreed = None, decided
-        # Rank 0 compiles a tier first: every rank does, where its memory fits every rank's GPU; the state starts at the next agreement
-        if (offer := views[0]['first']) is not None and any(v['first'] is None for v in views) and st.stage in (Stage.PROBING, Stage.JUDGED):
-            if why := self.first.adopt(st, model, offer, [v['free'] for v in views if v['free'] is not None]): self.notes.append(why)
-
-    def measure(self, profile:_Profile, learn, step_s:float)->tuple|bool|None:
-        "Measure this batch's GPU work with `profile`, where it isn't done: `_Profile.batch`"
-        if (done := profile.batch(learn, self.device, step_s)) is None: self.measuring = profile
-        return done
-
-    def after_batch(self)->bool:
-        "The batch ended: its GPU work and time, where they were measured; whether it ran a tier (the next runs the model's own code unless chosen again)"
-        if self.measuring is not None: self.measuring.batch_end(self.device)
-        self.measuring = None
-        self.timer.stop()
-        ran = self.switch.tier is not None
-        self.switch.end_batch()
-        return ran
-
-    def settings_of(self, name:str)->dict:
-        "Tier `name`'s `torch.compile` settings: the model's, with the tier's over them"
-        return {**self.settings, **TIERS[name]}
-
-    def graphs(self, name:str)->bool:
-        "Whether tier `name` runs CUDA graphs on the fit's device"
-        return self.device.type == 'cuda' and uses_cudagraphs(self.settings_of(name))
-
-    def graphs_now(self)->bool:
-        "Whether this batch runs a tier with CUDA graphs"
-        return self.switch.tier is not None and self.graphs(self.switch.tier[0])
-
-    def record(self, model:nn.Module, st, name:str)->str:
-        "The warm record of `st` compiled with tier `name`"
-        return self.aside.warm_starts.key(model, st.key, self.settings_of(name))
-
-    def run_tier(self, learn, run:TierRun, counted:bool=False):
-        "This batch runs the tier's compiled code; `counted` among the batches it runs once kept"
-        self.switch.run(run.tier)
-        if not run.grads and self.graphs(run.tier): own_grads(learn.opt)
-        run.grads = True # fastai's `zero_grad` zeroes gradients in place: they stay the parameters' own
-        if counted: run.batches, run.since = run.batches + 1, run.since or where(learn)
-
-    def drop(self, name:str, model:nn.Module):
-        "Drop tier `name`'s compiled functions, with the memory their graphs held"
-        for c in _calls(model): c.drop_tier(name)
-        if self.device.type == 'cuda': torch.cuda.empty_cache()
-
-    def _runs(self)->list: return [] if self.aside is None else [s.tier for s in self.aside.states.values() if s.tier is not None]
-
-    def _raised(self, name:str, error:Exception, model:nn.Module):
-        "A tier raised in the fit's path, where the worker had compiled it: the default tier trains on, the tier's graphs dropped; under DDP, on every rank from the next agreement"
-        if self.together: self.raised = (name, error_text(error))
-        self._drop_raised(name, model, f"tier {name} failed in the fit's path ({error_text(error)}); the default tier trains on")
-
-    def _drop_raised(self, name:str, model:nn.Module, note:str):
-        "Drop tier `name`, which raised: no state keeps it, in this fit or later ones"
-        self.dropped.add(name)
-        for run in self._runs():
-            if run.tier != name: continue
-            run.to(TierStage.DONE)
-            run.kept = False
-            self.aside.warm_starts.kept(run.record, None) # A later fit tries it afresh
-        self.drop(name, model)
-        self.notes.append(note)
-
-    def stop(self):
-        "The fit ended or raised: what each state's tier did, for the report; a tier compiling is abandoned with the worker"
-        self.timer, self.measuring, self.raised, self.dropped = _StepTimer(), None, None, set()
-        self.switch.reset() # Kept: the model's compiled calls read it
-        for r in self._runs():
-            if r.profile is not None: r.profile.end()
-            if r.stage is TierStage.COMPILE: self.notes.append(f"the fit ended before tier {r.tier} compiled in the worker process")
-            if r.stage is TierStage.WAIT and r.batches: self.notes.append(f"tier {r.tier} ran {r.batches} training batch(es) from {r.since} on, and the fit "
-                                                            "ended before the default's code compiled for the A/B")
-            if r.stage is TierStage.CHECK and r.batches: self.notes.append(f"tier {r.tier} ran {r.batches} training batch(es) from {r.since} on, and the "
-                                                             "fit ended before its steps were timed against the eager step")
-            if r.kept and r.batches: self.notes.append(f"tier {r.tier} ran {r.batches} training batch(es), from {r.since} on")
-        self.aside = None
-
-    def take_notes(self)->list:
-        "The report's lines about this fit's tiers, emptied for the next"
-        notes, self.notes = self.notes, []
-        return notes
-
+# %% ../nbs/09_tiers.ipynb #27bdc29b
 class TierStages:
     "What each `TierStage` does with a training batch of a state whose compiled code runs: one method a stage, moving it on"
     def __init__(self,
@@ -513,140 +545,152 @@ class TierStages:
         run.to(TierStage.DONE)
         if why := self._decide(run, learn, model, st, **v): self.tiers.notes.append(why)
 
-    def _decide(self, run, learn, model, st, busy:float|None, step_s:float, step_bytes:int|None, free:int|None)->str|None:
-        "Pick the tier the measured step needs, and have the worker compile it, or compile it at once where its code is cached; else why not"
-        if (name := self.tiers.pick(busy)) is None: return "no faster tier: the GPU's share of the step was not measured here"
-        share = '' if busy is None else _share(busy, step_s)
-        if self.tiers.graphs(name) and step_bytes is not None and free is not None and not cudagraphs_fit(free, step_bytes):
-            return _no_room(share, name, step_bytes, free)
-        run.record = self.tiers.record(model, st, name)
-        cached = self.tiers.aside.warm_starts.get(run.record) is not None
-        # Uncached, it compiles in the worker about as long as the default did
-        wait_s = 0. if cached else (self.tiers.aside.warm_starts.get(st.record) or {}).get('cold_s', self.tiers.compile_guess_s)
-        left = max(batches_left(learn) - int(wait_s / step_s), 0) # The batches it would run
-        if not pays_back(left, saving := tier_saving(name, busy, step_s), self.tiers.try_cost_s): return _no_gain(name, saving, left, self.tiers.try_cost_s)
-        run.tier = name
-        if share: run.why = share + f"so {'CUDA graphs' if self.tiers.graphs(name) else 'autotuned kernels'} would save about {saving*1e3:.1f} ms of it"
-        # Inductor's cache has its code. Under DDP the ranks of a host read one cache; hosts whose caches differ would part
-        # here, and stay on the default's code, as their votes on the tier never meet again
-        if cached: return self._switch(run, learn)
-        # Under DDP the lowest rank on each device has its worker compile the tier; ranks that share the device wait for it
-        if self.tiers.aside.ranks.leader:
-            try: run.job = self.tiers.aside.submit(model, learn, self.tiers.settings_of(name))
-            except Exception as e:
-                if not self.tiers.together: return _unsent(name, e)
-                run.res = JobResult(False, f"the model could not be sent to a worker process ({type(e).__name__}: {e})") # Every rank's failure
-        run.to(TierStage.COMPILE)
+# %% ../nbs/09_tiers.ipynb #2d2418ad
+@patch
+def _decide(self:TierStages, run, learn, model, st, busy:float|None, step_s:float, step_bytes:int|None, free:int|None)->str|None:
+    "Pick the tier the measured step needs, and have the worker compile it, or compile it at once where its code is cached; else why not"
+    if (name := self.tiers.pick(busy)) is None: return "no faster tier: the GPU's share of the step was not measured here"
+    share = '' if busy is None else _share(busy, step_s)
+    if self.tiers.graphs(name) and step_bytes is not None and free is not None and not cudagraphs_fit(free, step_bytes):
+        return _no_room(share, name, step_bytes, free)
+    run.record = self.tiers.record(model, st, name)
+    cached = self.tiers.aside.warm_starts.get(run.record) is not None
+    # Uncached, it compiles in the worker about as long as the default did
+    wait_s = 0. if cached else (self.tiers.aside.warm_starts.get(st.record) or {}).get('cold_s', self.tiers.compile_guess_s)
+    left = max(batches_left(learn) - int(wait_s / step_s), 0) # The batches it would run
+    if not pays_back(left, saving := tier_saving(name, busy, step_s), self.tiers.try_cost_s): return _no_gain(name, saving, left, self.tiers.try_cost_s)
+    run.tier = name
+    if share: run.why = share + f"so {'CUDA graphs' if self.tiers.graphs(name) else 'autotuned kernels'} would save about {saving*1e3:.1f} ms of it"
+    # Inductor's cache has its code. Under DDP the ranks of a host read one cache; hosts whose caches differ would part
+    # here, and stay on the default's code, as their votes on the tier never meet again
+    if cached: return self._switch(run, learn)
+    # Under DDP the lowest rank on each device has its worker compile the tier; ranks that share the device wait for it
+    if self.tiers.aside.ranks.leader:
+        try: run.job = self.tiers.aside.submit(model, learn, self.tiers.settings_of(name))
+        except Exception as e:
+            if not self.tiers.together: return _unsent(name, e)
+            run.res = JobResult(False, f"the model could not be sent to a worker process ({type(e).__name__}: {e})") # Every rank's failure
+    run.to(TierStage.COMPILE)
 
-    def _on_compile(self, run, learn, model, st):
-        "Wait for the worker, under DDP every device's: the tier's code, or why it failed"
-        if run.res is None and run.job is not None and (res := self.tiers.aside.poll(run.job)) is not None:
-            self.tiers.aside.warm_starts.compiled(run.record, res)
-            run.res = res
-        mine = run.res or (None if run.job is not None else JobResult(True)) # A rank without a job: its device's worker compiles
-        run.vote = ('compile', None if mine is None else dict(ok=mine.ok, error=mine.error, oom=mine.oom, took_s=mine.took_s))
-        if (decided := self.tiers.decision(run)) is None or (res := decided[1]) is None: return
-        if not res['ok']:
-            run.to(TierStage.DONE)
-            return self.tiers.notes.append(_worker_failed(run.tier, JobResult(False, res['error'], res['oom'], took_s=res['took_s'])))
-        self._switch(run, learn)
+@patch
+def _on_compile(self:TierStages, run, learn, model, st):
+    "Wait for the worker, under DDP every device's: the tier's code, or why it failed"
+    if run.res is None and run.job is not None and (res := self.tiers.aside.poll(run.job)) is not None:
+        self.tiers.aside.warm_starts.compiled(run.record, res)
+        run.res = res
+    mine = run.res or (None if run.job is not None else JobResult(True)) # A rank without a job: its device's worker compiles
+    run.vote = ('compile', None if mine is None else dict(ok=mine.ok, error=mine.error, oom=mine.oom, took_s=mine.took_s))
+    if (decided := self.tiers.decision(run)) is None or (res := decided[1]) is None: return
+    if not res['ok']:
+        run.to(TierStage.DONE)
+        return self.tiers.notes.append(_worker_failed(run.tier, JobResult(False, res['error'], res['oom'], took_s=res['took_s'])))
+    self._switch(run, learn)
 
-    def _switch(self, run, learn):
-        "This batch compiles the tier in the fit's path, from inductor's cache, timed"
-        run.to(TierStage.WARMUP)
-        self.tiers.run_tier(learn, run)
-        self.tiers.timer.start(run.tier_times)
+@patch
+def _switch(self:TierStages, run, learn):
+    "This batch compiles the tier in the fit's path, from inductor's cache, timed"
+    run.to(TierStage.WARMUP)
+    self.tiers.run_tier(learn, run)
+    self.tiers.timer.start(run.tier_times)
 
-    def _on_warmup(self, run, learn, model, st):
-        if run.n == 0: # The switch batch's time, less a step: its compile, warm or, first in the fit's path, cold
-            run.warm = max(run.tier_times.pop() - min(run.base, default=0.), 0.)
-            ws = self.tiers.aside.warm_starts
-            if st.path: ws.path(run.record, run.warm)
-            else: ws.warmed(run.record, run.warm)
-        run.n += 1
-        if run.n <= self.tiers.warmup_batches: return self.tiers.run_tier(learn, run)
-        if (kept := self.tiers.aside.warm_starts.was_kept(run.record)) is not None: # No A/B, nor the default's code for one
-            return self._keep_faster(run, learn, st, _kept_before(*kept))
-        # Compiled first: in the fit's path, timed against the eager step; else the A/B waits for the default's code
-        run.to(TierStage.AB if st.first is None else TierStage.CHECK if st.path else TierStage.WAIT)
-        self.on[run.stage](self, run, learn, model, st)
+# %% ../nbs/09_tiers.ipynb #0514d3cf
+@patch
+def _on_warmup(self:TierStages, run, learn, model, st):
+    if run.n == 0: # The switch batch's time, less a step: its compile, warm or, first in the fit's path, cold
+        run.warm = max(run.tier_times.pop() - min(run.base, default=0.), 0.)
+        ws = self.tiers.aside.warm_starts
+        if st.path: ws.path(run.record, run.warm)
+        else: ws.warmed(run.record, run.warm)
+    run.n += 1
+    if run.n <= self.tiers.warmup_batches: return self.tiers.run_tier(learn, run)
+    if (kept := self.tiers.aside.warm_starts.was_kept(run.record)) is not None: # No A/B, nor the default's code for one
+        return self._keep_faster(run, learn, st, _kept_before(*kept))
+    # Compiled first: in the fit's path, timed against the eager step; else the A/B waits for the default's code
+    run.to(TierStage.AB if st.first is None else TierStage.CHECK if st.path else TierStage.WAIT)
+    self.on[run.stage](self, run, learn, model, st)
 
-    def _on_check(self, run, learn, model, st):
-        "The tier compiled first in the fit's path, timed alone: kept where it beats the eager step its probe timed, with no worker; else the A/B decides"
-        if len(run.tier_times) < self.tiers.time_batches:
-            self.tiers.run_tier(learn, run, counted=True)
-            return self.tiers.timer.start(run.tier_times)
-        # Under DDP, rank 0's: it alone timed the eager step
-        keep = st.probe is not None and st.probe.seen > 0 and faster(run.tier_times, st.probe.times)
-        tier_s = median(run.tier_times)
+@patch
+def _on_check(self:TierStages, run, learn, model, st):
+    "The tier compiled first in the fit's path, timed alone: kept where it beats the eager step its probe timed, with no worker; else the A/B decides"
+    if len(run.tier_times) < self.tiers.time_batches:
+        self.tiers.run_tier(learn, run, counted=True)
+        return self.tiers.timer.start(run.tier_times)
+    # Under DDP, rank 0's: it alone timed the eager step
+    keep = st.probe is not None and st.probe.seen > 0 and faster(run.tier_times, st.probe.times)
+    tier_s = median(run.tier_times)
+    run.to(TierStage.AGREE)
+    run.vote = ('check', dict(keep=keep, tier_s=tier_s, eager_s=st.probe.step_s if keep else None))
+    self._on_agree(run, learn, model, st)
+
+@patch
+def _checked(self:TierStages, run, learn, model, st, keep:bool, tier_s:float, eager_s:float|None):
+    "Keep the tier compiled first in the fit's path where its steps beat the eager step; else the default's code decides in an A/B"
+    if keep: return self._keep_faster(run, learn, st, _vs_eager(tier_s, eager_s), eager_s, 'the eager step')
+    run.to(TierStage.WAIT) # Not faster than eager, or the eager step unmeasured in this fit
+    self._on_wait(run, learn, model, st)
+
+@patch
+def _on_wait(self:TierStages, run, learn, model, st):
+    "The tier compiled first runs while the default's code, which the A/B needs, compiles in the worker"
+    if st.fallback is None and self.tiers.aside.warm_starts.get(st.record) is None: # A warm start of the tier alone
+        try: st.fallback = self.tiers.aside.submit(model, learn)
+        except Exception as e: return self._keep(run, learn, f"it could not be sent to a worker process ({type(e).__name__}: {e})")
+    if st.fallback is not None:
+        if (res := self.tiers.aside.poll(self.tiers.aside.release(st.fallback))) is None: return self.tiers.run_tier(learn, run, counted=True)
+        st.fallback = None
+        self.tiers.aside.warm_starts.compiled(st.record, res)
+        if not res.ok: return self._keep(run, learn, f"its compile in the worker process failed ({res.error})")
+    run.to(TierStage.AB)
+    self._on_ab(run, learn, model, st)
+
+@patch
+def _keep(self:TierStages, run, learn, why:str):
+    "Keep the tier compiled first without an A/B: the default's code, `why`, isn't there to compare"
+    run.to(TierStage.DONE)
+    run.kept = True
+    self.tiers.run_tier(learn, run, counted=True)
+    self.tiers.notes.append(f"tier {run.tier} kept without an A/B: the default's code, which it would be timed against, is missing: {why}")
+
+# %% ../nbs/09_tiers.ipynb #f6f080e9
+@patch
+def _on_ab(self:TierStages, run, learn, model, st):
+    "Alternate the tier and the default, a batch each, each timed alone; then keep the faster"
+    if run.n == 2*self.tiers.ab_batches:
         run.to(TierStage.AGREE)
-        run.vote = ('check', dict(keep=keep, tier_s=tier_s, eager_s=st.probe.step_s if keep else None))
-        self._on_agree(run, learn, model, st)
+        run.vote = ('verdict', dict(keep=faster(run.tier_times, run.ab_base), tier_s=median(run.tier_times), base_s=median(run.ab_base)))
+        return self._on_agree(run, learn, model, st)
+    on = run.n % 2 == 0
+    if on: self.tiers.run_tier(learn, run)
+    self.tiers.timer.start(run.tier_times if on else run.ab_base)
+    run.n += 1
 
-    def _checked(self, run, learn, model, st, keep:bool, tier_s:float, eager_s:float|None):
-        "Keep the tier compiled first in the fit's path where its steps beat the eager step; else the default's code decides in an A/B"
-        if keep: return self._keep_faster(run, learn, st, _vs_eager(tier_s, eager_s), eager_s, 'the eager step')
-        run.to(TierStage.WAIT) # Not faster than eager, or the eager step unmeasured in this fit
-        self._on_wait(run, learn, model, st)
+@patch
+def _verdict(self:TierStages, run, learn, model, st, keep:bool, tier_s:float, base_s:float):
+    "Keep the faster tier for the rest of the fit, as the A/B (under DDP, rank 0's) found; else drop its graphs"
+    if keep: return self._keep_faster(run, learn, st, _ab(tier_s, base_s), base_s, 'the default')
+    run.to(TierStage.DONE)
+    self.tiers.drop(run.tier, model)
+    self.tiers.notes.append(f"tier {run.tier} not kept: {_ab(tier_s, base_s)}; its graphs were dropped")
 
-    def _on_wait(self, run, learn, model, st):
-        "The tier compiled first runs while the default's code, which the A/B needs, compiles in the worker"
-        if st.fallback is None and self.tiers.aside.warm_starts.get(st.record) is None: # A warm start of the tier alone
-            try: st.fallback = self.tiers.aside.submit(model, learn)
-            except Exception as e: return self._keep(run, learn, f"it could not be sent to a worker process ({type(e).__name__}: {e})")
-        if st.fallback is not None:
-            if (res := self.tiers.aside.poll(self.tiers.aside.release(st.fallback))) is None: return self.tiers.run_tier(learn, run, counted=True)
-            st.fallback = None
-            self.tiers.aside.warm_starts.compiled(st.record, res)
-            if not res.ok: return self._keep(run, learn, f"its compile in the worker process failed ({res.error})")
-        run.to(TierStage.AB)
-        self._on_ab(run, learn, model, st)
+@patch
+def _keep_faster(self:TierStages, run, learn, st, against:str, other_s:float|None=None, of:str=''):
+    "Keep the tier, faster than `other_s`, the seconds of `of`'s step, for the rest of the fit; recorded, later fits of the state keep it at once"
+    run.to(TierStage.DONE)
+    run.kept = True
+    self.tiers.run_tier(learn, run, counted=True)
+    if other_s is not None: self.tiers.aside.warm_starts.kept(run.record, median(run.tier_times), other_s, of)
+    self.tiers.notes.append(_took_over(run, where(learn) + self.tiers.aside.ranks.together(False), against, st.path))
 
-    def _keep(self, run, learn, why:str):
-        "Keep the tier compiled first without an A/B: the default's code, `why`, isn't there to compare"
-        run.to(TierStage.DONE)
-        run.kept = True
-        self.tiers.run_tier(learn, run, counted=True)
-        self.tiers.notes.append(f"tier {run.tier} kept without an A/B: the default's code, which it would be timed against, is missing: {why}")
+@patch
+def _on_done(self:TierStages, run, learn, model, st):
+    if run.kept: self.tiers.run_tier(learn, run, counted=True)
 
-    def _on_ab(self, run, learn, model, st):
-        "Alternate the tier and the default, a batch each, each timed alone; then keep the faster"
-        if run.n == 2*self.tiers.ab_batches:
-            run.to(TierStage.AGREE)
-            run.vote = ('verdict', dict(keep=faster(run.tier_times, run.ab_base), tier_s=median(run.tier_times), base_s=median(run.ab_base)))
-            return self._on_agree(run, learn, model, st)
-        on = run.n % 2 == 0
-        if on: self.tiers.run_tier(learn, run)
-        self.tiers.timer.start(run.tier_times if on else run.ab_base)
-        run.n += 1
-
-    def _verdict(self, run, learn, model, st, keep:bool, tier_s:float, base_s:float):
-        "Keep the faster tier for the rest of the fit, as the A/B (under DDP, rank 0's) found; else drop its graphs"
-        if keep: return self._keep_faster(run, learn, st, _ab(tier_s, base_s), base_s, 'the default')
-        run.to(TierStage.DONE)
-        self.tiers.drop(run.tier, model)
-        self.tiers.notes.append(f"tier {run.tier} not kept: {_ab(tier_s, base_s)}; its graphs were dropped")
-
-    def _keep_faster(self, run, learn, st, against:str, other_s:float|None=None, of:str=''):
-        "Keep the tier, faster than `other_s`, the seconds of `of`'s step, for the rest of the fit; recorded, later fits of the state keep it at once"
-        run.to(TierStage.DONE)
-        run.kept = True
-        self.tiers.run_tier(learn, run, counted=True)
-        if other_s is not None: self.tiers.aside.warm_starts.kept(run.record, median(run.tier_times), other_s, of)
-        self.tiers.notes.append(_took_over(run, where(learn) + self.tiers.aside.ranks.together(False), against, st.path))
-
-    def _on_done(self, run, learn, model, st):
-        if run.kept: self.tiers.run_tier(learn, run, counted=True)
-
-    on = {TierStage.PROBE: _on_probe, TierStage.FIRST: _on_first, TierStage.SETTLE: _on_settle, TierStage.TIME: _on_time,
-          TierStage.PROFILE: _on_profile, TierStage.COMPILE: _on_compile, TierStage.WARMUP: _on_warmup, TierStage.CHECK: _on_check,
-          TierStage.WAIT: _on_wait,
-          TierStage.AB: _on_ab, TierStage.AGREE: _on_agree, TierStage.DONE: _on_done} # What each stage does with a batch
-
-
-def _calls(model:nn.Module)->list:
-    "The compiled calls of `model` and its blocks"
-    return [c for m in model.modules() if isinstance(c := compiled_call(m), CompiledCall)]
+# What each stage does with a batch, once every stage's method is on the class
+TierStages.on = {
+    TierStage.PROBE: TierStages._on_probe, TierStage.FIRST: TierStages._on_first, TierStage.SETTLE: TierStages._on_settle,
+    TierStage.TIME: TierStages._on_time, TierStage.PROFILE: TierStages._on_profile, TierStage.COMPILE: TierStages._on_compile,
+    TierStage.WARMUP: TierStages._on_warmup, TierStage.CHECK: TierStages._on_check, TierStage.WAIT: TierStages._on_wait,
+    TierStage.AB: TierStages._on_ab, TierStage.AGREE: TierStages._on_agree, TierStage.DONE: TierStages._on_done}
 
 # %% ../nbs/09_tiers.ipynb #b0d91b9a
 def _share(busy:float, step_s:float, of:str="the default's")->str: return f"the GPU ran work {busy:.0%} of {of} {step_s*1e3:.1f} ms step, "
