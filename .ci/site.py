@@ -247,10 +247,7 @@ class Converter:
         if path in self.by_html:
             md = self.by_html[path].md
             # nbdev links every `Class.method` it knows to `#class.method`; without a `show_doc` of its own, to `#class`
-            f = frag[1:]
-            if '.' in f and f not in self.api[md]:
-                while '.' in f and f not in self.api[md]: f = f.rpartition('.')[0]
-                if f in self.api[md]: frag = '#' + f
+            if frag and (f := self.entry(path, frag[1:])): frag = '#' + f
             return md + frag
         for base in (NBS, ROOT): # A link written for the README (nbs/index.ipynb is README.md) is relative to the root
             f = (base/path).resolve()
@@ -262,19 +259,22 @@ class Converter:
         self.problems.append(f'{page.nb.name}: link to {url}, which is neither a page nor a file of the repository')
         return url
 
-    def entry(self, url)->bool:
-        "Whether `url` is a page's `show_doc` entry, or a section of one (nbdev's `#class.method` for a method shown with its class)"
-        path, _, f = url.lstrip('/').partition('#')
-        if path not in self.by_html: return True
+    def entry(self, path, name)->str|None:
+        "The anchor of page `path`'s `show_doc` entry for `name`, or for the class `name` is a method of; None without one"
         names = self.api[self.by_html[path].md]
-        while f not in names and '.' in f: f = f.rpartition('.')[0]
-        return f in names
+        while name not in names and '.' in name: name = name.rpartition('.')[0]
+        return name if name in names else None
+
+    def doclink(self, m)->str:
+        "nbdev's link to a name (`[`name`](page.html#name)`), or the plain code where the page has no entry for it"
+        path, _, frag = m[3].lstrip('/').partition('#')
+        if frag != m[2].lower() or path not in self.by_html or self.entry(path, frag): return m[0]
+        return m[1]
 
     def links(self, md, page):
         # nbdev links every name its index knows; a name without an entry on its page (a private helper, a parameter
         # named as a function is) stays plain code
-        md = re.sub(r'\[(`([\w.]+)`)\]\(([^)\s#]+#([\w.]+))\)',
-                    lambda m: m[0] if m[4] != m[2].lower() or self.entry(m[3]) else m[1], md)
+        md = re.sub(r'\[(`([\w.]+)`)\]\(([^)\s#]+#[\w.]+)\)', self.doclink, md)
         md = re.sub(r'(\]\()([^)\s]+)((?:\s+"[^"]*")?\))', lambda m: m[1] + self.link(m[2], page) + m[3], md)
         return re.sub(r'((?:href|src)=")([^"]+)(")', lambda m: m[1] + self.link(m[2], page) + m[3], md)
 

@@ -8,10 +8,9 @@ Prints a markdown table of median milliseconds a step, and the compile's seconds
     python3 bench/opt_step.py --device cuda
     python3 bench/opt_step.py --device cpu --smoke      # every code path, tiny and quick; its timings mean nothing
 """
-import argparse, json, statistics, sys, tempfile, time
+import argparse, datetime, json, statistics, sys, tempfile, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import datetime
 from procs import arm_env, run_process, versions, env_line, git_commit
 
 OPTS = ('Adam', 'SGD', 'RAdam', 'Lamb')
