@@ -1,10 +1,10 @@
 """The environments CI tests: `test_envs` in settings.ini, one a line. `.ci/run` runs them; `.ci/docs` writes the README's
 table of tested versions from them and checks that settings.ini and setup.py declare what they test.
 
-  python .ci/envs.py run [NAME ...]   set up and test each environment (default: all), two at a time, longest first;
+  python .ci/envs.py run [NAME ...]   test each environment (default: all) in turn, the next one set up meanwhile;
                                       each one's log goes to .venv-NAME.log, and a summary with the durations follows;
                                       each environment is removed once tested (`--keep` keeps them), so the disk holds
-                                      no more than `--jobs` of them (~6 GB each) at once
+                                      no more than two of them (~6 GB each) at once
   python .ci/envs.py setup NAME       make .venv-NAME: its Python (found on PATH or through pyenv), its torch, torchvision
                                       and fastai, then the README's set-up command in it; check the versions it got
   python .ci/envs.py test NAME        in .venv-NAME: the README's test command, with `--slow` where the environment runs
@@ -17,7 +17,7 @@ machine that caps a package (torch, say) installs what settings.ini asks for all
 version is the newest release the package index offers, and setting up fails if pip installed another.
 """
 import argparse, configparser, fcntl, glob, json, os, re, shutil, subprocess, sys, time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,7 +212,6 @@ def setup(e:Env):
 def test(e:Env):
     "In `e`'s environment: its tests; in the newest, the docs checks, the site (every notebook) and the benchmark"
     env = pip_env(e.venv)
-    env['FXC_TEST_LAUNCH_LOCK'] = str(ROOT/'.launch.lock') # The environments tested at once launch their DDP ranks in turn
     check_versions(e, env)
     # Every test where the environment runs them all, the slow ones (`--slow`) included; the 40 slowest named at the end
     tests_s, counts = pytest_counts(TESTS + (' --slow' if e.tests == 'all' else '') + ' --durations=40', env)
@@ -227,55 +226,57 @@ def test(e:Env):
 
 # ---------------------------------------------------------------------------------------------------------------------
 
-def run_all(names, jobs, keep=False):
-    "Set up and test each environment, `jobs` at a time, each in a process of its own logging to .venv-NAME.log"
+def run_all(names, keep=False):
+    "Test each environment in turn, the next one set up meanwhile; each step a process of its own logging to .venv-NAME.log"
+    # One at a time: two test runs beside each other on two cores took 38-49 minutes each for a suite that takes 13-15
+    # alone, as their processes (test workers, compile workers, DDP ranks) contend. A set-up is mostly downloading and
+    # unpacking: it runs beside the tests of the environment before
     es = [get_env(n) for n in names] if names else envs()
     free = shutil.disk_usage(ROOT).free / 2**30
     print(f'== {free:.0f} GB free on the disk of {ROOT}', flush=True)
-    es.sort(key=lambda e: (not e.site, e.tests != 'all')) # Longest first: the site, then the whole suites
-    def one(e):
+    print(f'== {len(es)} environments, one at a time: ' + '; '.join(map(repr, es)), flush=True)
+    def step(cmd, e):
         t = time.time()
-        with open(e.log, 'w') as f:
-            r = subprocess.run([sys.executable, __file__, 'leg', e.name], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-        if not keep: shutil.rmtree(e.venv, ignore_errors=True) # Its disk for the next environment
-        return e, r.returncode, time.time() - t
-    print(f'== {len(es)} environments, {jobs} at a time: ' + '; '.join(map(repr, es)), flush=True)
+        with open(e.log, 'a') as f:
+            r = subprocess.run([sys.executable, __file__, cmd, e.name], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        return r.returncode, time.time() - t
+    for e in es: e.log.write_text('')
     failed = []
-    with ThreadPoolExecutor(jobs) as ex:
-        for fut in as_completed([ex.submit(one, e) for e in es]):
-            e, rc, secs = fut.result()
+    with ThreadPoolExecutor(1) as ex:
+        setup = ex.submit(step, 'setup', es[0])
+        for i, e in enumerate(es):
+            (rc, setup_s), test_s = setup.result(), 0.
+            if i + 1 < len(es): setup = ex.submit(step, 'setup', es[i + 1]) # Beside this one's tests: two on the disk at most
+            if rc == 0: rc, test_s = step('test', e)
+            if not keep: shutil.rmtree(e.venv, ignore_errors=True) # Its disk for the environment after the next
             lines = e.log.read_text().splitlines()
             summary = next((l for l in reversed(lines) if l.startswith(f'{e.name}: ')), '')
-            print(f'\n== {e.name}: {"ok" if rc == 0 else "FAILED"} in {secs/60:.1f} min ({e.log.name})\n  {summary}', flush=True)
+            print(f'\n== {e.name}: {"ok" if rc == 0 else "FAILED"}: set up in {setup_s/60:.1f} min, tested in {test_s/60:.1f} min '
+                  f'({e.log.name})\n  {summary}', flush=True)
             print('\n'.join('  ' + l for l in lines[-(60 if rc else 8):]), flush=True)
             if rc: failed.append(e.name)
     if failed: sys.exit(f'envs: failed in {", ".join(failed)} (see above)')
 
-def leg(name):
-    e, t = get_env(name), time.time()
-    print(f'== {e!r}: set up', flush=True)
-    got = setup(e)
-    t_setup = time.time() - t
-    print(f'== {e.name}: test', flush=True)
+def test_summary(e:Env):
+    "Test `e`, then say on one line what it ran on, how long each step took, and its tests' counts"
+    print(f'== {e!r}: test', flush=True)
+    got = installed(pip_env(e.venv))
     times, counts = test(e)
     print(f"{e.name}: Python {got['python']}, torch {got['torch']}, torchvision {got['torchvision']}, fastai {got['fastai']}: "
-          f"set up {t_setup/60:.1f} min, " + ', '.join(f'{k} {v/60:.1f} min' for k, v in times.items()) +
-          f"; {e.tests} tests: {counts}", flush=True)
+          + ', '.join(f'{k} {v/60:.1f} min' for k, v in times.items()) + f"; {e.tests} tests: {counts}", flush=True)
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument('cmd', choices=['run', 'setup', 'test', 'leg', 'table', 'names'])
+    ap.add_argument('cmd', choices=['run', 'setup', 'test', 'table', 'names'])
     ap.add_argument('names', nargs='*')
-    ap.add_argument('--jobs', type=int, default=2, help='environments set up and tested at once (run)')
     ap.add_argument('--keep', action='store_true', help='keep each environment once tested (run)')
     a = ap.parse_args()
     if a.cmd == 'table': print(table())
     elif a.cmd == 'names': print('\n'.join(e.name for e in envs()))
-    elif a.cmd == 'run': run_all(a.names, a.jobs, a.keep)
-    elif a.cmd == 'leg': leg(*a.names)
+    elif a.cmd == 'run': run_all(a.names, a.keep)
     elif a.cmd == 'setup':
         for n in a.names: setup(get_env(n))
     elif a.cmd == 'test':
-        for n in a.names: print(test(get_env(n))[0])
+        for n in a.names: test_summary(get_env(n))
 
 if __name__ == '__main__': main()

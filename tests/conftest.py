@@ -4,8 +4,8 @@ import os, warnings
 # 2-core machine, which every test process with a fresh cache (a worker, a DDP rank, a cold role) paid again. Tests
 # take the CPU's own report, as inductor does once the check has passed; their processes inherit it
 os.environ.setdefault('TORCHINDUCTOR_VEC_ISA_OK', '1')
-# One intra-op thread in every test process, workers and ranks included: the models are tiny, and where CI tests two
-# environments at once on two cores, more threads only spin
+# One intra-op thread in every test process, workers and ranks included: the models are tiny, and where a test run's
+# processes share two cores, more threads only spin
 os.environ.setdefault('OMP_NUM_THREADS', '1')
 import atexit, shutil, tempfile
 # One inductor cache for the test run, fresh at its start and removed at its end: every test that doesn't ask for a cold

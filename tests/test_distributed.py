@@ -23,7 +23,7 @@ def _free_port():
 
 @contextmanager
 def launch_lock():
-    "Where `FXC_TEST_LAUNCH_LOCK` names a file, hold it while ranks run: test runs beside each other (CI's) launch in turn"
+    "Where `FXC_TEST_LAUNCH_LOCK` names a file, hold it while ranks run: test runs beside each other launch in turn"
     path = os.environ.get('FXC_TEST_LAUNCH_LOCK')
     if not path: yield; return
     with open(path, 'w') as f:
