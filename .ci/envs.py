@@ -5,8 +5,9 @@ table of tested versions from them and checks that settings.ini and setup.py dec
                                       each one's log goes to .venv-NAME.log, and a summary with the durations follows;
                                       each environment is removed once tested (`--keep` keeps them), so the disk holds
                                       no more than two of them (~6 GB each) at once
-  python .ci/envs.py setup NAME       make .venv-NAME: its Python (found on PATH or through pyenv), its torch, torchvision
-                                      and fastai, then the README's set-up command in it; check the versions it got
+  python .ci/envs.py setup NAME       make .venv-NAME: its Python (found on PATH or through pyenv), its torch, torchvision,
+                                      fastai and the package's requirements (through uv), then the README's set-up command
+                                      in it; check the versions it got
   python .ci/envs.py test NAME        in .venv-NAME: the README's test command, with `--slow` where the environment runs
                                       every test, and its 40 slowest tests; then, in the newest,
                                       the docs checks, the site (which runs every notebook) and the benchmark
@@ -228,9 +229,9 @@ def test(e:Env):
 
 def run_all(names, keep=False):
     "Test each environment in turn, the next one set up meanwhile; each step a process of its own logging to .venv-NAME.log"
-    # One at a time: two test runs beside each other on two cores took 38-49 minutes each for a suite that takes 13-15
-    # alone, as their processes (test workers, compile workers, DDP ranks) contend. A set-up is mostly downloading and
-    # unpacking: it runs beside the tests of the environment before
+    # One at a time: two test runs beside each other on two cores took 38-49 minutes each for a suite that took 22 alone
+    # (torch 2.11), as their processes (test workers, compile workers, DDP ranks) contend. A set-up is mostly downloading
+    # and unpacking: it runs beside the tests of the environment before
     es = [get_env(n) for n in names] if names else envs()
     free = shutil.disk_usage(ROOT).free / 2**30
     print(f'== {free:.0f} GB free on the disk of {ROOT}', flush=True)
