@@ -230,8 +230,9 @@ def test(e:Env):
 def run_all(names, keep=False):
     "Test each environment in turn, the next one set up meanwhile; each step a process of its own logging to .venv-NAME.log"
     # One at a time: two test runs beside each other on two cores took 38-49 minutes each for a suite that took 22 alone
-    # (torch 2.11), as their processes (test workers, compile workers, DDP ranks) contend. A set-up is mostly downloading
-    # and unpacking: it runs beside the tests of the environment before
+    # (torch 2.11), as their processes (test workers, compile workers, DDP ranks) contend. The whole run takes about as
+    # long either way; one at a time, each environment's times are its own. A set-up is mostly downloading and
+    # unpacking: it runs beside the tests of the environment before
     es = [get_env(n) for n in names] if names else envs()
     free = shutil.disk_usage(ROOT).free / 2**30
     print(f'== {free:.0f} GB free on the disk of {ROOT}', flush=True)
