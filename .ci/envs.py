@@ -17,7 +17,7 @@ Each environment installs with pip's configuration files and constraints left ou
 machine that caps a package (torch, say) installs what settings.ini asks for all the same. A package named without a
 version is the newest release the package index offers, and setting up fails if pip installed another.
 """
-import argparse, configparser, fcntl, glob, json, os, re, shutil, subprocess, sys, time
+import argparse, configparser, glob, json, os, re, shutil, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -204,16 +204,14 @@ def setup(e:Env):
     # minutes an environment on two cores. The README's set-up command follows, and finds them installed
     env['UV_CACHE_DIR'] = str(e.venv/'uv-cache')
     sh('python -m pip install -q uv', env)
-    with open(ROOT/'.venv-setup.lock', 'w') as lock: # An editable install writes the package's metadata into the checkout
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        sh('python -m uv pip install -q ' + ' '.join(e.reqs.values()) + ' -e ".[dev]"', env)
-        sh(SETUP, env)
+    sh('python -m uv pip install -q ' + ' '.join(e.reqs.values()) + ' -e ".[dev]"', env)
+    sh(SETUP, env)
     return check_versions(e, env)
 
 def test(e:Env):
-    "In `e`'s environment: its tests; in the newest, the docs checks, the site (every notebook) and the benchmark"
+    "In `e`'s environment: its tests, and in the newest the docs, site and benchmark; its versions, step times and counts"
     env = pip_env(e.venv)
-    check_versions(e, env)
+    got = check_versions(e, env)
     # Every test where the environment runs them all, the slow ones (`--slow`) included; the 40 slowest named at the end
     tests_s, counts = pytest_counts(TESTS + (' --slow' if e.tests == 'all' else '') + ' --durations=40', env)
     times = {'tests': tests_s}
@@ -223,7 +221,7 @@ def test(e:Env):
         times['notebooks and site'] = sh('bash .ci/site', env)
         # The GPT-style workload's smoke jobs run every arm's code path, regional and nested compiles included
         times['bench'] = sh('python bench/bench.py --device cpu --smoke --workloads gpt --out "$(mktemp -d)"', env)
-    return times, counts
+    return got, times, counts
 
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -262,8 +260,7 @@ def run_all(names, keep=False):
 def test_summary(e:Env):
     "Test `e`, then say on one line what it ran on, how long each step took, and its tests' counts"
     print(f'== {e!r}: test', flush=True)
-    got = installed(pip_env(e.venv))
-    times, counts = test(e)
+    got, times, counts = test(e)
     print(f"{e.name}: Python {got['python']}, torch {got['torch']}, torchvision {got['torchvision']}, fastai {got['fastai']}: "
           + ', '.join(f'{k} {v/60:.1f} min' for k, v in times.items()) + f"; {e.tests} tests: {counts}", flush=True)
 
