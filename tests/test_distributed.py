@@ -13,6 +13,10 @@ pytest.importorskip('accelerate')
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
                                                      reason="needs torch.distributed with gloo")]
 
+from conftest import assert_close_to
+# Two ranks' halves of a batch against one process's whole batch: the same float32 sums split in two and averaged, each
+# tensor compared whole against the one process's norm
+ONE_TOL = dict(rtol=1e-5, atol=1e-5)
 TIMEOUT = 240 # Seconds for the whole run: a rank stuck in a collective fails the test instead of blocking CI
 WORKER = Path(__file__).parent/'ddp_worker.py'
 
@@ -87,7 +91,7 @@ def test_every_rank_trains_the_same_model(runs):
 
 def test_two_processes_match_one_on_the_same_global_batch(runs):
     (r0, r1), single = runs
-    for k,v in single['params'].items(): torch.testing.assert_close(r0['params'][k], v, rtol=1e-5, atol=1e-5, msg=k)
+    for k,v in single['params'].items(): assert_close_to(r0['params'][k], v, ONE_TOL, k)
     # Each rank's Recorder smooths the MSE of its half batch; both halves are the same size and fastai's smoothing is
     # linear, so the ranks' mean is the 1-process smoothed loss on the whole batch, batch by batch
     r, one = (torch.tensor(r0['losses']) + torch.tensor(r1['losses']))/2, torch.tensor(single['losses'])
@@ -100,7 +104,7 @@ def test_callbacks_before_the_compiler_see_averaged_gradients_at_after_backward(
     for i,(g0, g1, one) in enumerate(zip(r0['early_grads'], r1['early_grads'], single['early_grads'])):
         # Each rank's own half batch gives gradients of its own: averaged, the ranks' are equal, and the whole batch's
         assert torch.equal(g0, g1), i
-        torch.testing.assert_close(g0, one, rtol=1e-5, atol=1e-5, msg=f'batch {i}')
+        assert_close_to(g0, one, ONE_TOL, f'batch {i}')
 
 def test_graphs_stay_whole_by_default(runs):
     ranks, single = runs
@@ -144,7 +148,7 @@ def test_ddp_compiled_autograd_traces_the_all_reduce_and_trains_the_same(runs):
     # Without DDP there is nothing to all-reduce: the backwards run as they do without the option
     assert single['ca_captures'] == 0 and single['ca_backward_graphs'] is None and 'DDP:' not in single['ca_summary']
     for k,v in single['ca_params'].items():
-        for r in ranks: torch.testing.assert_close(r['ca_params'][k], v, rtol=1e-5, atol=1e-5, msg=k)
+        for r in ranks: assert_close_to(r['ca_params'][k], v, ONE_TOL, k)
 
 def test_each_rank_compiles_as_one_process_does(runs):
     ranks, single = runs

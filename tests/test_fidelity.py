@@ -17,7 +17,7 @@ import fastxtend_compile
 from fastxtend_compile import *
 from fastxtend_compile.core import compile_settings, inner_model
 from fastxtend_compile.internals import graphs_compiled, compiled_call, traced_op_error
-from conftest import assert_fit_close, ragged_text_dls, two_conv_cnn, bn_cnn, body_head_splitter, digits_dls, text_dls, EAGER_PRECISION, GRAD_TOL
+from conftest import assert_fit_close, ragged_text_dls, two_conv_cnn, bn_cnn, body_head_splitter, digits_dls, text_dls, EAGER_PRECISION, GRAD_TOL, assert_close_to
 
 BACKEND = 'aot_eager' # Traces forward and backward like inductor, without its C++ compile time
 _library_dir = str(Path(fastxtend_compile.__file__).resolve().parent)
@@ -139,7 +139,7 @@ def test_gradients_as_callbacks_see_them(compile_opt):
     assert n > 2 and len(comp.step) == len(comp.batch) == len(comp.backward) == n
     for i,(e,c) in enumerate(zip(eager.step, comp.step)): # after_step: the gradients the step used
         assert all(g is not None for g in c), f"batch {i}: a gradient is None in after_step"
-        for ge,gc in zip(e, c): torch.testing.assert_close(gc, ge, **GRAD_TOL)
+        for j,(ge,gc) in enumerate(zip(e, c)): assert_close_to(gc, ge, GRAD_TOL, f'batch {i}, gradient {j}')
     for i,c in enumerate(comp.batch): # after_batch: fastai's `zero_grad` left them zero, in place
         assert all(g is not None and not g.any() for g in c), f"batch {i}: a gradient in after_batch is None or not zero"
     assert all(g is None for g in comp.backward[0]) and all(g is None for g in eager.backward[0])
