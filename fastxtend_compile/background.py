@@ -16,7 +16,7 @@ from .core import model_fingerprint
 from .internals import inductor_cache_dir
 from .worker import Worker, Job, JobResult, job_payload, read_json, write_json
 from .state import StateKey, Stage, Probe, ModelState, state_key
-from .payoff import SAVING, WORKER_HANDOVER_S, WORKER_SLOWDOWN, batches_left, pays_back, rest_needed, warm_cost, worker_rest
+from .payoff import WORKER_HANDOVER_S, WORKER_SLOWDOWN, batches_left, pays_back, recorded_saving, rest_needed, warm_cost, worker_rest
 from .agreement import Local, DDP
 
 # %% auto #0
@@ -83,15 +83,15 @@ class _Probes:
             return False
         if st.held: return False # Eager, untimed: the faster tier's choice measures the step's GPU work (`FirstTier`)
         rec = aside.warm_starts.cached(st) # Once the probe is done: not at each of its batches
-        cost = aside.cold_cost_s if rec is None else warm_cost(rec, aside.warm_s)
+        cost, saving = aside.cold_cost_s if rec is None else warm_cost(rec, aside.warm_s), recorded_saving(rec)
         left, step_s, self.fastest_s = batches_left(learn), st.probe.step_s, st.probe.fastest
         # A tier compiled first in the fit's path was found to pay back its compile there, by the tier's own saving
         if rec is None and st.path: return True
         # A cold compile goes to the worker: its code serves only the batches left after its hand-over
-        if pays_back(left if rec is not None else worker_rest(left, step_s, aside.handover_s), SAVING*step_s, cost): return True
+        if pays_back(left if rec is not None else worker_rest(left, step_s, aside.handover_s), saving*step_s, cost): return True
         st.to(Stage.SHORT) # Not worth it: eager for the rest of this fit
         aside.worker.idle() # Not needed this fit, unless a job waits for it
-        needed_s = rest_needed(cost) + (0. if rec is not None else aside.handover_s / WORKER_SLOWDOWN) # Seconds of eager steps that pay
+        needed_s = rest_needed(cost, saving) + (0. if rec is not None else aside.handover_s / WORKER_SLOWDOWN) # Seconds of eager steps that pay
         aside.notes.append(_too_short(left, step_s*left, None if rec is None else cost, needed_s))
         return False
 
@@ -124,8 +124,9 @@ class WarmStarts:
         self.records = WarmRecords(settings, regional) # The records, of any settings: a record's name says which
         self.timer = _WarmTimer() # Times a hand-over's warm compile in the fit's path
         self.times_warm = True # This process records warm compiles: under DDP, rank 0 alone, which timed the eager step
+        self.trained = set() # The records of the training states this fit compiled, for the share of a step their code saves
 
-    def __getstate__(self): return {**self.__dict__, 'timer': _WarmTimer()}
+    def __getstate__(self): return {**self.__dict__, 'timer': _WarmTimer(), 'trained': set()}
 
     def key(self, model:nn.Module, state:StateKey, settings:dict|None=None)->str:
         "The record of `state` compiled with `settings` (`None`: the model's own)"
@@ -158,7 +159,8 @@ class WarmStarts:
     ):
         "A batch compiled its model state in the fit's path: a record where it has none, so a later fit compiles it at once"
         if num_distrib() > 1: return # Under DDP the fit's path compiles DDP's graphs, split at its buckets: not the worker's
-        self.path(self.key(model, state_key(model, xb, training)), seconds)
+        self.path(record := self.key(model, state_key(model, xb, training)), seconds)
+        if training: self.trained.add(record)
 
 # %% ../nbs/08_background.ipynb #8c0fef84
 @patch
@@ -186,6 +188,7 @@ def warmed(self:WarmStarts, record:str, seconds:float):
 def time(self:WarmStarts, record:str, now:float, note:int, learn):
     "Time the warm compile of `record` that this batch runs, for the report's line `note`, until a later batch can tell"
     self.timer.start(record, now, note, learn)
+    if learn.training: self.trained.add(record)
 
 @patch
 def timed(self:WarmStarts, now:float, learn, step_s:float|None)->tuple|None:
@@ -200,13 +203,23 @@ def end_fit(self:WarmStarts):
     "The fit ended: a warm compile still timed is left out"
     self.timer = _WarmTimer()
 
+@patch
+def measured(self:WarmStarts,
+    compiled_s:float|None, # The fit's compiled training step (`CompileReport.compiled_step`)
+    eager_s:float|None, # Its eager step, measured in the same fit (`CompileReport.eager_step`)
+):
+    "The fit's steps, measured: where it compiled one training state, its record keeps the share of a step the code saved"
+    # A later fit of the state, in any process, weighs compiling it by this share (`recorded_saving`)
+    trained, self.trained = self.trained, set()
+    if self.times_warm and len(trained) == 1 and compiled_s and eager_s: self.records.put(trained.pop(), saving=1 - compiled_s/eager_s)
+
 # %% ../nbs/08_background.ipynb #f47c974a
 class BackgroundCompile:
     "Compile a model state in a worker process, into the on-disk caches, while the fit trains eagerly; then take over warm"
     # A cold compile's cost to the fit's path: with a step `SAVING` faster, a fit with under 30 s of eager steps left
     # once a cold worker hands its code over (`handover_s` after its job, start-up included) trains eagerly without a
     # worker (the eager steps beside a compiling worker run slower); 0 compiles every state without timing it first. A
-    # warm compile recorded without its time is taken to cost `warm_s`
+    # record that holds no compile time at all is taken to cost `warm_s` to compile warm
     probe_batches, cold_cost_s, warm_s, handover_s = 8, 6., 5., WORKER_HANDOVER_S
     default_on = ('cuda',) # Device types where `background=None` compiles in a worker: beside the fit, not in its path
     def __init__(self,

@@ -466,6 +466,7 @@ def restore(self:CompilerCallback):
         self.compile_recorder.note_background(*self.aside.take_notes(), *self.tiers.take_notes())
         p = self.policy
         self.compile_recorder.stop(p.compiled_calls(), self.ddp.backward_graphs(), p.eager_eval, p.eager_lr_find, self.collector.stop())
+        self.aside.warm_starts.measured(self.report.compiled_step, self.report.eager_step)
         self.policy.stop()
         self.precision.restore()
         self.precompile.restore()

@@ -7,9 +7,9 @@ from __future__ import annotations
 from statistics import median
 
 # %% auto #0
-__all__ = ['SAVING', 'MARGIN', 'AUTOTUNE_SAVING', 'WORKER_HANDOVER_S', 'WORKER_SLOWDOWN', 'batches_left', 'pays_back',
-           'rest_needed', 'warm_cost', 'tier_saving', 'pick_tier', 'first_saving', 'first_tier', 'worker_rest',
-           'first_in_path', 'cudagraphs_fit', 'faster']
+__all__ = ['SAVING', 'MARGIN', 'WARM_SHARE', 'AUTOTUNE_SAVING', 'WORKER_HANDOVER_S', 'WORKER_SLOWDOWN', 'batches_left',
+           'pays_back', 'rest_needed', 'warm_cost', 'recorded_saving', 'tier_saving', 'pick_tier', 'first_saving',
+           'first_tier', 'worker_rest', 'first_in_path', 'cudagraphs_fit', 'faster']
 
 # %% ../nbs/14_payoff.ipynb #23d4101a
 SAVING = 0.2 # The share of a step a compiled one is expected to save, until a fit has measured it
@@ -34,13 +34,27 @@ def rest_needed(
     "Seconds of steps as they run now that pay back `cost_s`: below them a fit keeps what it runs"
     return cost_s / saving
 
+# A warm compile traces the model and loads its kernels from inductor's cache, where a cold one also writes and builds
+# them: a warm compile not yet timed is taken to cost this share of the state's cold one, the largest measured
+# (bench/results/warm_share/)
+WARM_SHARE = 0.12
+
 def warm_cost(
     rec:dict, # A state's warm record (`WarmRecords`)
-    default_s:float, # Seconds taken where the record has no measure of a warm compile
+    default_s:float, # Seconds taken where the record has no compile time at all
 )->float:
-    "Seconds compiling a recorded state again, from inductor's cache, costs the fit's path"
-    # As last measured; else no more than its compile in a fit's path took, cold or warm
-    return rec.get('warm_s', min(rec.get('path_s', default_s), default_s))
+    "Seconds compiling a recorded state again, from inductor's cache, costs the fit's path: as last timed, else `WARM_SHARE` of its cold compile"
+    if 'warm_s' in rec: return rec['warm_s']
+    cold_s = rec.get('path_s', rec.get('cold_s')) # Cold, in a fit's path or in a worker
+    return default_s if cold_s is None else WARM_SHARE * cold_s
+
+def recorded_saving(
+    rec:dict|None, # A state's warm record (`WarmRecords`); `None` where it has none
+)->float:
+    "The share of a step the state's compiled code saves: as a fit last measured it, at least `MARGIN`; else `SAVING`"
+    # A measured saving within a step's noise, or a loss, counts as `MARGIN`: a long enough fit still compiles, and measures again
+    saving = (rec or {}).get('saving')
+    return SAVING if saving is None else max(saving, MARGIN)
 
 # %% ../nbs/14_payoff.ipynb #c2606ebc
 AUTOTUNE_SAVING = 0.05 # The share of a GPU-bound step that autotuned kernels are expected to save

@@ -9,6 +9,7 @@ from fastxtend_compile import *
 from fastxtend_compile.background import BackgroundCompile, WarmRecords
 from fastxtend_compile.worker import Worker
 from fastxtend_compile.state import state_key, Stage
+from fastxtend_compile.payoff import MARGIN, SAVING, WARM_SHARE
 from conftest import two_conv_cnn, digits_dls, EAGER_PRECISION, assert_fit_close
 
 def _leftovers()->list: return glob.glob(os.path.join(tempfile.gettempdir(), 'fxc-background-*'))
@@ -91,7 +92,9 @@ def test_compiled_code_takes_over_from_the_worker_and_trains_like_eager(cold_cac
     assert cb.report.graphs >= 1 and cb.report.batch_times # Compiled batches ran after the hand-over
     assert any(cold_cache.rglob('*')) # The worker filled the cache the fit compiled from
     records = [json.loads(f.read_text()) for f in (cold_cache/WarmRecords.folder).glob('*.json')]
-    assert len(records) == 1 and set(records[0]) == {'cold_s', 'warm_s'}, records # The state compiled, and how long it took
+    # The state compiled, how long it took, and the share of a step its code saved, as the report measured
+    assert len(records) == 1 and set(records[0]) == {'cold_s', 'warm_s', 'saving'}, records
+    assert records[0]['saving'] == pytest.approx(1 - cb.report.compiled_step / cb.report.eager_step)
     assert_fit_close(eager.model, comp.model)
 
 def test_a_failed_worker_keeps_the_fit_eager_with_one_warning(no_records, monkeypatch):
@@ -209,9 +212,10 @@ print(json.dumps(dict(notes=learn.compiler.report.background, started=len(starte
 @pytest.mark.slow
 def test_a_compile_in_the_fits_path_is_a_warm_start_for_the_background_in_a_new_process(cold_cache):
     "A cache filled by `background=False` is a warm start: the next process compiles at once after its probe, with no worker"
-    _fit(True, background=False)
+    r = _fit(True, background=False).compiler.report
     records = [json.loads(f.read_text()) for f in (cold_cache/WarmRecords.folder).glob('*.json')]
-    assert len(records) == 1 and set(records[0]) == {'path_s'} and records[0]['path_s'] > 0, records # The training state
+    assert len(records) == 1 and set(records[0]) == {'path_s', 'saving'} and records[0]['path_s'] > 0, records # The training state
+    assert records[0]['saving'] == pytest.approx(1 - r.compiled_step / r.eager_step)
     env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': str(cold_cache), 'OMP_NUM_THREADS': '1'}
     out = subprocess.run([sys.executable, '-c', _NEXT_PROCESS, os.path.dirname(__file__)], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -370,6 +374,48 @@ def test_the_probe_times_the_fastest_eager_step_for_the_hand_overs_timing(tmp_pa
     # Batch 9 compiled in 2s, then ran in 0.25s: the probe's fastest step, not its median, is taken off
     assert aside.warm_starts.timed(12.25, SimpleNamespace(epoch=0, iter=10, training=True), aside.probes.fastest_s) == (0, pytest.approx(2.))
     assert aside.warm_starts.get(st.record) == {'warm_s': pytest.approx(2.)}
+
+@pytest.mark.parametrize('saving', [None, 0.4, -0.1])
+def test_a_state_compiled_before_compiles_warm_where_the_share_its_code_saved_pays(tmp_path, monkeypatch, saving):
+    "A state a fit compiled in its path before a kernel restart compiles at once, warm, where the step share its code saved pays that back"
+    from types import SimpleNamespace
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
+    aside, model = BackgroundCompile({'backend': 'eager'}), nn.Linear(2, 2)
+    st, n = aside.state(state_key(model, (torch.randn(1, 2),), True), model), BackgroundCompile.probe_batches
+    # Compiled cold in a fit's path: its warm compile, not yet timed, is taken to cost 3s
+    aside.warm_starts.records.put(st.record, path_s=3. / WARM_SHARE, **({} if saving is None else {'saving': saving}))
+    learn = SimpleNamespace(n_epoch=1, n_iter=2808, epoch=0, iter=0, training=True)
+    for _ in range(n):
+        assert not aside.probes.judge(aside, st, learn)
+        aside.probed(0.004)
+    learn.iter = n
+    # 2800 batches of 4ms left, 11.2s eagerly: 40% saved pays back 3s (7.5s of steps), 20% (no saving measured) would not
+    assert aside.probes.judge(aside, st, learn) == (saving == 0.4)
+    if saving != 0.4:
+        needed = 3. / (SAVING if saving is None else MARGIN)
+        assert aside.notes == [f"trained eagerly: the fit's 2800 training batches left, about 11s eagerly, are too few to pay back even a "
+                               f"warm compile of 3.0s (under {needed:.0f}s)"], aside.notes
+
+def test_a_fit_records_the_share_of_a_step_its_one_compiled_training_state_saved(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
+    model, x = nn.Linear(2, 2), (torch.randn(1, 2),)
+    warm = BackgroundCompile({'backend': 'eager'}).warm_starts
+    record = lambda training: warm.key(model, state_key(model, x, training))
+    warm.in_path(model, x, True, 9.)
+    warm.in_path(model, x, False, 2.) # Validation's state: not the training step measured
+    warm.measured(0.006, 0.010)
+    assert warm.get(record(True)) == {'path_s': 9., 'saving': pytest.approx(0.4)} and warm.get(record(False)) == {'path_s': 2.}
+    warm.measured(0.001, 0.010) # A fit that compiled no training state records nothing
+    assert warm.get(record(True))['saving'] == pytest.approx(0.4)
+    warm.time(record(True), 1., 0, SimpleNamespace(epoch=0, iter=0, training=True)) # A later fit compiles it warm
+    warm.times_warm = False # Under DDP, a rank other than the one that timed the eager step
+    warm.measured(0.002, 0.010)
+    assert warm.get(record(True))['saving'] == pytest.approx(0.4)
+    warm.times_warm = True
+    warm.time(record(True), 1., 0, SimpleNamespace(epoch=0, iter=0, training=True))
+    warm.measured(0.012, 0.010) # Slower than eager: recorded as it was measured
+    assert warm.get(record(True))['saving'] == pytest.approx(-0.2)
 
 def test_the_next_training_batch_after_an_epochs_last_is_the_next_epochs_first():
     from types import SimpleNamespace
