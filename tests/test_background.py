@@ -397,6 +397,7 @@ def test_a_state_compiled_before_compiles_warm_where_the_share_its_code_saved_pa
                                f"warm compile of 3.0s (under {needed:.0f}s)"], aside.notes
 
 def test_a_fit_records_the_share_of_a_step_its_one_compiled_training_state_saved(tmp_path, monkeypatch):
+    "The share is the fit's compiled step against its eager one, kept for the one training state it compiled, by the process that timed both"
     from types import SimpleNamespace
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
     model, x = nn.Linear(2, 2), (torch.randn(1, 2),)
