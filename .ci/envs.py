@@ -204,7 +204,10 @@ def setup(e:Env):
     # minutes an environment on two cores. The README's set-up command follows, and finds them installed
     env['UV_CACHE_DIR'] = str(e.venv/'uv-cache')
     sh('python -m pip install -q uv', env)
-    sh('python -m uv pip install -q ' + ' '.join(e.reqs.values()) + ' -e ".[dev]"', env)
+    # Compiled to bytecode as it installs, as pip's installs are: uv leaves that to the first import, and where Python may
+    # not write it (`PYTHONDONTWRITEBYTECODE`), every process of the suite (test workers, compile workers, DDP ranks, the
+    # notebooks' kernels) compiled torch's and fastai's sources again as it imported them
+    sh('python -m uv pip install -q --compile-bytecode ' + ' '.join(e.reqs.values()) + ' -e ".[dev]"', env)
     sh(SETUP, env)
     return check_versions(e, env)
 
