@@ -127,9 +127,9 @@ class DDP(Local):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.gap, self.next_at, self.held = self.every, 0, []
         self.hosts = self.gather((self.host, self.device), 'the start of the fit')
-        # A worker for each device, all compiling at once: a transformer's hand-over took 40s on 2 and on 4 H100s, where one
-        # worker compiling for each device in turn took 45s on 2 H200s and 76-94s on 4 (torch 2.11). Inductor's cache keeps
-        # each device's code apart, so one device's compile leaves the others cold. Ranks that share a device share a worker
+        # A worker for each device, all compiling at once: inductor's cache keeps each device's code apart, so one device's
+        # compile leaves the others cold, and one worker compiling for each device in turn would hand over later the more
+        # devices there are (bench/results/constants.md). Ranks that share a device share a worker
         self.leader = device_leader(self.hosts, self.rank)
 
     def judges(self, training:bool)->bool:

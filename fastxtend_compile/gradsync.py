@@ -148,7 +148,7 @@ class GradSync:
         "Every rank averages this fit's batches here from now on; DDP's forward, where it would only call the model, is left out"
         if self.on: return
         self.on = True
-        # DDP's forward prepares its reducer, which now averages no batch; its host work (0.35-0.45 ms a batch on an H200) is a share of a CUDA-graph step
+        # DDP's forward prepares its reducer, which now averages no batch: host work at every batch, a share of a CUDA-graph step
         if ddp_forward_calls_module(self.ddp):
             self.device = torch.device(self.ddp.device_type, self.ddp.device_ids[0]) if self.ddp.device_ids else None
             self.ddp.forward = self._forward

@@ -96,8 +96,8 @@ def first_tier(
     if busy is None or busy > 1 - margin: return None
     return 'reduce-overhead' if pays_back(batches, first_saving(busy, step_s), cost_s) else None
 
-# A cold worker's hand-over (start-up 11-17s, then a compile beside the fit) came 32-41s after its job was sent, and the
-# launch-bound eager steps beside it ran 20-40% slower: an H100 and an H200, torch 2.11, a transformer fit
+# How long a cold worker takes from its job to its hand-over (its start-up, then a compile beside the fit), and how much
+# slower a launch-bound eager step runs beside it: as a transformer fit measured them (bench/results/constants.md)
 WORKER_HANDOVER_S, WORKER_SLOWDOWN = 35., 1.3
 
 def worker_rest(

@@ -90,7 +90,7 @@ class _BusyMeter:
 
     def start(self, device:torch.device, hold_s:float)->bool:
         "Hold the GPU `hold_s` (longer than the host takes to queue the step), then time the work the step queues: `False` off a GPU"
-        # No profiler: starting one takes seconds in the fit's path (6.2s on an H100, torch 2.11)
+        # No profiler: starting one takes seconds in the fit's path (bench/results/constants.md)
         if not self.measures(device): return False
         torch.cuda.synchronize(device)
         if self.start_bytes is None: self.start_bytes = torch.cuda.memory_allocated(device)
@@ -232,7 +232,7 @@ class Tiers:
     # tier batches run before the A/B (CUDA graphs record at their first runs); batches of each tier in the A/B, alternating
     settle_batches, time_batches, profile_batches, warmup_batches, ab_batches = 4, 8, 3, 3, 8
     # Seconds trying a tier costs the fit's path (its warm compile and A/B), and a cold compile, in the worker or the fit's
-    # path, is taken to take until one is recorded (13-25s for a transformer on an H100 or H200, torch 2.11): a tier is
+    # path, is taken to take until one is recorded (bench/results/constants.md): a tier is
     # tried where the saving it is expected to bring over the batches left once it compiled pays back `try_cost_s`
     try_cost_s, compile_guess_s = 6., 20.
     pick = staticmethod(pick_tier) # The policy that picks a state's tier from its measured step

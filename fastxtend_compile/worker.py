@@ -263,7 +263,7 @@ def _last_line(path:str|None)->str:
 
 # %% ../nbs/13_worker.ipynb #e1068e25
 # The start of a worker process's Python code: this package without its `__init__`, which imports fastai to patch the
-# `Learner`. Compiling needs torch and `core` alone, which import 2s sooner on a 2-core CPU than the whole package. A job
+# `Learner`. Compiling needs torch and `core` alone, which import sooner than the whole package with fastai. A job
 # whose model's modules import the package, or read a name of it, runs `__init__` then
 _DEFERRED_INIT = """import importlib.util, sys
 spec = importlib.util.find_spec('fastxtend_compile')
@@ -281,7 +281,7 @@ class Worker:
     prefix = 'fxc-background-' # Its folder: `<prefix><the training process's pid>-<random>`, in the temporary directory
     code = _DEFERRED_INIT + "from fastxtend_compile.worker import serve; serve(*sys.argv[1:])" # The process's Python code
     # Steps below the fit's CPU priority: where the cores are busy, the fit's launches run first (a launch-bound eager step
-    # ran 20-40% slower beside a worker at the fit's priority, on an H100 and an H200 with 16 cores)
+    # runs slower beside a worker at the fit's priority: bench/results/constants.md)
     nice = 10
     def __init__(self,
         code:str|None=None, # The process's Python code, passed the device and the modules to import; `None`: `Worker.code`
