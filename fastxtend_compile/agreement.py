@@ -13,6 +13,7 @@ from fastcore.basics import patch
 
 from .state import Stage, ModelState
 from .worker import JobResult
+from .report import Note, unsent_text
 
 # %% auto #0
 __all__ = ['Local', 'decide', 'device_leader', 'next_gap', 'DDP']
@@ -45,18 +46,18 @@ class Local:
         "The worker finished `st`: its code takes over, or it trains eagerly"
         aside.handover.settle(st, st.result)
 
-    def unsent(self, aside, st:ModelState, why:str)->bool:
-        "`st` could not be sent to the worker: it compiles in the fit's path, at this batch"
-        aside.notes.append(f"compiled in the fit's path: {why}")
+    def unsent(self, aside, st:ModelState, error:str)->bool:
+        "`st` could not be sent to the worker, with `error`: it compiles in the fit's path, at this batch"
+        aside.notes.append(Note('unsent', error=error))
         st.to(Stage.READY)
         return False
 
     def agree(self, aside, learn, st:ModelState, model):
         "Nothing to agree on in one process: each event was acted on as it came"
 
-    def together(self, worker:bool)->str:
-        "How the ranks switched, for the report: nothing to say in one process"
-        return ''
+    def together(self)->dict|None:
+        "How the ranks switched, for the report: `None`, in one process"
+        return None
 
     def end(self):
         "The fit ended: nothing to release in one process"
@@ -144,9 +145,9 @@ class DDP(Local):
     def done(self, aside, st:ModelState):
         "This device's worker finished `st`: acted on at an agreement, once every device's worker is done"
 
-    def unsent(self, aside, st:ModelState, why:str)->bool:
-        "`st` could not be sent to this device's worker: a failure the ranks agree on"
-        st.result = JobResult(False, why)
+    def unsent(self, aside, st:ModelState, error:str)->bool:
+        "`st` could not be sent to this device's worker, with `error`: a failure the ranks agree on"
+        st.result = JobResult(False, unsent_text(error))
         st.to(Stage.DONE)
         return True
 
@@ -169,12 +170,9 @@ class DDP(Local):
         elif decision == 'path': aside.handover.in_path(st, learn, next_batch=True) # Every rank in its own path: all devices at once
         elif decision == 'start' and self.leader and views[self.rank]['worker'] == 'none': aside.send(st, learn, model)
 
-    def together(self, worker:bool)->str:
-        "How the ranks switched, for the report"
-        n, hosts = len(set(self.hosts)), len({h for h,_ in self.hosts})
-        workers = (' (one worker process compiled for the host)' if n == 1 else f' (one worker process on each of the {n} hosts)' if n == hosts
-                   else f' ({n} worker processes, one for each device, compiled side by side)')
-        return f", on all {self.world} ranks at once" + (workers if worker else '')
+    def together(self)->dict:
+        "How the ranks switched, for the report: all at once, with a worker on each of so many devices and hosts"
+        return dict(world=self.world, devices=len(set(self.hosts)), hosts=len({h for h,_ in self.hosts}))
 
     def end(self):
         "The fit ended: its group goes"

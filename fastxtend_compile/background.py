@@ -18,6 +18,7 @@ from .worker import Worker, Job, JobResult, job_payload, read_json, write_json
 from .state import StateKey, Stage, Probe, ModelState, state_key
 from .payoff import WORKER_HANDOVER_S, WORKER_SLOWDOWN, batches_left, pays_back, recorded_saving, rest_needed, warm_cost, worker_rest
 from .agreement import Local, DDP
+from .report import Note, handover_text
 
 # %% auto #0
 __all__ = []
@@ -78,7 +79,7 @@ class _Probes:
         if self.state is not st: st.probe, self.state, self.changes = Probe(), st, self.changes + 1 # A probe of its own
         if (n := st.probe.seen) < aside.probe_batches:
             if n == 0 and self.changes == 2*aside.probe_batches and not any(s.stage is Stage.READY for s in aside.states.values()):
-                aside.notes.append(_shapes_change(self.changes, aside.probe_batches)) # Said once, if states change too often
+                aside.notes.append(Note('shapes_change', changes=self.changes, batches=aside.probe_batches)) # Said once, if states change too often
             self.timing = st # The recorder times this batch alone, as the eager step
             return False
         if st.held: return False # Eager, untimed: the faster tier's choice measures the step's GPU work (`FirstTier`)
@@ -92,7 +93,7 @@ class _Probes:
         st.to(Stage.SHORT) # Not worth it: eager for the rest of this fit
         aside.worker.idle() # Not needed this fit, unless a job waits for it
         needed_s = rest_needed(cost, saving) + (0. if rec is not None else aside.handover_s / WORKER_SLOWDOWN) # Seconds of eager steps that pay
-        aside.notes.append(_too_short(left, step_s*left, None if rec is None else cost, needed_s))
+        aside.notes.append(Note('too_short', left=left, rest_s=step_s*left, warm_s=None if rec is None else cost, needed_s=needed_s))
         return False
 
     def timed(self, seconds:float):
@@ -102,12 +103,12 @@ class _Probes:
 
 class _WarmTimer:
     "Times a warm compile in the fit's path from its batch to a later one of the same epoch and phase"
-    def __init__(self): self.timing = None # (record, start, note, batch)
+    def __init__(self): self.timing = None # (record, start, its `Note`, batch)
 
-    def start(self, record:str, now:float, note:int, learn): self.timing = (record, now, note, _batch(learn))
+    def start(self, record:str, now:float, note:Note, learn): self.timing = (record, now, note, _batch(learn))
 
     def stop(self, now:float, learn, step_s:float|None)->tuple|None:
-        "(record, note, seconds) of the compile, where this batch can time it; each batch between counts as `step_s`"
+        "(record, `Note`, seconds) of the compile, where this batch can time it; each batch between counts as `step_s`"
         if self.timing is None: return None
         (record, start, note, (epoch, it, training)), self.timing = self.timing, None
         if (learn.epoch, learn.training) != (epoch, training) or learn.iter <= it: return None
@@ -185,14 +186,14 @@ def warmed(self:WarmStarts, record:str, seconds:float):
     if self.times_warm: self.records.put(record, warm_s=seconds)
 
 @patch
-def time(self:WarmStarts, record:str, now:float, note:int, learn):
-    "Time the warm compile of `record` that this batch runs, for the report's line `note`, until a later batch can tell"
+def time(self:WarmStarts, record:str, now:float, note:Note, learn):
+    "Time the warm compile of `record` that this batch runs, for the report's `note` of it, until a later batch can tell"
     self.timer.start(record, now, note, learn)
     if learn.training: self.trained.add(record)
 
 @patch
 def timed(self:WarmStarts, now:float, learn, step_s:float|None)->tuple|None:
-    "(note, seconds) of a warm compile timed, recorded, once this batch (`now`) can tell; each batch between counts as `step_s`"
+    "(`Note`, seconds) of a warm compile timed, recorded, once this batch (`now`) can tell; each batch between counts as `step_s`"
     if (t := self.timer.stop(now, learn, step_s)) is None: return None
     record, note, seconds = t
     self.warmed(record, seconds)
@@ -315,7 +316,7 @@ def agree(self:BackgroundCompile,
 @patch
 def _waits(self:BackgroundCompile, training:bool)->bool:
     "This batch runs eagerly: its state waits (a verdict, its turn, the ranks), or isn't judged here"
-    if not training and not self.ranks.evaluates and (n := _eval_eager()) not in self.notes: self.notes.append(n)
+    if not training and not self.ranks.evaluates and (n := Note('eval_eager')) not in self.notes: self.notes.append(n)
     return True
 
 # %% ../nbs/08_background.ipynb #c2b5193a
@@ -349,10 +350,9 @@ def send(self:BackgroundCompile, st:ModelState, learn, model:nn.Module)->bool:
         if st.first is not None: st.fallback = self.submit(model, learn, held=True)
     except Exception as e:
         st.first = None # Compiled in the fit's path: the default's code
-        why = f"the model could not be sent to a worker process ({type(e).__name__}: {e})"
-        return self.ranks.unsent(self, st, why)
+        return self.ranks.unsent(self, st, f"{type(e).__name__}: {e}")
     st.to(Stage.COMPILING)
-    st.eager_batches, st.sent_at, self.compiling = int(st.key.training), where(learn), st
+    st.eager_batches, st.sent_at, self.compiling = int(st.key.training), position(learn), st
     return True
 
 @patch
@@ -362,7 +362,7 @@ def _collect(self:BackgroundCompile):
     st, self.compiling = self.compiling, None
     if not res.ok and st.fallback is not None: # The tier compiled first failed: the default's code, compiling next, serves
         st.job, st.fallback, st.first, self.compiling = self.release(st.fallback), None, None, st
-        return self.notes.append(_first_failed(res))
+        return self.notes.append(Note('first_failed', res=res))
     st.result = res
     st.to(Stage.DONE)
     self.warm_starts.compiled(st.compiled_record, res)
@@ -371,7 +371,8 @@ def _collect(self:BackgroundCompile):
 @patch
 def stop(self:BackgroundCompile):
     "End the worker (the fit ended, or raised) and remove its files; keep the states whose code runs"
-    if (st := self.compiling) is not None: self.notes.append(_unfinished(st))
+    if (st := self.compiling) is not None:
+        self.notes.append(Note('unfinished', training=st.key.training, eager_batches=st.eager_batches, sent_at=st.sent_at))
     self.worker.end()
     self.ranks.end()
     self.ranks, self.compiling, self.probes, self.params = Local(), None, _Probes(), None
@@ -396,24 +397,25 @@ class Handover:
     def timed(self, now:float, learn):
         "A hand-over's warm compile in the fit's path, timed once this batch can tell: its note says how long it took"
         a = self.aside
-        if (timed := a.warm_starts.timed(now, learn, a.probes.fastest_s)) is not None:
-            a.notes[timed[0]] += f"; compiling it in the fit's path took {timed[1]:.1f}s"
+        if (timed := a.warm_starts.timed(now, learn, a.probes.fastest_s)) is not None: timed[0].facts['took_s'] = timed[1]
 
     def warm(self, st:ModelState, rec:dict, learn, now:float|None)->bool:
         "Compile `st` in the fit's path, from inductor's cache: this batch (`now`), or the next"
         a = self.aside
         st.to(Stage.READY)
         a.worker.idle() # Not needed this fit, unless a job waits for it
-        a.notes.append(_warm(rec, st.key.training, where(learn, next_batch=now is None), a.ranks.together(False)))
+        record = {k: rec[k] for k in ('warm_s', 'path_s', 'cold_s') if k in rec} # The compile times it was recorded with
+        a.notes.append(note := Note('warm', record=record, training=st.key.training, at=position(learn, next_batch=now is None),
+                                    ranks=a.ranks.together()))
         if now is None: st.handover = 'warm' # Timed from the next batch, which compiles
-        else: a.warm_starts.time(st.compiled_record, now, len(a.notes) - 1, learn)
+        else: a.warm_starts.time(st.compiled_record, now, note, learn)
         return False
 
     def in_path(self, st:ModelState, learn, next_batch:bool=False)->bool:
         "Compile `st` in the fit's path from this batch (or the next), the faster tier first: a worker beside its eager step would cost the fit more"
         st.to(Stage.READY)
         self.aside.worker.idle() # Not needed for this state
-        self.aside.notes.append(_in_path(st.key.training, where(learn, next_batch), self.aside.ranks.together(False)))
+        self.aside.notes.append(Note('in_path', training=st.key.training, at=position(learn, next_batch), ranks=self.aside.ranks.together()))
         return False
 
     def settle(self,
@@ -430,84 +432,30 @@ class Handover:
         a, (handover, st.handover) = self.aside, (st.handover, None)
         if handover is None: return False
         # A warm compile the ranks agreed on was announced as they agreed; a worker's hand-over is announced now
-        a.warm_starts.time(st.compiled_record, now, _last(a.notes, 'compiled') if handover == 'warm' else len(a.notes), learn)
         if handover == 'worker':
-            at = where(learn)
-            a.notes.append(_took_over(st, at, a.ranks.together(True)))
-            if a.show is not None:
-                a.show(f"torch.compile: the compiled model takes over at {at}, after {st.result.took_s:.1f}s compiling in a worker process")
+            at = position(learn)
+            a.notes.append(Note('took_over', training=st.key.training, res=st.result, eager_batches=st.eager_batches, at=at,
+                                ranks=a.ranks.together()))
+            if a.show is not None: a.show(handover_text(at, st.result.took_s))
+        a.warm_starts.time(st.compiled_record, now, _last(a.notes, 'warm' if handover == 'warm' else 'took_over'), learn)
         return False
 
     def _failed(self, st:ModelState, res:JobResult):
         "The worker failed: this state trains eagerly, with one warning (under DDP, on rank 0) that says why in the user's terms"
         st.to(Stage.FAILED)
-        self.aside.notes.append(_failed_note(res))
+        self.aside.notes.append(Note('failed', res=res))
         if self.aside.ranks.rank == 0: warnings.warn(_failed_warning(res))
 
 # %% ../nbs/08_background.ipynb #b6d2a962
-def where(learn, next_batch:bool=False)->str:
-    "Where in the fit this batch is, or the next training batch (after an epoch's last: the next epoch's first)"
+def position(learn, next_batch:bool=False)->tuple:
+    "(epoch, batch) of this batch in the fit, or of the next training batch (after an epoch's last: the next epoch's first)"
     epoch, it = learn.epoch, learn.iter + next_batch
     if next_batch and it >= getattr(learn, 'n_iter', it + 1): epoch, it = epoch + 1, 0
-    return f"epoch {epoch}, batch {it}"
+    return epoch, it
 def _batch(learn)->tuple: return learn.epoch, learn.iter, learn.training
-def _last(notes:list, start:str)->int: return max(i for i,n in enumerate(notes) if n.startswith(start))
+def _last(notes:list, kind:str)->Note: return next(n for n in reversed(notes) if n.kind == kind)
 
 # %% ../nbs/08_background.ipynb #2d444b79
-_start_part = dict(python='Python, torch and this library', modules="the model's modules", inductor='inductor', cuda='CUDA')
-
-def _phase(training:bool)->str: return '' if training else ' for evaluation' # A state's phase, in the report's words
-
-def profile_text(res:JobResult)->str:
-    "Where the worker's time went"
-    parts = ', '.join(f"{_start_part[k]} {s:.1f}s" for k,s in res.start_parts.items() if k in _start_part)
-    waited = f"{res.waited_s:.1f}s of it after the job was sent" if res.waited_s >= 0.05 else "done before the job was sent"
-    start = f"its start-up took {res.start_s:.1f}s" + (f" ({parts})" if parts else '') + f", {waited}"
-    return f"{start}; loading the job {res.load_s:.1f}s, compiling the forward {res.forward_s:.1f}s and the backward {res.backward_s:.1f}s"
-
-def _too_short(left:int, rest_s:float, warm_s:float|None, needed_s:float)->str:
-    if warm_s is None:
-        return (f"trained eagerly: the fit's {left} training batches left, about {rest_s:.0f}s eagerly, are too few to pay back a "
-                f"compile (under {needed_s:.0f}s; `background=False` compiles in the fit's path)")
-    return (f"trained eagerly: the fit's {left} training batches left, about {rest_s:.0f}s eagerly, are too few to pay back even "
-            f"a warm compile of {warm_s:.1f}s (under {needed_s:.0f}s)")
-
-def _shapes_change(changes:int, batches:int)->str:
-    return (f"trained eagerly: the training batches' shapes kept changing ({changes} times, none {batches} batches in a row), so "
-            "none is worth a graph of its own; batches of one size (padded to one length, `drop_last=True`) or `dynamic=True` "
-            "let one graph serve them")
-
-def _warm(rec:dict, training:bool, where:str, together:str)->str:
-    last = (f"{rec['warm_s']:.1f}s when last measured" if 'warm_s' in rec else
-            f"compiled in a fit's path in {rec['path_s']:.1f}s" if 'path_s' in rec else f"compiled cold in {rec.get('cold_s', 0):.1f}s")
-    return (f"compiled{_phase(training)} at once, in the fit's path at {where}{together}: inductor's cache has this model "
-            f"state's code ({last})")
-
-def _in_path(training:bool, where:str, together:str='')->str:
-    return (f"compiled{_phase(training)} in the fit's path at {where}{together}, the faster tier first: a worker compiling beside "
-            "the eager step would slow it more than the compile costs here")
-
-def _took_over(st:ModelState, where:str, together:str)->str:
-    return (f"compiled{_phase(st.key.training)} in a worker process in {st.result.took_s:.1f}s while {st.eager_batches} training "
-            f"batch(es) ran eagerly; the compiled code took over at {where}{together} ({profile_text(st.result)})")
-
-def _first_failed(res:JobResult)->str:
-    return (f"the faster tier compiled first in the worker process failed after {res.took_s:.1f}s ({res.error}); the default's "
-            "code, compiled next, takes over")
-
-def _eval_eager()->str:
-    return "ran eagerly, evaluation within the fit: under DDP the background compiles the training states alone"
-
-def _unfinished(st:ModelState)->str:
-    if not st.key.training: return f"the fit ended before the worker process finished compiling for evaluation, sent at {st.sent_at}"
-    return (f"the fit ended before the worker process finished compiling: {st.eager_batches} training batch(es) ran eagerly "
-            f"from {st.sent_at}")
-
-def _failed_note(res:JobResult)->str:
-    if res.oom: return (f"compiling in a worker process failed after {res.took_s:.1f}s: the GPU is too full to compile beside the "
-                        f"fit ({res.error}); the fit trains eagerly")
-    return f"compiling in a worker process failed after {res.took_s:.1f}s ({res.error}): the fit trains eagerly"
-
 def _failed_warning(res:JobResult)->str:
     if res.oom: return ("torch.compile could not compile in a background worker process: the GPU is too full to compile beside the "
                         f"fit ({res.error}). The fit trains eagerly; `learn.compile(background=False)` compiles in the fit's path, "

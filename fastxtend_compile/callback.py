@@ -22,7 +22,7 @@ from fastai.imports import noop # What `Learner.no_logging` sets `learn.logger` 
 from .core import *
 from .core import compile_settings, cannot_compile_reason, uses_cudagraphs, inner_model, model_device, EagerPolicy
 from .report import *
-from .report import CompileRecorder
+from .report import CompileRecorder, Note
 from .internals import (
     optimize_ddp, set_optimize_ddp, uses_python_reducer, python_reducer_settings, restore_python_reducer_settings,
     compiled_autograd, compiled_autograd_captures, aot_autograd_cache, set_aot_autograd_cache,
@@ -316,8 +316,7 @@ def _compiles_in_background(self:CompilerCallback, device:torch.device, model:nn
     on = device.type in BackgroundCompile.default_on if self.background is None else self.background
     ddp = isinstance(model, DistributedDataParallel)
     if on and ddp and self.ddp.in_backward:
-        self.compile_recorder.note_background("compiled in the fit's path: with `ddp_compiled_autograd=True` each backward "
-                                              "compiles with DDP's all-reduces, which a worker process can't run")
+        self.compile_recorder.note_background(Note('ddp_compiled_autograd'))
         return False
     if on: self.aside.start(self._show, device, ddp)
     return on

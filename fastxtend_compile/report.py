@@ -372,9 +372,9 @@ class CompileRecorder:
         "Note a frozen fit of `fine_tune` run eagerly (`compile_frozen=False`)"
         self.report.eager_frozen += 1
 
-    def note_background(self, *lines:str):
-        "Add `lines` about compiling outside the fit's path to the report"
-        self.report.background += lines
+    def note_background(self, *notes:Note):
+        "Add `notes` about compiling outside the fit's path to the report, in its words"
+        self.report.background += [n.text for n in notes]
 
 # %% ../nbs/01_report.ipynb #2b63bbf0
 @patch
@@ -571,3 +571,166 @@ def read_marks(self:CompileRecorder,
         if wait or end.query(): self.report.batch_times[i] = (start.elapsed_time(end) / 1e3, self.report.batch_times[i][1])
         else: left.append((i, start, end))
     self.marks = left
+
+# %% ../nbs/01_report.ipynb #c0a1e5d7
+class Note:
+    "What compiling outside the fit's path did in a fit, as its parts saw it: a kind and its facts, which `text` alone puts in words"
+    def __init__(self,
+        kind:str, # What happened: a key of `_NOTES`
+        **facts, # What the words need: numbers, names, places in the fit (`at`), a worker's `JobResult`
+    ):
+        self.kind, self.facts = kind, facts
+
+    def __eq__(self, other): return isinstance(other, Note) and (self.kind, self.facts) == (other.kind, other.facts)
+    def __repr__(self): return f"Note({self.kind!r}, {self.facts!r})"
+
+    @property
+    def text(self)->str:
+        "The report's line"
+        return _NOTES[self.kind](**self.facts)
+
+def _at(at:tuple)->str: return f"epoch {at[0]}, batch {at[1]}" # A place in the fit: (epoch, batch)
+def _phase(training:bool)->str: return '' if training else ' for evaluation' # A state's phase
+def _s(seconds:float)->str: return f"{seconds:.1f}s"
+
+def _together(ranks:dict|None, worker:bool=False)->str:
+    "How the ranks switched (`DDP.together`): nothing in one process; with `worker`, which workers compiled for them"
+    if ranks is None: return ''
+    n, hosts, world = ranks['devices'], ranks['hosts'], ranks['world']
+    workers = (' (one worker process compiled for the host)' if n == 1 else f' (one worker process on each of the {n} hosts)' if n == hosts
+               else f' ({n} worker processes, one for each device, compiled side by side)')
+    return f", on all {world} ranks at once" + (workers if worker else '')
+
+def handover_text(at:tuple, took_s:float)->str:
+    "The line shown as a worker's compiled code takes over"
+    return f"torch.compile: the compiled model takes over at {_at(at)}, after {_s(took_s)} compiling in a worker process"
+
+def unsent_text(error:str)->str:
+    "Why a model state was not sent to the worker"
+    return f"the model could not be sent to a worker process ({error})"
+
+
+# %% ../nbs/01_report.ipynb #c0a1e5d8
+_start_part = dict(python='Python, torch and this library', modules="the model's modules", inductor='inductor', cuda='CUDA')
+
+def profile_text(res)->str:
+    "Where a worker's time went, from its `JobResult`"
+    parts = ', '.join(f"{_start_part[k]} {s:.1f}s" for k,s in res.start_parts.items() if k in _start_part)
+    waited = f"{res.waited_s:.1f}s of it after the job was sent" if res.waited_s >= 0.05 else "done before the job was sent"
+    start = f"its start-up took {res.start_s:.1f}s" + (f" ({parts})" if parts else '') + f", {waited}"
+    return f"{start}; loading the job {res.load_s:.1f}s, compiling the forward {res.forward_s:.1f}s and the backward {res.backward_s:.1f}s"
+
+def _too_short(left:int, rest_s:float, warm_s:float|None, needed_s:float)->str:
+    if warm_s is None:
+        return (f"trained eagerly: the fit's {left} training batches left, about {rest_s:.0f}s eagerly, are too few to pay back a "
+                f"compile (under {needed_s:.0f}s; `background=False` compiles in the fit's path)")
+    return (f"trained eagerly: the fit's {left} training batches left, about {rest_s:.0f}s eagerly, are too few to pay back even "
+            f"a warm compile of {warm_s:.1f}s (under {needed_s:.0f}s)")
+
+def _shapes_change(changes:int, batches:int)->str:
+    return (f"trained eagerly: the training batches' shapes kept changing ({changes} times, none {batches} batches in a row), so "
+            "none is worth a graph of its own; batches of one size (padded to one length, `drop_last=True`) or `dynamic=True` "
+            "let one graph serve them")
+
+def _path_took(took_s:float|None)->str: return '' if took_s is None else f"; compiling it in the fit's path took {took_s:.1f}s"
+
+def _warm(record:dict, training:bool, at:tuple, ranks:dict|None, took_s:float|None=None)->str:
+    last = (f"{record['warm_s']:.1f}s when last measured" if 'warm_s' in record else
+            f"compiled in a fit's path in {record['path_s']:.1f}s" if 'path_s' in record else f"compiled cold in {record.get('cold_s', 0):.1f}s")
+    return (f"compiled{_phase(training)} at once, in the fit's path at {_at(at)}{_together(ranks)}: inductor's cache has this model "
+            f"state's code ({last})" + _path_took(took_s))
+
+def _in_path(training:bool, at:tuple, ranks:dict|None)->str:
+    return (f"compiled{_phase(training)} in the fit's path at {_at(at)}{_together(ranks)}, the faster tier first: a worker "
+            "compiling beside the eager step would slow it more than the compile costs here")
+
+def _took_over(training:bool, res, eager_batches:int, at:tuple, ranks:dict|None, took_s:float|None=None)->str:
+    return (f"compiled{_phase(training)} in a worker process in {res.took_s:.1f}s while {eager_batches} training batch(es) ran "
+            f"eagerly; the compiled code took over at {_at(at)}{_together(ranks, worker=True)} ({profile_text(res)})" + _path_took(took_s))
+
+def _first_failed(res)->str:
+    return (f"the faster tier compiled first in the worker process failed after {res.took_s:.1f}s ({res.error}); the default's "
+            "code, compiled next, takes over")
+
+def _unfinished(training:bool, eager_batches:int, sent_at:tuple)->str:
+    if not training: return f"the fit ended before the worker process finished compiling for evaluation, sent at {_at(sent_at)}"
+    return (f"the fit ended before the worker process finished compiling: {eager_batches} training batch(es) ran eagerly "
+            f"from {_at(sent_at)}")
+
+def _failed(res)->str:
+    if res.oom: return (f"compiling in a worker process failed after {res.took_s:.1f}s: the GPU is too full to compile beside the "
+                        f"fit ({res.error}); the fit trains eagerly")
+    return f"compiling in a worker process failed after {res.took_s:.1f}s ({res.error}): the fit trains eagerly"
+
+
+# %% ../nbs/01_report.ipynb #c0a1e5d9
+def _share(busy:float, step_s:float, of:str)->str:
+    whose = "the default's" if of == 'default' else 'the eager'
+    return f"the GPU ran work {busy:.0%} of {whose} {step_s*1e3:.1f} ms step, "
+
+def _why(why:dict|None)->str:
+    "Why a tier was picked (`TierRun.why`): the GPU's share of the step it measured, and what the tier would save of it"
+    if why is None: return ''
+    how = 'CUDA graphs, compiled first,' if why['first'] else 'CUDA graphs' if why['graphs'] else 'autotuned kernels'
+    return _share(why['busy'], why['step_s'], why['of']) + f"so {how} would save about {why['saving']*1e3:.1f} ms of it"
+
+def _no_room(busy:float|None, step_s:float, name:str, step_bytes:int, free:int)->str:
+    share = '' if busy is None else _share(busy, step_s, 'default')
+    return (f"no faster tier: {share}so CUDA graphs ({name}) would be faster, but their memory, {step_bytes/2**30:.1f} GB a step, "
+            f"doesn't fit in the {free/2**30:.1f} GB the GPU has free")
+
+def _no_room_first(name:str, step_bytes:int, free:int)->str:
+    return (f"no tier compiled first: CUDA graphs ({name}), about {step_bytes/2**30:.1f} GB a step, don't fit with room to spare "
+            f"in the {free/2**30:.1f} GB free on the fullest rank's GPU; the default's code goes first")
+
+def _no_gain(name:str, saving_s:float, left:int, cost_s:float)->str:
+    return (f"no faster tier: {name} would save about {saving_s*1e3:.1f} ms a step over the {left} training batches left once it "
+            f"compiled, {left*saving_s:.1f}s in all, under the {cost_s:.0f}s trying it costs the fit")
+
+def _tier_failed(name:str, res)->str:
+    full = 'the GPU is too full to compile it beside the fit; ' if res.oom else ''
+    return (f"tier {name} not tried: compiling it in a worker process failed after {res.took_s:.1f}s ({full}{res.error}); the "
+            "default tier trains on")
+
+def _against(kind:str, tier_s:float, other_s:float, other:str='')->str:
+    "What a kept tier's step was found faster than: the default's in an A/B, the eager step, or an earlier fit's"
+    if kind == 'ab': return f"{tier_s*1e3:.1f} ms a step against {other_s*1e3:.1f} ms for the default, alternating on the fit's batches"
+    if kind == 'eager': return f"{tier_s*1e3:.1f} ms a step against {other_s*1e3:.1f} ms for the eager step, each timed alone"
+    return (f"kept without an A/B, as an earlier fit of this state on this kind of device found it faster: {tier_s*1e3:.1f} ms a "
+            f"step against {other_s*1e3:.1f} ms for {other}")
+
+def _tier_took_over(name:str, why:dict|None, res, warm_s:float, path:bool, at:tuple, ranks:dict|None, against:tuple)->str:
+    how = (f"compiled in a worker process in {res.took_s:.1f}s ({profile_text(res)}); compiling it in the fit's path took "
+           if res else "compiled cold in the fit's path in " if path else "its code was in inductor's cache; compiling it in the fit's path took ")
+    why = _why(why)
+    return f"tier {name} took over at {_at(at)}{_together(ranks)}: {why}{'; ' if why else ''}{how}{warm_s:.1f}s; {_against(*against)}"
+
+def _ran(name:str, batches:int, since:tuple, until:str='')->str:
+    "How many batches a tier ran, and where it stopped before its A/B: `until` the default compiled ('default') or its check ('check')"
+    if not until: return f"tier {name} ran {batches} training batch(es), from {_at(since)} on"
+    why = ("the default's code compiled for the A/B" if until == 'default' else "its steps were timed against the eager step")
+    return f"tier {name} ran {batches} training batch(es) from {_at(since)} on, and the fit ended before {why}"
+
+# Each kind of `Note`, in words
+_NOTES = dict(
+    shapes_change=_shapes_change, too_short=_too_short, warm=_warm, in_path=_in_path, took_over=_took_over, first_failed=_first_failed,
+    unfinished=_unfinished, failed=_failed,
+    eval_eager=lambda: "ran eagerly, evaluation within the fit: under DDP the background compiles the training states alone",
+    unsent=lambda error: f"compiled in the fit's path: {unsent_text(error)}",
+    ddp_compiled_autograd=lambda: ("compiled in the fit's path: with `ddp_compiled_autograd=True` each backward compiles with "
+                                   "DDP's all-reduces, which a worker process can't run"),
+    dynamic=lambda: "no faster tier with `dynamic=True`: CUDA graphs need the static shapes it gives up",
+    no_busy=lambda: "no faster tier: the GPU's share of the step was not measured here",
+    no_room=_no_room, no_room_first=_no_room_first, no_gain=_no_gain, tier_failed=_tier_failed, tier_took_over=_tier_took_over,
+    tier_unsent=lambda name, error: f"tier {name} not tried: {unsent_text(error)}",
+    kept_alone=lambda name, error, unsent: (
+        f"tier {name} kept without an A/B: the default's code, which it would be timed against, is missing: "
+        f"{'it could not be sent to a worker process' if unsent else 'its compile in the worker process failed'} ({error})"),
+    not_kept=lambda name, tier_s, base_s: f"tier {name} not kept: {_against('ab', tier_s, base_s)}; its graphs were dropped",
+    tier_raised=lambda name, error, elsewhere=False: (
+        f"tier {name} failed in the fit's path of another rank ({error}); every rank trains on with the default" if elsewhere else
+        f"tier {name} failed in the fit's path ({error}); the default tier trains on"),
+    tier_unfinished=lambda name: f"the fit ended before tier {name} compiled in the worker process",
+    tier_ran=_ran,
+)
+

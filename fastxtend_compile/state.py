@@ -104,7 +104,7 @@ class ModelState:
         self.probe = None # Its `Probe`: its first eager batches, timed
         self.job, self.result = None, None # Its `Job` in the worker, and the worker's `JobResult`
         self.eager_batches = 0 # Training batches run eagerly while its job compiled
-        self.sent_at = '' # Where in the fit its job was sent
+        self.sent_at = None # Where in the fit its job was sent: (epoch, batch)
         self.handover = None # 'worker' or 'warm': how its compiled code takes over, at its next batch
         self.tier = None # The faster tier's way with this state (`Tiers`): from its probe, where the step's GPU work is measured
         self.first = None # (settings, record) of a faster tier compiled first, before the default's code
@@ -123,6 +123,6 @@ class ModelState:
 
     def end_fit(self):
         "The fit ended: what it measured of this state goes; its compiled code, and a tier it kept, stay"
-        self.probe, self.job, self.eager_batches, self.sent_at, self.handover, self.fallback = None, None, 0, '', None, None
+        self.probe, self.job, self.eager_batches, self.sent_at, self.handover, self.fallback = None, None, 0, None, None, None
         self.held = False
         if self.tier is not None: self.tier = self.tier.next_fit()

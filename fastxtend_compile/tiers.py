@@ -17,7 +17,8 @@ from .internals import gpu_sleep, traced_op_error
 from .worker import error_text, JobResult
 from .state import StateKey, Stage
 from .payoff import batches_left, pays_back, pick_tier, first_tier, first_saving, first_in_path, tier_saving, cudagraphs_fit, faster
-from .background import BackgroundCompile, profile_text, where
+from .background import BackgroundCompile, position
+from .report import Note, unsent_text
 
 # %% auto #0
 __all__ = ['TIERS', 'why_no_tiers', 'own_grads', 'TierStage', 'TierRun', 'decide_tier', 'Tiers', 'FirstTier', 'TierStages']
@@ -30,11 +31,11 @@ TIERS = { # A tier's `torch.compile` settings, over the model's
 
 def why_no_tiers(
     settings:dict, # The model's `torch.compile` settings
-)->str|None:
-    "Why a fit that compiles in the background tries no faster tier, in the report's words; `None` where it may"
+)->Note|str|None:
+    "Why a fit that compiles in the background tries no faster tier, as the report's `Note`; '' where there's nothing to say; `None` where it may"
     # The user's own mode or options, kept exactly, and backends other than inductor, whose modes the tiers are: nothing to say
     if settings.get('mode') is not None or settings.get('options') or settings.get('backend') != 'inductor': return ''
-    if settings.get('dynamic'): return "no faster tier with `dynamic=True`: CUDA graphs need the static shapes it gives up"
+    if settings.get('dynamic'): return Note('dynamic')
 
 def own_grads(
     opt, # A fastai `Optimizer`
@@ -180,7 +181,7 @@ class TierRun:
         self.stage = TierStage.DONE if kept else stage
         self.n = 0 # Batches of this stage so far
         self.base, self.ab_base, self.tier_times = [], [], [] # Seconds of the default's steps, timed alone before and in the A/B, and the tier's
-        self.tier, self.why = kept, '' # The tier's name, and why it was picked
+        self.tier, self.why = kept, None # The tier's name, and why it was picked: what was measured of the step, and the saving expected
         self.record = record # This state's warm record, compiled with the tier
         self.job, self.res = None, None # Its `Job` in the worker, and the worker's `JobResult`
         self.profile = None # The `_Profile` of its step, eager or compiled
@@ -189,7 +190,7 @@ class TierRun:
         self.kept = kept is not None # The A/B kept the tier: it runs this state's training batches
         self.first = False # The tier was compiled first, before the default's code
         self.step_bytes = None # Bytes the eager step allocated at its peak, where the tier compiled first runs CUDA graphs
-        self.batches, self.since = 0, '' # Training batches the tier ran in this fit, and where it started
+        self.batches, self.since = 0, None # Training batches the tier ran in this fit, and where it started: (epoch, batch)
         self.vote = None # (kind, value) of what this process measured, for a decision: 'pick', 'compile', 'check' or 'verdict'
         self.agreed = None # (kind, value) the ranks decided on, under DDP, for this rank to act on
 
@@ -204,7 +205,7 @@ class TierRun:
         if self.kept: return TierRun(self.tier, record=self.record)
         if not (self.first and self.stage in (TierStage.WARMUP, TierStage.CHECK, TierStage.WAIT)): return None
         self.to(TierStage.WAIT) # The default's code, which the A/B needs, is compiled in the worker as the fit starts
-        self.grads, self.batches, self.since = False, 0, ''
+        self.grads, self.batches, self.since = False, 0, None
         return self
 
 # %% ../nbs/09_tiers.ipynb #5e0c4a7d
@@ -328,7 +329,7 @@ def run_tier(self:Tiers, learn, run:TierRun, counted:bool=False):
     self.switch.run(run.tier)
     if not run.grads and self.graphs(run.tier): own_grads(learn.opt)
     run.grads = True # fastai's `zero_grad` zeroes gradients in place: they stay the parameters' own
-    if counted: run.batches, run.since = run.batches + 1, run.since or where(learn)
+    if counted: run.batches, run.since = run.batches + 1, run.since or position(learn)
 
 # %% ../nbs/09_tiers.ipynb #4f0e5566
 @patch
@@ -361,8 +362,7 @@ def agreed(self:Tiers, st, views:list, learn, model:nn.Module, decision:str|None
     "At an agreement, on every rank: a tier that raised on any rank is dropped on all; a vote all ranks cast is decided"
     if (raised := next((v['raised'] for v in views if v['raised'] is not None), None)) is not None:
         self.raised = None
-        if raised[0] not in self.dropped: self._drop_raised(raised[0], model, f"tier {raised[0]} failed in the fit's path of "
-                                                             f"another rank ({raised[1]}); every rank trains on with the default")
+        if raised[0] not in self.dropped: self._drop_raised(raised[0], model, Note('tier_raised', name=raised[0], error=raised[1], elsewhere=True))
     if st.tier is not None and st.tier.vote is not None and (decided := decide_tier(views)) is not None:
         st.tier.vote, st.tier.agreed = None, decided
     # Rank 0 compiles a tier first: every rank does, where its memory fits every rank's GPU; the state starts at the next agreement
@@ -387,10 +387,10 @@ def _runs(self:Tiers)->list: return [] if self.aside is None else [s.tier for s 
 def _raised(self:Tiers, name:str, error:Exception, model:nn.Module):
     "A tier raised in the fit's path, where the worker had compiled it: the default tier trains on, the tier's graphs dropped; under DDP, on every rank from the next agreement"
     if self.together: self.raised = (name, error_text(error))
-    self._drop_raised(name, model, f"tier {name} failed in the fit's path ({error_text(error)}); the default tier trains on")
+    self._drop_raised(name, model, Note('tier_raised', name=name, error=error_text(error)))
 
 @patch
-def _drop_raised(self:Tiers, name:str, model:nn.Module, note:str):
+def _drop_raised(self:Tiers, name:str, model:nn.Module, note:Note):
     "Drop tier `name`, which raised: no state keeps it, in this fit or later ones"
     self.dropped.add(name)
     for run in self._runs():
@@ -408,12 +408,10 @@ def stop(self:Tiers):
     self.switch.reset() # Kept: the model's compiled calls read it
     for r in self._runs():
         if r.profile is not None: r.profile.end()
-        if r.stage is TierStage.COMPILE: self.notes.append(f"the fit ended before tier {r.tier} compiled in the worker process")
-        if r.stage is TierStage.WAIT and r.batches: self.notes.append(f"tier {r.tier} ran {r.batches} training batch(es) from {r.since} on, and the fit "
-                                                        "ended before the default's code compiled for the A/B")
-        if r.stage is TierStage.CHECK and r.batches: self.notes.append(f"tier {r.tier} ran {r.batches} training batch(es) from {r.since} on, and the "
-                                                         "fit ended before its steps were timed against the eager step")
-        if r.kept and r.batches: self.notes.append(f"tier {r.tier} ran {r.batches} training batch(es), from {r.since} on")
+        if r.stage is TierStage.COMPILE: self.notes.append(Note('tier_unfinished', name=r.tier))
+        # Where it ran, and what the fit ended before: the default's code compiled for the A/B, or the check against eager
+        until = {TierStage.WAIT: 'default', TierStage.CHECK: 'check'}.get(r.stage, '')
+        if r.batches and (until or r.kept): self.notes.append(Note('tier_ran', name=r.tier, batches=r.batches, since=r.since, until=until))
     self.aside = None
 
 @patch
@@ -456,7 +454,7 @@ class FirstTier:
         if (name := self.choose(busy, step_s, left, t.try_cost_s)) is None: return
         if t.graphs(name) and not cudagraphs_fit(torch.cuda.mem_get_info(t.device)[0], step_bytes): return
         saving = first_saving(busy, step_s)
-        why = _share(busy, step_s, 'the eager') + f"so CUDA graphs, compiled first, would save about {saving*1e3:.1f} ms of it"
+        why = dict(busy=busy, step_s=step_s, of='eager', graphs=True, saving=saving, first=True)
         # Cold, in the fit's path where the fit's rest pays back standing still for it, and a worker would cost more
         path = (self.in_path(busy, t.compile_guess_s, t.aside.warm_s) and pays_back(left, saving, t.compile_guess_s)
                 and t.aside.warm_starts.get(t.record(model, st, name)) is None)
@@ -483,11 +481,11 @@ def adopt(self:FirstTier,
     model:nn.Module, # The model being compiled (not DDP's wrapper)
     offer:dict, # Rank 0's `offer`
     free:list, # Bytes each rank's GPU has free, where measured
-)->str|None:
+)->Note|None:
     "Under DDP, on every rank: compile rank 0's tier first, where its CUDA graphs fit every rank's GPU; else why not (rank 0 drops it)"
     if offer['step_bytes'] is not None and free and not cudagraphs_fit(min(free), offer['step_bytes']):
         st.first, st.path, st.tier = None, False, TierRun() # The default's code first, its tier tried once it runs
-        return _no_room_first(offer['tier'], offer['step_bytes'], min(free))
+        return Note('no_room_first', name=offer['tier'], step_bytes=offer['step_bytes'], free=min(free))
     if self.offer(st) is None: self._set(st.tier or TierRun(), st, model, offer['tier'], offer['path'], offer['why'], offer['step_bytes'])
 
 # %% ../nbs/09_tiers.ipynb #27bdc29b
@@ -547,20 +545,20 @@ class TierStages:
 
 # %% ../nbs/09_tiers.ipynb #2d2418ad
 @patch
-def _decide(self:TierStages, run, learn, model, st, busy:float|None, step_s:float, step_bytes:int|None, free:int|None)->str|None:
+def _decide(self:TierStages, run, learn, model, st, busy:float|None, step_s:float, step_bytes:int|None, free:int|None)->Note|None:
     "Pick the tier the measured step needs, and have the worker compile it, or compile it at once where its code is cached; else why not"
-    if (name := self.tiers.pick(busy)) is None: return "no faster tier: the GPU's share of the step was not measured here"
-    share = '' if busy is None else _share(busy, step_s)
+    if (name := self.tiers.pick(busy)) is None: return Note('no_busy')
     if self.tiers.graphs(name) and step_bytes is not None and free is not None and not cudagraphs_fit(free, step_bytes):
-        return _no_room(share, name, step_bytes, free)
+        return Note('no_room', busy=busy, step_s=step_s, name=name, step_bytes=step_bytes, free=free)
     run.record = self.tiers.record(model, st, name)
     cached = self.tiers.aside.warm_starts.get(run.record) is not None
     # Uncached, it compiles in the worker about as long as the default did
     wait_s = 0. if cached else (self.tiers.aside.warm_starts.get(st.record) or {}).get('cold_s', self.tiers.compile_guess_s)
     left = max(batches_left(learn) - int(wait_s / step_s), 0) # The batches it would run
-    if not pays_back(left, saving := tier_saving(name, busy, step_s), self.tiers.try_cost_s): return _no_gain(name, saving, left, self.tiers.try_cost_s)
+    if not pays_back(left, saving := tier_saving(name, busy, step_s), self.tiers.try_cost_s):
+        return Note('no_gain', name=name, saving_s=saving, left=left, cost_s=self.tiers.try_cost_s)
     run.tier = name
-    if share: run.why = share + f"so {'CUDA graphs' if self.tiers.graphs(name) else 'autotuned kernels'} would save about {saving*1e3:.1f} ms of it"
+    if busy is not None: run.why = dict(busy=busy, step_s=step_s, of='default', graphs=self.tiers.graphs(name), saving=saving, first=False)
     # Inductor's cache has its code. Under DDP the ranks of a host read one cache; hosts whose caches differ would part
     # here, and stay on the default's code, as their votes on the tier never meet again
     if cached: return self._switch(run, learn)
@@ -568,8 +566,8 @@ def _decide(self:TierStages, run, learn, model, st, busy:float|None, step_s:floa
     if self.tiers.aside.ranks.leader:
         try: run.job = self.tiers.aside.submit(model, learn, self.tiers.settings_of(name))
         except Exception as e:
-            if not self.tiers.together: return _unsent(name, e)
-            run.res = JobResult(False, f"the model could not be sent to a worker process ({type(e).__name__}: {e})") # Every rank's failure
+            if not self.tiers.together: return Note('tier_unsent', name=name, error=f"{type(e).__name__}: {e}")
+            run.res = JobResult(False, unsent_text(f"{type(e).__name__}: {e}")) # Every rank's failure
     run.to(TierStage.COMPILE)
 
 @patch
@@ -583,7 +581,7 @@ def _on_compile(self:TierStages, run, learn, model, st):
     if (decided := self.tiers.decision(run)) is None or (res := decided[1]) is None: return
     if not res['ok']:
         run.to(TierStage.DONE)
-        return self.tiers.notes.append(_worker_failed(run.tier, JobResult(False, res['error'], res['oom'], took_s=res['took_s'])))
+        return self.tiers.notes.append(Note('tier_failed', name=run.tier, res=JobResult(False, res['error'], res['oom'], took_s=res['took_s'])))
     self._switch(run, learn)
 
 @patch
@@ -604,7 +602,7 @@ def _on_warmup(self:TierStages, run, learn, model, st):
     run.n += 1
     if run.n <= self.tiers.warmup_batches: return self.tiers.run_tier(learn, run)
     if (kept := self.tiers.aside.warm_starts.was_kept(run.record)) is not None: # No A/B, nor the default's code for one
-        return self._keep_faster(run, learn, st, _kept_before(*kept))
+        return self._keep_faster(run, learn, st, ('before', *kept))
     # Compiled first: in the fit's path, timed against the eager step; else the A/B waits for the default's code
     run.to(TierStage.AB if st.first is None else TierStage.CHECK if st.path else TierStage.WAIT)
     self.on[run.stage](self, run, learn, model, st)
@@ -625,7 +623,7 @@ def _on_check(self:TierStages, run, learn, model, st):
 @patch
 def _checked(self:TierStages, run, learn, model, st, keep:bool, tier_s:float, eager_s:float|None):
     "Keep the tier compiled first in the fit's path where its steps beat the eager step; else the default's code decides in an A/B"
-    if keep: return self._keep_faster(run, learn, st, _vs_eager(tier_s, eager_s), eager_s, 'the eager step')
+    if keep: return self._keep_faster(run, learn, st, ('eager', tier_s, eager_s), 'the eager step')
     run.to(TierStage.WAIT) # Not faster than eager, or the eager step unmeasured in this fit
     self._on_wait(run, learn, model, st)
 
@@ -634,22 +632,22 @@ def _on_wait(self:TierStages, run, learn, model, st):
     "The tier compiled first runs while the default's code, which the A/B needs, compiles in the worker"
     if st.fallback is None and self.tiers.aside.warm_starts.get(st.record) is None: # A warm start of the tier alone
         try: st.fallback = self.tiers.aside.submit(model, learn)
-        except Exception as e: return self._keep(run, learn, f"it could not be sent to a worker process ({type(e).__name__}: {e})")
+        except Exception as e: return self._keep(run, learn, f"{type(e).__name__}: {e}", unsent=True)
     if st.fallback is not None:
         if (res := self.tiers.aside.poll(self.tiers.aside.release(st.fallback))) is None: return self.tiers.run_tier(learn, run, counted=True)
         st.fallback = None
         self.tiers.aside.warm_starts.compiled(st.record, res)
-        if not res.ok: return self._keep(run, learn, f"its compile in the worker process failed ({res.error})")
+        if not res.ok: return self._keep(run, learn, res.error)
     run.to(TierStage.AB)
     self._on_ab(run, learn, model, st)
 
 @patch
-def _keep(self:TierStages, run, learn, why:str):
-    "Keep the tier compiled first without an A/B: the default's code, `why`, isn't there to compare"
+def _keep(self:TierStages, run, learn, error:str, unsent:bool=False):
+    "Keep the tier compiled first without an A/B: the default's code isn't there to compare, its compile having failed (`unsent`: not sent) with `error`"
     run.to(TierStage.DONE)
     run.kept = True
     self.tiers.run_tier(learn, run, counted=True)
-    self.tiers.notes.append(f"tier {run.tier} kept without an A/B: the default's code, which it would be timed against, is missing: {why}")
+    self.tiers.notes.append(Note('kept_alone', name=run.tier, error=error, unsent=unsent))
 
 # %% ../nbs/09_tiers.ipynb #f6f080e9
 @patch
@@ -667,19 +665,20 @@ def _on_ab(self:TierStages, run, learn, model, st):
 @patch
 def _verdict(self:TierStages, run, learn, model, st, keep:bool, tier_s:float, base_s:float):
     "Keep the faster tier for the rest of the fit, as the A/B (under DDP, rank 0's) found; else drop its graphs"
-    if keep: return self._keep_faster(run, learn, st, _ab(tier_s, base_s), base_s, 'the default')
+    if keep: return self._keep_faster(run, learn, st, ('ab', tier_s, base_s), 'the default')
     run.to(TierStage.DONE)
     self.tiers.drop(run.tier, model)
-    self.tiers.notes.append(f"tier {run.tier} not kept: {_ab(tier_s, base_s)}; its graphs were dropped")
+    self.tiers.notes.append(Note('not_kept', name=run.tier, tier_s=tier_s, base_s=base_s))
 
 @patch
-def _keep_faster(self:TierStages, run, learn, st, against:str, other_s:float|None=None, of:str=''):
-    "Keep the tier, faster than `other_s`, the seconds of `of`'s step, for the rest of the fit; recorded, later fits of the state keep it at once"
+def _keep_faster(self:TierStages, run, learn, st, against:tuple, of:str=''):
+    "Keep the tier, faster than `against`'s (kind, tier's seconds, other's seconds), the step of `of`, for the rest of the fit; recorded, later fits of the state keep it at once"
     run.to(TierStage.DONE)
     run.kept = True
     self.tiers.run_tier(learn, run, counted=True)
-    if other_s is not None: self.tiers.aside.warm_starts.kept(run.record, median(run.tier_times), other_s, of)
-    self.tiers.notes.append(_took_over(run, where(learn) + self.tiers.aside.ranks.together(False), against, st.path))
+    if of: self.tiers.aside.warm_starts.kept(run.record, median(run.tier_times), against[2], of)
+    self.tiers.notes.append(Note('tier_took_over', name=run.tier, why=run.why, res=run.res, warm_s=run.warm, path=st.path,
+                                 at=position(learn), ranks=self.tiers.aside.ranks.together(), against=against))
 
 @patch
 def _on_done(self:TierStages, run, learn, model, st):

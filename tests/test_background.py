@@ -352,8 +352,8 @@ def test_a_cold_compile_pays_back_only_with_the_batches_left_after_the_workers_h
     # 1992 batches left save 8s against a 6s cold compile, but 1346 of them run before the worker's 35s hand-over
     assert aside.probes.judge(aside, st, learn) == (batches == 4000)
     if batches == 2000:
-        assert st.stage is Stage.SHORT and aside.notes == ["trained eagerly: the fit's 1992 training batches left, about 40s eagerly, are too "
-            "few to pay back a compile (under 57s; `background=False` compiles in the fit's path)"], aside.notes
+        assert st.stage is Stage.SHORT and [n.text for n in aside.notes] == ["trained eagerly: the fit's 1992 training batches left, "
+            "about 40s eagerly, are too few to pay back a compile (under 57s; `background=False` compiles in the fit's path)"], aside.notes
 
 def test_the_probe_times_the_fastest_eager_step_for_the_hand_overs_timing(tmp_path, monkeypatch):
     "A fit's slow first batch (its loader starting) moves neither the probe's median step nor what the hand-over's timing takes off"
@@ -393,8 +393,8 @@ def test_a_state_compiled_before_compiles_warm_where_the_share_its_code_saved_pa
     assert aside.probes.judge(aside, st, learn) == (saving == 0.4)
     if saving != 0.4:
         needed = 3. / (SAVING if saving is None else MARGIN)
-        assert aside.notes == [f"trained eagerly: the fit's 2800 training batches left, about 11s eagerly, are too few to pay back even a "
-                               f"warm compile of 3.0s (under {needed:.0f}s)"], aside.notes
+        assert [n.text for n in aside.notes] == [f"trained eagerly: the fit's 2800 training batches left, about 11s eagerly, are too "
+                                                 f"few to pay back even a warm compile of 3.0s (under {needed:.0f}s)"], aside.notes
 
 def test_a_fit_records_the_share_of_a_step_its_one_compiled_training_state_saved(tmp_path, monkeypatch):
     "The share is the fit's compiled step against its eager one, kept for the one training state it compiled, by the process that timed both"
@@ -420,9 +420,9 @@ def test_a_fit_records_the_share_of_a_step_its_one_compiled_training_state_saved
 
 def test_the_next_training_batch_after_an_epochs_last_is_the_next_epochs_first():
     from types import SimpleNamespace
-    from fastxtend_compile.background import where
+    from fastxtend_compile.background import position
     at = lambda it: SimpleNamespace(epoch=1, iter=it, n_iter=4)
-    assert [where(at(2), True), where(at(3), True), where(at(3))] == ['epoch 1, batch 3', 'epoch 2, batch 0', 'epoch 1, batch 3']
+    assert [position(at(2), True), position(at(3), True), position(at(3))] == [(1, 3), (2, 0), (1, 3)]
 
 @pytest.mark.slow
 def test_a_failed_job_fails_alone_and_the_worker_compiles_the_next(no_records):
@@ -539,9 +539,10 @@ def test_a_state_whose_worker_failed_is_tried_again_in_the_next_fit(no_records, 
 
 def test_an_unfinished_evaluation_compile_is_reported_as_one():
     "A validation state still compiling when the fit ends ran no training batches eagerly: the report says it was for evaluation"
-    from fastxtend_compile.background import _unfinished
     from fastxtend_compile.state import ModelState
-    model = nn.Linear(2, 2).eval()
-    with torch.no_grad(): st = ModelState(state_key(model, (torch.randn(1, 2),), False), 'record')
-    st.sent_at = 'epoch 0, batch 0'
-    assert _unfinished(st) == "the fit ended before the worker process finished compiling for evaluation, sent at epoch 0, batch 0"
+    model, aside = nn.Linear(2, 2).eval(), BackgroundCompile({'backend': 'eager'})
+    with torch.no_grad(): st = aside.compiling = ModelState(state_key(model, (torch.randn(1, 2),), False), 'record')
+    st.sent_at = (0, 0)
+    aside.stop() # The fit ended
+    assert [n.text for n in aside.take_notes()] == [
+        "the fit ended before the worker process finished compiling for evaluation, sent at epoch 0, batch 0"]

@@ -248,3 +248,24 @@ def test_payoff_not_measured_under_compiled_autograd_says_why():
     assert r.payoff() == "payoff: not measured (with `ddp_compiled_autograd` an eager backward would all-reduce each gradient alone)"
     assert r.payoff() in r.summary()
     assert CompileReport(batch_times=[(0.01, False)]*4).payoff() == "payoff: not measured (the fit ran too few compiled training batches)"
+
+def test_notes_of_gpu_fits_say_what_their_facts_say():
+    "The background's and the tiers' notes are facts; the report alone words them, CUDA graphs' and several ranks' included"
+    from fastxtend_compile.report import Note
+    first = dict(busy=0.4, step_s=0.012, of='eager', graphs=True, saving=0.0072, first=True)
+    two = dict(world=2, devices=2, hosts=1) # Two ranks of one host, a device each
+    assert Note('tier_took_over', name='reduce-overhead', why=first, res=None, warm_s=1.5, path=True, at=(0, 9), ranks=two,
+                against=('eager', 0.005, 0.012)).text == (
+        "tier reduce-overhead took over at epoch 0, batch 9, on all 2 ranks at once: the GPU ran work 40% of the eager 12.0 ms "
+        "step, so CUDA graphs, compiled first, would save about 7.2 ms of it; compiled cold in the fit's path in 1.5s; 5.0 ms a "
+        "step against 12.0 ms for the eager step, each timed alone")
+    assert Note('no_room', busy=0.3, step_s=0.01, name='reduce-overhead', step_bytes=2**31, free=2**30).text == (
+        "no faster tier: the GPU ran work 30% of the default's 10.0 ms step, so CUDA graphs (reduce-overhead) would be faster, "
+        "but their memory, 2.0 GB a step, doesn't fit in the 1.0 GB the GPU has free")
+    assert Note('in_path', training=True, at=(1, 0), ranks=two).text.startswith("compiled in the fit's path at epoch 1, batch 0, on "
+                                                                               "all 2 ranks at once, the faster tier first")
+    warm = Note('warm', record={'cold_s': 20.}, training=False, at=(0, 3), ranks=None)
+    assert warm.text == ("compiled for evaluation at once, in the fit's path at epoch 0, batch 3: inductor's cache has this model "
+                         "state's code (compiled cold in 20.0s)")
+    warm.facts['took_s'] = 2. # Timed at a later batch
+    assert warm.text.endswith("(compiled cold in 20.0s); compiling it in the fit's path took 2.0s")

@@ -280,7 +280,7 @@ def test_an_explicit_mode_or_dynamic_shapes_try_no_tier():
     assert why_no_tiers(settings()) is None
     assert why_no_tiers(settings(mode='reduce-overhead')) == '' # The user's choice, kept exactly, without a word
     assert why_no_tiers(settings(options={'max_autotune': True})) == ''
-    assert why_no_tiers(settings(dynamic=True)).startswith("no faster tier with `dynamic=True`")
+    assert why_no_tiers(settings(dynamic=True)).text.startswith("no faster tier with `dynamic=True`")
     assert why_no_tiers(settings(backend='aot_eager')) == '' # A backend without inductor's modes: nothing to climb
     t = Tiers(settings(mode='default'))
     t.start(BackgroundCompile(settings(mode='default')), torch.device('cuda'))
@@ -334,10 +334,10 @@ def test_under_ddp_a_tier_compiled_first_runs_on_every_rank_only_where_its_cuda_
     from fastxtend_compile.state import ModelState
     from fastxtend_compile.tiers import TierRun, TierStage
     t, gb = Tiers(compile_settings()), 2**30
-    offer = dict(tier='reduce-overhead', path=True, why='', step_bytes=2*gb)
+    offer = dict(tier='reduce-overhead', path=True, why=None, step_bytes=2*gb)
     st = ModelState(None, 'record')
     st.tier, st.first, st.path = TierRun(stage=TierStage.FIRST), ('settings', 'tier-record'), True # As rank 0 picked it
-    assert t.first.adopt(st, None, offer, [16*gb, int(2.5*gb)]) == (
+    assert t.first.adopt(st, None, offer, [16*gb, int(2.5*gb)]).text == (
         "no tier compiled first: CUDA graphs (reduce-overhead), about 2.0 GB a step, don't fit with room to spare in the 2.5 GB "
         "free on the fullest rank's GPU; the default's code goes first")
     assert st.first is None and not st.path and st.tier.stage is TierStage.SETTLE and t.first.offer(st) is None
