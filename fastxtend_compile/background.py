@@ -16,7 +16,7 @@ from .core import model_fingerprint
 from .internals import inductor_cache_dir
 from .worker import Worker, Job, JobResult, job_payload, read_json, write_json
 from .state import StateKey, Stage, Probe, ModelState, state_key
-from .payoff import WORKER_HANDOVER_S, WORKER_SLOWDOWN, batches_left, pays_back, recorded_saving, rest_needed, warm_cost, worker_rest
+from .payoff import COLD_S, WARM_S, WORKER_HANDOVER_S, WORKER_SLOWDOWN, batches_left, pays_back, recorded_saving, rest_needed, warm_cost, worker_rest
 from .agreement import Local, DDP
 from .report import Note, handover_text
 
@@ -217,11 +217,9 @@ def measured(self:WarmStarts,
 # %% ../nbs/08_background.ipynb #f47c974a
 class BackgroundCompile:
     "Compile a model state in a worker process, into the on-disk caches, while the fit trains eagerly; then take over warm"
-    # A cold compile's cost to the fit's path: with a step `SAVING` faster, a fit with under 30 s of eager steps left
-    # once a cold worker hands its code over (`handover_s` after its job, start-up included) trains eagerly without a
-    # worker (the eager steps beside a compiling worker run slower); 0 compiles every state without timing it first. A
-    # record that holds no compile time at all is taken to cost `warm_s` to compile warm
-    probe_batches, cold_cost_s, warm_s, handover_s = 8, 6., 5., WORKER_HANDOVER_S
+    # Eager batches timed before a state is judged; and the payoff rule's priors (`payoff`), where nothing is recorded:
+    # a `cold_cost_s` of 0 compiles every state without timing it first
+    probe_batches, cold_cost_s, warm_s, handover_s = 8, COLD_S, WARM_S, WORKER_HANDOVER_S
     default_on = ('cuda',) # Device types where `background=None` compiles in a worker: beside the fit, not in its path
     def __init__(self,
         settings:dict, # `torch.compile` settings, from `compile_settings`
@@ -397,7 +395,7 @@ class Handover:
     def timed(self, now:float, learn):
         "A hand-over's warm compile in the fit's path, timed once this batch can tell: its note says how long it took"
         a = self.aside
-        if (timed := a.warm_starts.timed(now, learn, a.probes.fastest_s)) is not None: timed[0].facts['took_s'] = timed[1]
+        if (timed := a.warm_starts.timed(now, learn, a.probes.fastest_s)) is not None: timed[0].add(took_s=timed[1])
 
     def warm(self, st:ModelState, rec:dict, learn, now:float|None)->bool:
         "Compile `st` in the fit's path, from inductor's cache: this batch (`now`), or the next"

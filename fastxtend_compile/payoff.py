@@ -7,17 +7,53 @@ from __future__ import annotations
 from statistics import median
 
 # %% auto #0
-__all__ = ['SAVING', 'MARGIN', 'WARM_SHARE', 'AUTOTUNE_SAVING', 'WORKER_HANDOVER_S', 'WORKER_SLOWDOWN', 'batches_left',
-           'pays_back', 'rest_needed', 'warm_cost', 'recorded_saving', 'tier_saving', 'pick_tier', 'first_saving',
-           'first_tier', 'worker_rest', 'first_in_path', 'cudagraphs_fit', 'faster']
+__all__ = ['MARGIN', 'SAVING', 'COLD_S', 'WARM_SHARE', 'WARM_S', 'WORKER_HANDOVER_S', 'WORKER_SLOWDOWN', 'TIER_TRY_S',
+           'TIER_COMPILE_S', 'AUTOTUNE_SAVING', 'batches_left', 'after_wait', 'eager_step', 'pays_back', 'rest_needed',
+           'warm_cost', 'recorded_saving', 'tier_saving', 'pick_tier', 'first_saving', 'first_tier', 'worker_rest',
+           'first_in_path', 'cudagraphs_fit', 'faster']
 
 # %% ../nbs/14_payoff.ipynb #23d4101a
-SAVING = 0.2 # The share of a step a compiled one is expected to save, until a fit has measured it
-MARGIN = 0.03 # The share of a step a tier must save in an A/B to be kept: a smaller gain is within a step's noise
+MARGIN = 0.03 # The share of a step a tier must save in an A/B to be kept, and a compiled step to have paid: less is within a step's noise
 
-def batches_left(learn)->int:
-    "The fit's training batches left, this one's included"
-    return learn.n_epoch*learn.n_iter - (learn.epoch*learn.n_iter + learn.iter)
+# The rule's priors, in one place: what it takes where no fit has recorded the number for the model state (`WarmStarts`)
+SAVING = 0.2 # The share of a step a compiled one saves: until a fit measured it (`recorded_saving`)
+# A cold compile's cost to the fit's path, until one is recorded: with a step `SAVING` faster, a fit with under 30 s of
+# eager steps left once a cold worker hands its code over trains eagerly, without a worker
+COLD_S = 6.
+# A warm compile traces the model and loads its kernels from inductor's cache, where a cold one also writes and builds
+# them: a warm compile not yet timed is taken to cost this share of the state's cold one, just above the largest
+# measured on whole fits (bench/results/warm_share/); `WARM_S` where the record holds no compile time at all
+WARM_SHARE, WARM_S = 0.15, 5.
+# How long a cold worker takes from its job to its hand-over (its start-up, then a compile beside the fit), and how much
+# slower a launch-bound eager step runs beside it: as a transformer fit measured them (bench/results/constants.md)
+WORKER_HANDOVER_S, WORKER_SLOWDOWN = 35., 1.3
+# Seconds trying a faster tier costs the fit's path (its warm compile and A/B), and a tier's cold compile takes, in the
+# worker or the fit's path, until one is recorded (bench/results/constants.md)
+TIER_TRY_S, TIER_COMPILE_S = 6., 20.
+AUTOTUNE_SAVING = 0.05 # The share of a GPU-bound step that autotuned kernels save
+
+def batches_left(
+    learn, # The `Learner` whose training batch this is
+    wait_s:float=0., # Seconds before faster code could run them: a compile's
+    step_s:float=1., # Seconds of each batch that runs meanwhile
+)->int:
+    "The fit's training batches left, this one's included; those after `wait_s` of `step_s` batches, where given"
+    left = learn.n_epoch*learn.n_iter - (learn.epoch*learn.n_iter + learn.iter)
+    return after_wait(left, wait_s, step_s)
+
+def after_wait(
+    left:int, # Training batches left
+    wait_s:float, # Seconds before faster code could run them
+    step_s:float, # Seconds of each batch that runs meanwhile
+)->int:
+    "Those of `left` batches that run after `wait_s`"
+    return max(left - int(wait_s / step_s), 0) if wait_s else left
+
+def eager_step(
+    times:list, # Seconds of a state's eager training batches, each timed alone, in order
+)->float|None:
+    "The eager step: the median batch after the first, which pays one-time set-up (a GPU's libraries loading); `None` before a second"
+    return median(times[1:]) if len(times) > 1 else None
 
 def pays_back(
     batches:int, # Batches the faster code would run
@@ -33,11 +69,6 @@ def rest_needed(
 )->float:
     "Seconds of steps as they run now that pay back `cost_s`: below them a fit keeps what it runs"
     return cost_s / saving
-
-# A warm compile traces the model and loads its kernels from inductor's cache, where a cold one also writes and builds
-# them: a warm compile not yet timed is taken to cost this share of the state's cold one, just above the largest
-# measured on whole fits (bench/results/warm_share/)
-WARM_SHARE = 0.15
 
 def warm_cost(
     rec:dict, # A state's warm record (`WarmRecords`)
@@ -57,8 +88,6 @@ def recorded_saving(
     return SAVING if saving is None else max(saving, MARGIN)
 
 # %% ../nbs/14_payoff.ipynb #c2606ebc
-AUTOTUNE_SAVING = 0.05 # The share of a GPU-bound step that autotuned kernels are expected to save
-
 def tier_saving(
     name:str, # The tier: a key of `TIERS`
     busy:float|None, # The share of the step in which the GPU runs work; `None` where not measured
@@ -96,10 +125,6 @@ def first_tier(
     if busy is None or busy > 1 - margin: return None
     return 'reduce-overhead' if pays_back(batches, first_saving(busy, step_s), cost_s) else None
 
-# How long a cold worker takes from its job to its hand-over (its start-up, then a compile beside the fit), and how much
-# slower a launch-bound eager step runs beside it: as a transformer fit measured them (bench/results/constants.md)
-WORKER_HANDOVER_S, WORKER_SLOWDOWN = 35., 1.3
-
 def worker_rest(
     left:int, # The fit's training batches left
     step_s:float, # Seconds of an eager step
@@ -107,7 +132,7 @@ def worker_rest(
     slowdown:float=WORKER_SLOWDOWN, # How much slower an eager step runs beside the worker compiling
 )->int:
     "The training batches left once a cold worker hands its code over: those before run eagerly, slowed, beside it"
-    return max(left - int(handover_s / (step_s * slowdown)), 0)
+    return after_wait(left, handover_s, step_s * slowdown)
 
 def first_in_path(
     busy:float|None, # The share of an eager training step in which the GPU runs work; `None` where not measured

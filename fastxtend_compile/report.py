@@ -16,7 +16,7 @@ from fastcore.basics import store_attr, groupby, patch
 
 from .core import graph_break_reason, frame_name, hook_owner
 from .internals import *
-from .payoff import pays_back
+from .payoff import pays_back, eager_step as _eager_step, MARGIN
 
 # %% auto #0
 __all__ = ['CompileEvent', 'CompileReport']
@@ -150,9 +150,8 @@ def compiled_step(self:CompileReport)->float|None:
 # %% ../nbs/01_report.ipynb #7611dc83
 @patch(as_prop=True)
 def eager_step(self:CompileReport)->float|None:
-    "Median seconds of an eager training batch, its first (warm-up) one left out"
-    times = sorted(self.eager_times[1:])
-    return times[len(times)//2] if times else None
+    "Seconds of an eager training batch, as the payoff rule takes them (`eager_step`): the median after the first (warm-up) one"
+    return _eager_step(self.eager_times)
 
 # %% ../nbs/01_report.ipynb #79e076e4
 @patch(as_prop=True)
@@ -204,8 +203,9 @@ def payoff(self:CompileReport)->str:
         return "payoff: not measured (with `ddp_compiled_autograd` an eager backward would all-reduce each gradient alone)"
     if comp is None or eager is None: return "payoff: not measured (the fit ran too few compiled training batches)"
     line = f"compiled step {_ms(comp)} against {_ms(eager)} eager"
-    if comp > 0.95*eager: return f"did not pay: {line}: the compiled model is not measurably faster here"
-    if comp > 0.95*(fast := min(self.eager_times[1:])):
+    # A step saved by less than `MARGIN`, the payoff rule's share of a step within its noise, is not measured to be saved
+    if comp > (1 - MARGIN)*eager: return f"did not pay: {line}: the compiled model is not measurably faster here"
+    if comp > (1 - MARGIN)*(fast := min(self.eager_times[1:])):
         return (f"payoff: not measured enough: {line}, but the fastest eager batch took {_ms(fast)}: too few eager batches "
                 "to tell (a longer fit measures more)")
     epochs = self.compile_seconds / ((eager - comp) * max(self.epoch_steps, 1))
@@ -580,6 +580,10 @@ class Note:
         **facts, # What the words need: numbers, names, places in the fit (`at`), a worker's `JobResult`
     ):
         self.kind, self.facts = kind, facts
+
+    def add(self, **facts):
+        "Facts learned after the note was made: a warm compile's time, measured at a later batch"
+        self.facts.update(facts)
 
     def __eq__(self, other): return isinstance(other, Note) and (self.kind, self.facts) == (other.kind, other.facts)
     def __repr__(self): return f"Note({self.kind!r}, {self.facts!r})"

@@ -5,7 +5,6 @@
 # %% ../nbs/15_state.ipynb #d4199f7b
 from __future__ import annotations
 import itertools, weakref
-from statistics import median
 from dataclasses import dataclass
 from enum import Enum
 
@@ -14,6 +13,7 @@ from torch import nn, Tensor
 
 from .worker import autocast_dtype
 from .internals import subclass_dispatch_off
+from .payoff import eager_step
 
 # %% auto #0
 __all__ = ['model_token', 'StateKey', 'state_key', 'Stage', 'Probe', 'ModelState']
@@ -90,8 +90,8 @@ class Probe:
 
     @property
     def step_s(self)->float:
-        "The median batch timed: the step the fit's rest runs, not the first batch's one-time set-up (a GPU's libraries loading)"
-        return median(self.times) if self.times else 0.
+        "The step the fit's rest runs (`eager_step`); 0 before two batches were timed"
+        return eager_step(self.times) or 0.
 
 # %% ../nbs/15_state.ipynb #b8765e07
 class ModelState:

@@ -16,7 +16,7 @@ from .core import uses_cudagraphs, compiled_call, CompiledCall
 from .internals import gpu_sleep, traced_op_error
 from .worker import error_text, JobResult
 from .state import StateKey, Stage
-from .payoff import batches_left, pays_back, pick_tier, first_tier, first_saving, first_in_path, tier_saving, cudagraphs_fit, faster
+from .payoff import TIER_TRY_S, TIER_COMPILE_S, batches_left, pays_back, pick_tier, first_tier, first_saving, first_in_path, tier_saving, cudagraphs_fit, faster
 from .background import BackgroundCompile, position
 from .report import Note, unsent_text
 
@@ -232,10 +232,9 @@ class Tiers:
     # Compiled batches the default runs before its step is timed (its caches warm), timed alone, their GPU work measured;
     # tier batches run before the A/B (CUDA graphs record at their first runs); batches of each tier in the A/B, alternating
     settle_batches, time_batches, profile_batches, warmup_batches, ab_batches = 4, 8, 3, 3, 8
-    # Seconds trying a tier costs the fit's path (its warm compile and A/B), and a cold compile, in the worker or the fit's
-    # path, is taken to take until one is recorded (bench/results/constants.md): a tier is
-    # tried where the saving it is expected to bring over the batches left once it compiled pays back `try_cost_s`
-    try_cost_s, compile_guess_s = 6., 20.
+    # The payoff rule's priors (`payoff`): a tier is tried where the saving it is expected to bring over the batches left
+    # once it compiled (in `compile_guess_s`, until the state's cold compile is recorded) pays back `try_cost_s`
+    try_cost_s, compile_guess_s = TIER_TRY_S, TIER_COMPILE_S
     pick = staticmethod(pick_tier) # The policy that picks a state's tier from its measured step
     def __init__(self,
         settings:dict, # The model's `torch.compile` settings, from `compile_settings`
@@ -554,7 +553,7 @@ def _decide(self:TierStages, run, learn, model, st, busy:float|None, step_s:floa
     cached = self.tiers.aside.warm_starts.get(run.record) is not None
     # Uncached, it compiles in the worker about as long as the default did
     wait_s = 0. if cached else (self.tiers.aside.warm_starts.get(st.record) or {}).get('cold_s', self.tiers.compile_guess_s)
-    left = max(batches_left(learn) - int(wait_s / step_s), 0) # The batches it would run
+    left = batches_left(learn, wait_s, step_s) # The batches it would run
     if not pays_back(left, saving := tier_saving(name, busy, step_s), self.tiers.try_cost_s):
         return Note('no_gain', name=name, saving_s=saving, left=left, cost_s=self.tiers.try_cost_s)
     run.tier = name
@@ -614,7 +613,7 @@ def _on_check(self:TierStages, run, learn, model, st):
         self.tiers.run_tier(learn, run, counted=True)
         return self.tiers.timer.start(run.tier_times)
     # Under DDP, rank 0's: it alone timed the eager step
-    keep = st.probe is not None and st.probe.seen > 0 and faster(run.tier_times, st.probe.times)
+    keep = st.probe is not None and st.probe.step_s > 0 and faster(run.tier_times, [st.probe.step_s])
     tier_s = median(run.tier_times)
     run.to(TierStage.AGREE)
     run.vote = ('check', dict(keep=keep, tier_s=tier_s, eager_s=st.probe.step_s if keep else None))

@@ -267,5 +267,5 @@ def test_notes_of_gpu_fits_say_what_their_facts_say():
     warm = Note('warm', record={'cold_s': 20.}, training=False, at=(0, 3), ranks=None)
     assert warm.text == ("compiled for evaluation at once, in the fit's path at epoch 0, batch 3: inductor's cache has this model "
                          "state's code (compiled cold in 20.0s)")
-    warm.facts['took_s'] = 2. # Timed at a later batch
+    warm.add(took_s=2.) # Timed at a later batch
     assert warm.text.endswith("(compiled cold in 20.0s); compiling it in the fit's path took 2.0s")
