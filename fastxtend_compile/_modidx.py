@@ -1037,6 +1037,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                           'fastxtend_compile/state.py'),
                                          'fastxtend_compile.state.ModelState.compiled_record': ( 'state.html#modelstate.compiled_record',
                                                                                                  'fastxtend_compile/state.py'),
+                                         'fastxtend_compile.state.ModelState.default_first': ( 'state.html#modelstate.default_first',
+                                                                                               'fastxtend_compile/state.py'),
                                          'fastxtend_compile.state.ModelState.end_fit': ( 'state.html#modelstate.end_fit',
                                                                                          'fastxtend_compile/state.py'),
                                          'fastxtend_compile.state.ModelState.to': ( 'state.html#modelstate.to',

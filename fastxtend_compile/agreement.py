@@ -38,7 +38,7 @@ class Local:
 
     def judged(self, aside, st:ModelState, learn, model, now:float)->bool:
         "`st` is worth compiling: at once where inductor's cache has its code, else in the worker or the fit's path, as its tier compiled first needs. Whether this batch runs eagerly"
-        if (rec := aside.warm_starts.cached(st)) is not None: return aside.handover.warm(st, rec, learn, now)
+        if (rec := aside.warm_starts.cached(st)[0]) is not None: return aside.handover.warm(st, rec, learn, now)
         if st.path: return aside.handover.in_path(st, learn)
         return aside.send(st, learn, model)
 

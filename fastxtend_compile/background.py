@@ -83,7 +83,8 @@ class _Probes:
             self.timing = st # The recorder times this batch alone, as the eager step
             return False
         if st.held: return False # Eager, untimed: the faster tier's choice measures the step's GPU work (`FirstTier`)
-        rec = aside.warm_starts.cached(st) # Once the probe is done: not at each of its batches
+        rec, first = aside.warm_starts.cached(st) # Once the probe is done: not at each of its batches
+        if rec is not None and not first: st.default_first() # Only the default's code is cached: it compiles at once
         cost, saving = aside.cold_cost_s if rec is None else warm_cost(rec, aside.warm_s), recorded_saving(rec)
         left, step_s, self.fastest_s = batches_left(learn), st.probe.step_s, st.probe.fastest
         # A tier compiled first in the fit's path was found to pay back its compile there, by the tier's own saving
@@ -137,12 +138,10 @@ class WarmStarts:
         "What was recorded of `record`; `None` where nothing was"
         return self.records.get(record)
 
-    def cached(self, st:ModelState)->dict|None:
-        "The record of the code `st` hands over to, where inductor's cache has it: a faster tier's compiled first, else the default's"
-        if st.first is not None and (rec := self.get(st.first[1])) is not None: return rec
-        # Only the default's code cached: it compiles at once, and the faster tier waits its turn (`Tiers`)
-        if (rec := self.get(st.record)) is not None: st.first, st.path = None, False
-        return rec
+    def cached(self, st:ModelState)->tuple:
+        "(record, whether it is the faster tier's compiled first) of the code `st` could hand over to from inductor's cache; (`None`, False) where none is"
+        if st.first is not None and (rec := self.get(st.first[1])) is not None: return rec, True
+        return self.get(st.record), False
 
     def compiled(self, record:str, res:JobResult):
         "A worker compiled `record` cold, or failed to"

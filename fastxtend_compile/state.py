@@ -116,6 +116,10 @@ class ModelState:
         "Move on to `stage`"
         self.stage = stage
 
+    def default_first(self):
+        "The default's code runs first, its faster tier tried once it runs (`Tiers`): none compiled first"
+        self.first, self.path = None, False
+
     @property
     def compiled_record(self)->str:
         "The record of the code its hand-over runs: the faster tier's compiled first, or the default's"

@@ -483,7 +483,8 @@ def adopt(self:FirstTier,
 )->Note|None:
     "Under DDP, on every rank: compile rank 0's tier first, where its CUDA graphs fit every rank's GPU; else why not (rank 0 drops it)"
     if offer['step_bytes'] is not None and free and not cudagraphs_fit(min(free), offer['step_bytes']):
-        st.first, st.path, st.tier = None, False, TierRun() # The default's code first, its tier tried once it runs
+        st.default_first()
+        st.tier = TierRun() # Tried once the default's code runs
         return Note('no_room_first', name=offer['tier'], step_bytes=offer['step_bytes'], free=min(free))
     if self.offer(st) is None: self._set(st.tier or TierRun(), st, model, offer['tier'], offer['path'], offer['why'], offer['step_bytes'])
 
