@@ -13,7 +13,6 @@ from fastcore.basics import patch
 
 from .state import Stage, ModelState
 from .worker import JobResult
-from .report import Note, unsent_text
 
 # %% auto #0
 __all__ = ['Local', 'decide', 'device_leader', 'next_gap', 'DDP']
@@ -36,23 +35,7 @@ class Local:
         "Whether this process times and judges a state of this phase: every state, in one process"
         return True
 
-    def judged(self, aside, st:ModelState, learn, model, now:float)->bool:
-        "`st` is worth compiling: at once where inductor's cache has its code, else in the worker or the fit's path, as its tier compiled first needs. Whether this batch runs eagerly"
-        if (rec := aside.warm_starts.cached(st)[0]) is not None: return aside.handover.warm(st, rec, learn, now)
-        if st.path: return aside.handover.in_path(st, learn)
-        return aside.send(st, learn, model)
-
-    def done(self, aside, st:ModelState):
-        "The worker finished `st`: its code takes over, or it trains eagerly"
-        aside.handover.settle(st, st.result)
-
-    def unsent(self, aside, st:ModelState, error:str)->bool:
-        "`st` could not be sent to the worker, with `error`: it compiles in the fit's path, at this batch"
-        aside.notes.append(Note('unsent', error=error))
-        st.to(Stage.READY)
-        return False
-
-    def agree(self, aside, learn, st:ModelState, model):
+    def agree(self, aside, learn, st:ModelState, model)->dict|None:
         "Nothing to agree on in one process: each event was acted on as it came"
 
     def together(self)->dict|None:
@@ -137,23 +120,9 @@ class DDP(Local):
         "Whether this rank times and judges a state: rank 0 its training states; the ranks agree on them"
         return training and self.rank == 0
 
-    def judged(self, aside, st:ModelState, learn, model, now:float)->bool:
-        "`st` is worth compiling: its compile starts on every device at the ranks' next agreement"
-        st.to(Stage.JUDGED)
-        return True
-
-    def done(self, aside, st:ModelState):
-        "This device's worker finished `st`: acted on at an agreement, once every device's worker is done"
-
-    def unsent(self, aside, st:ModelState, error:str)->bool:
-        "`st` could not be sent to this device's worker, with `error`: a failure the ranks agree on"
-        st.result = JobResult(False, unsent_text(error))
-        st.to(Stage.DONE)
-        return True
-
-    def agree(self, aside, learn, st:ModelState, model):
-        "At the agreements' training batches, on every rank: gather the views, decide, and act on the decision together"
-        if learn.train_iter < self.next_at: return
+    def agree(self, aside, learn, st:ModelState, model)->dict|None:
+        "At the agreements' training batches, on every rank: gather the views and decide; the decision, for `st` to move on together"
+        if learn.train_iter < self.next_at: return None
         mine, parts = self.view(aside, st), [p.view(st) for p in self.parts]
         gathered = self.gather([mine, *parts, self.settled(st, mine)], f"epoch {learn.epoch}, batch {learn.iter}")
         self.held.append(learn.train_iter)
@@ -162,13 +131,12 @@ class DDP(Local):
         views = [g[0] for g in gathered]
         decision = decide(views)
         for i,p in enumerate(self.parts): p.agreed(st, [g[i + 1] for g in gathered], learn, model, decision)
-        if decision == 'failed':
+        if decision is None: return None
+        res = None
+        if decision == 'failed': # A failure on one device is every rank's, said with where it happened
             took, error, oom, host = next(v['failure'] for v in views if v['leader'] and v['failure'])
-            aside.handover.settle(st, JobResult(False, f"{error}; on {host}", oom, took_s=took))
-        elif decision == 'warm': aside.handover.warm(st, aside.warm_starts.get(st.compiled_record) or {}, learn, None)
-        elif decision == 'ready': aside.handover.settle(st)
-        elif decision == 'path': aside.handover.in_path(st, learn, next_batch=True) # Every rank in its own path: all devices at once
-        elif decision == 'start' and self.leader and views[self.rank]['worker'] == 'none': aside.send(st, learn, model)
+            res = JobResult(False, f"{error}; on {host}", oom, took_s=took)
+        return dict(decision=decision, res=res, worker=views[self.rank]['worker'])
 
     def together(self)->dict:
         "How the ranks switched, for the report: all at once, with a worker on each of so many devices and hosts"

@@ -5,6 +5,7 @@
 # %% ../nbs/08_background.ipynb #88f64dd8
 from __future__ import annotations
 import hashlib, platform, time, warnings
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -16,7 +17,8 @@ from .core import model_fingerprint
 from .internals import inductor_cache_dir
 from .worker import Worker, Job, JobResult, job_payload, read_json, write_json
 from .state import StateKey, Stage, Probe, ModelState, state_key
-from .payoff import COLD_S, WARM_S, WORKER_HANDOVER_S, WORKER_SLOWDOWN, batches_left, pays_back, recorded_saving, rest_needed, warm_cost, worker_rest
+from .payoff import COLD_S, WARM_S, WORKER_HANDOVER_S, batches_left
+from .life import advance, runs_eagerly
 from .agreement import Local, DDP
 from .report import Note, handover_text
 
@@ -63,55 +65,51 @@ class WarmRecords:
         write_json(str(self.root()/f'{key}.json'), {**(self.get(key) or {}), **values})
 
 # %% ../nbs/08_background.ipynb #c242d0a8
-class _Probes:
-    "Each new model state's first eager batches, in a row, timed alone; whether the fit's rest pays back compiling the state"
-    def __init__(self):
-        self.state, self.changes, self.fastest_s = None, 0, None # The state probed last, how often it changed, its fastest batch
-        self.timing = None # The state whose probe times the batch running
+class _Facts:
+    "What a move of model state `st` may need to know (`advance`), each read where the move asks: the fit's, the state's, the records'"
+    def __init__(self, aside, st:ModelState, learn, **given):
+        self.aside, self.st, self.learn = aside, st, learn
+        self.__dict__.update(given) # What the event brings: the worker's result, the ranks' decision
+    training = property(lambda self: self.st.key.training)
+    handover = property(lambda self: self.st.handover) # A hand-over its next batch makes
+    compiling = property(lambda self: self.aside.compiling is not None) # The worker compiles a state
+    judges = property(lambda self: self.aside.ranks.judges(self.training)) # This process judges states of its phase
+    evaluates = property(lambda self: self.aside.ranks.evaluates) # Evaluation states compile in the background here
+    agrees = property(lambda self: self.aside.ranks.agrees) # The ranks act on a state together, once agreed
+    rank = property(lambda self: self.aside.ranks.rank)
+    leader = property(lambda self: self.aside.ranks.leader) # This rank runs its device's worker
+    probe_all = property(lambda self: self.aside.cold_cost_s <= 0) # Every state compiles, unprobed
+    probe_batches = property(lambda self: self.aside.probe_batches)
+    seen = property(lambda self: self.st.probe.seen if self.aside.last_probed is self.st else 0) # Its probe's batches, timed in a row
+    changes = property(lambda self: self.aside.changes + (self.aside.last_probed is not self.st)) # How often the state probed changed
+    any_ready = property(lambda self: any(s.stage is Stage.READY for s in self.aside.states.values()))
+    held = property(lambda self: self.st.held)
+    path = property(lambda self: self.st.path) # A tier compiled first compiles in the fit's path
+    left = property(lambda self: batches_left(self.learn))
+    step_s = property(lambda self: self.st.probe.step_s) # The eager step its probe timed
+    cold_s = property(lambda self: self.aside.cold_cost_s)
+    warm_s = property(lambda self: self.aside.warm_s)
+    handover_s = property(lambda self: self.aside.handover_s)
+    fallback = property(lambda self: self.st.fallback is not None) # The default's job waits behind a tier compiled first
+    has_result = property(lambda self: self.st.result is not None)
+    warm_rec = property(lambda self: self.aside.warm_starts.get(self.st.compiled_record) or {})
 
-    def judge(self,
-        aside:BackgroundCompile, # The fit's background compile: its settings, states, records and notes
-        st:ModelState, # The state of this training batch
-        learn, # The `Learner` whose batch this is
-    )->bool:
-        "Whether the fit's eager rest, timed over the state's first `probe_batches` batches, pays back its compile; `False` while it is timed"
-        if aside.cold_cost_s <= 0: return True
-        if self.state is not st: st.probe, self.state, self.changes = Probe(), st, self.changes + 1 # A probe of its own
-        if (n := st.probe.seen) < aside.probe_batches:
-            if n == 0 and self.changes == 2*aside.probe_batches and not any(s.stage is Stage.READY for s in aside.states.values()):
-                aside.notes.append(Note('shapes_change', changes=self.changes, batches=aside.probe_batches)) # Said once, if states change too often
-            self.timing = st # The recorder times this batch alone, as the eager step
-            return False
-        if st.held: return False # Eager, untimed: the faster tier's choice measures the step's GPU work (`FirstTier`)
-        rec, first = aside.warm_starts.cached(st) # Once the probe is done: not at each of its batches
-        if rec is not None and not first: st.default_first() # Only the default's code is cached: it compiles at once
-        cost, saving = aside.cold_cost_s if rec is None else warm_cost(rec, aside.warm_s), recorded_saving(rec)
-        left, step_s, self.fastest_s = batches_left(learn), st.probe.step_s, st.probe.fastest
-        # A tier compiled first in the fit's path was found to pay back its compile there, by the tier's own saving
-        if rec is None and st.path: return True
-        # A cold compile goes to the worker: its code serves only the batches left after its hand-over
-        if pays_back(left if rec is not None else worker_rest(left, step_s, aside.handover_s), saving*step_s, cost): return True
-        st.to(Stage.SHORT) # Not worth it: eager for the rest of this fit
-        aside.worker.idle() # Not needed this fit, unless a job waits for it
-        needed_s = rest_needed(cost, saving) + (0. if rec is not None else aside.handover_s / WORKER_SLOWDOWN) # Seconds of eager steps that pay
-        aside.notes.append(Note('too_short', left=left, rest_s=step_s*left, warm_s=None if rec is None else cost, needed_s=needed_s))
-        return False
-
-    def timed(self, seconds:float):
-        "The batch running, timed alone by the report's recorder, ended in `seconds`: its probe's, if it was timed for one"
-        if self.timing is not None: self.timing.probe.add(seconds)
-        self.timing = None
+    @cached_property
+    def cached(self)->tuple:
+        "(record, whether the faster tier's) of the code inductor's cache has for the state (`WarmStarts.cached`)"
+        return self.aside.warm_starts.cached(self.st)
 
 class _WarmTimer:
     "Times a warm compile in the fit's path from its batch to a later one of the same epoch and phase"
-    def __init__(self): self.timing = None # (record, start, its `Note`, batch)
+    def __init__(self): self.timing = None # (record, start, its `Note`, batch, step)
 
-    def start(self, record:str, now:float, note:Note, learn): self.timing = (record, now, note, _batch(learn))
+    def start(self, record:str, now:float, note:Note, learn, step_s:float|None=None):
+        self.timing = (record, now, note, _batch(learn), step_s)
 
-    def stop(self, now:float, learn, step_s:float|None)->tuple|None:
-        "(record, `Note`, seconds) of the compile, where this batch can time it; each batch between counts as `step_s`"
+    def stop(self, now:float, learn)->tuple|None:
+        "(record, `Note`, seconds) of the compile, where this batch can time it; each batch between counts as a step"
         if self.timing is None: return None
-        (record, start, note, (epoch, it, training)), self.timing = self.timing, None
+        (record, start, note, (epoch, it, training), step_s), self.timing = self.timing, None
         if (learn.epoch, learn.training) != (epoch, training) or learn.iter <= it: return None
         return record, note, max(now - start - (learn.iter - it)*(step_s or 0.), 0.)
 
@@ -185,15 +183,21 @@ def warmed(self:WarmStarts, record:str, seconds:float):
     if self.times_warm: self.records.put(record, warm_s=seconds)
 
 @patch
-def time(self:WarmStarts, record:str, now:float, note:Note, learn):
+def time(self:WarmStarts,
+    record:str, # The record compiled warm
+    now:float, # When this batch, which compiles it, started
+    note:Note, # The report's note of the hand-over, which takes the time
+    learn, # The `Learner` whose batch this is
+    step_s:float|None=None, # Seconds of a step, for each batch run before a later one can tell
+):
     "Time the warm compile of `record` that this batch runs, for the report's `note` of it, until a later batch can tell"
-    self.timer.start(record, now, note, learn)
+    self.timer.start(record, now, note, learn, step_s)
     if learn.training: self.trained.add(record)
 
 @patch
-def timed(self:WarmStarts, now:float, learn, step_s:float|None)->tuple|None:
-    "(`Note`, seconds) of a warm compile timed, recorded, once this batch (`now`) can tell; each batch between counts as `step_s`"
-    if (t := self.timer.stop(now, learn, step_s)) is None: return None
+def timed(self:WarmStarts, now:float, learn)->tuple|None:
+    "(`Note`, seconds) of a warm compile timed, recorded, once this batch (`now`) can tell"
+    if (t := self.timer.stop(now, learn)) is None: return None
     record, note, seconds = t
     self.warmed(record, seconds)
     return note, seconds
@@ -231,14 +235,14 @@ class BackgroundCompile:
         self.ranks = Local() # How the fit's processes decide on a state: `DDP` under DDP
         self.states = {} # Each `StateKey` met, its `ModelState`: those `READY` stay for later fits
         self.compiling = None # The `ModelState` whose job the worker compiles
-        self.probes = _Probes() # Times new states' eager batches
-        self.notes = [] # One line for the report per background compile of this fit
-        self.handover = Handover(self) # How each state's compiled code takes over
+        self.last_probed, self.changes = None, 0 # The state probed last, and how often the state probed changed in this fit
+        self.timing = None # The state whose probe times the batch running, alone
+        self.notes = [] # What the background compile did in this fit, for the report: `Note`s
         self.params = None # (model, its parameters), kept through a fit: each batch's state reads their flags, not the modules
 
     def __getstate__(self): # A copy of the callback (`learn.export`) starts with no worker and nothing compiled
-        return {**self.__dict__, 'worker': Worker(), 'ranks': Local(), 'states': {}, 'compiling': None, 'probes': _Probes(), 'show': None,
-                'params': None}
+        return {**self.__dict__, 'worker': Worker(), 'ranks': Local(), 'states': {}, 'compiling': None, 'last_probed': None, 'timing': None,
+                'show': None, 'params': None}
 
     def start(self,
         show=None, # Where the hand-over is announced (`CompilerCallback._show`)
@@ -276,29 +280,47 @@ def runs_eagerly(self:BackgroundCompile,
     key:StateKey, # The batch's model state
     model:nn.Module, # The model being compiled (not DDP's wrapper)
 )->bool:
-    "Whether this batch runs eagerly: its model state's compiled code isn't ready; moves the state on"
+    "Whether this batch runs eagerly: its model state's compiled code isn't ready; moves the state on (`advance`)"
     now = time.perf_counter()
-    self.handover.timed(now, learn)
+    if (timed := self.warm_starts.timed(now, learn)) is not None: timed[0].add(took_s=timed[1]) # A hand-over's warm compile
     self._collect()
     st = self.state(key, model)
-    if st.stage is Stage.READY: return self.handover.take_over(st, learn, now)
-    if st.stage in (Stage.FAILED, Stage.SHORT): return True
-    if self.compiling is not None: # The worker compiles a state: the others wait their turn
-        self.compiling.eager_batches += key.training
-        return True
-    if st.stage is not Stage.PROBING or not self.ranks.judges(key.training): return self._waits(key.training)
-    if key.training and not self.probes.judge(self, st, learn): return True
-    return self.ranks.judged(self, st, learn, model, now)
+    if st.stage is Stage.READY and st.handover is None: return False # Its code runs: nothing moves
+    return self.act(st, 'batch', learn, model, now)
+
+@patch
+def facts(self:BackgroundCompile, st:ModelState, learn, **given)->_Facts:
+    "What a move of `st` may need to know, read where it asks; `given`: what its event brings"
+    return _Facts(self, st, learn, **given)
+
+@patch
+def act(self:BackgroundCompile,
+    st:ModelState, # The state that moves
+    event:str, # What happened (`advance`)
+    learn, # The `Learner` whose batch this is
+    model:nn.Module|None=None, # The model being compiled (not DDP's wrapper)
+    now:float|None=None, # When the batch started
+    **given, # What the event brings
+)->bool:
+    "Move `st` on `event` and carry out the move's actions, deciding nothing; whether the batch runs eagerly, where the move runs it"
+    st.stage, actions = advance(st.stage, event, self.facts(st, learn, **given))
+    eager = True
+    for kind, *args in actions:
+        if kind == 'run': eager = args[0] == 'eager'
+        elif kind == 'send': eager = self.send(st, learn, model, now)
+        else: _ACTS[kind](self, st, learn, now, *args)
+    return eager
 
 @patch(as_prop=True)
 def probing(self:BackgroundCompile)->bool:
     "Whether the batch running is an eager batch of a new state's probe, for the report's recorder to time alone"
-    return self.probes.timing is not None
+    return self.timing is not None
 
 @patch
 def probed(self:BackgroundCompile, seconds:float):
     "The batch running ended in `seconds`, timed alone: its probe's time, where it was a probe's batch"
-    self.probes.timed(seconds)
+    if self.timing is not None: self.timing.probe.add(seconds)
+    self.timing = None
 
 @patch
 def agree(self:BackgroundCompile,
@@ -308,13 +330,8 @@ def agree(self:BackgroundCompile,
 ):
     "Under DDP, at the training batches `DDP.agree` sets: the ranks agree on this state, and act on it together from the next batch"
     self._collect()
-    self.ranks.agree(self, learn, self.state(key, model), model)
-
-@patch
-def _waits(self:BackgroundCompile, training:bool)->bool:
-    "This batch runs eagerly: its state waits (a verdict, its turn, the ranks), or isn't judged here"
-    if not training and not self.ranks.evaluates and (n := Note('eval_eager')) not in self.notes: self.notes.append(n)
-    return True
+    st = self.state(key, model)
+    if (agreed := self.ranks.agree(self, learn, st, model)) is not None: self.act(st, 'agreed', learn, model, **agreed)
 
 # %% ../nbs/08_background.ipynb #c2b5193a
 @patch
@@ -339,31 +356,21 @@ def poll(self:BackgroundCompile, job:Job)->JobResult|None:
     return self.worker.poll(job)
 
 @patch
-def send(self:BackgroundCompile, st:ModelState, learn, model:nn.Module)->bool:
-    "Have the worker compile `st` while the fit trains eagerly"
+def send(self:BackgroundCompile, st:ModelState, learn, model:nn.Module, now:float|None=None)->bool:
+    "Have the worker compile `st` while the fit trains eagerly: its move is 'sent', or 'unsent'; whether this batch runs eagerly"
     try:
         st.job = self.submit(model, learn, None if st.first is None else st.first[0])
         # The default's code, for the A/B: sent once the tier runs, not to compile beside its hand-over's compile
         if st.first is not None: st.fallback = self.submit(model, learn, held=True)
-    except Exception as e:
-        st.first = None # Compiled in the fit's path: the default's code
-        return self.ranks.unsent(self, st, f"{type(e).__name__}: {e}")
-    st.to(Stage.COMPILING)
-    st.eager_batches, st.sent_at, self.compiling = int(st.key.training), position(learn), st
-    return True
+    except Exception as e: return self.act(st, 'unsent', learn, model, now, error=f"{type(e).__name__}: {e}")
+    return self.act(st, 'sent', learn, model, now)
 
 @patch
 def _collect(self:BackgroundCompile):
     "Take in the worker's result for the state it compiles, if it is done"
     if self.compiling is None or (res := self.poll(self.compiling.job)) is None: return
     st, self.compiling = self.compiling, None
-    if not res.ok and st.fallback is not None: # The tier compiled first failed: the default's code, compiling next, serves
-        st.job, st.fallback, st.first, self.compiling = self.release(st.fallback), None, None, st
-        return self.notes.append(Note('first_failed', res=res))
-    st.result = res
-    st.to(Stage.DONE)
-    self.warm_starts.compiled(st.compiled_record, res)
-    self.ranks.done(self, st)
+    self.act(st, 'done', None, res=res)
 
 @patch
 def stop(self:BackgroundCompile):
@@ -372,7 +379,7 @@ def stop(self:BackgroundCompile):
         self.notes.append(Note('unfinished', training=st.key.training, eager_batches=st.eager_batches, sent_at=st.sent_at))
     self.worker.end()
     self.ranks.end()
-    self.ranks, self.compiling, self.probes, self.params = Local(), None, _Probes(), None
+    self.ranks, self.compiling, self.last_probed, self.changes, self.timing, self.params = Local(), None, None, 0, None, None
     self.warm_starts.end_fit()
     self.states = {k: s for k,s in self.states.items() if s.stage is Stage.READY}
     for s in self.states.values(): s.end_fit() # Its code compiles at its next batch, unannounced
@@ -384,64 +391,64 @@ def take_notes(self:BackgroundCompile)->list:
     return notes
 
 # %% ../nbs/08_background.ipynb #41809e3e
-class Handover:
-    "How a state's compiled code takes over from eager, at once from inductor's cache or from the worker's job: announced, its warm compile timed"
-    def __init__(self,
-        aside:BackgroundCompile, # The fit's background compile: its notes, ranks and warm records
-    ):
-        self.aside = aside
+def _note(aside, st, learn, now, note:Note):
+    "The report notes `note`, once"
+    if note not in aside.notes: aside.notes.append(note)
 
-    def timed(self, now:float, learn):
-        "A hand-over's warm compile in the fit's path, timed once this batch can tell: its note says how long it took"
-        a = self.aside
-        if (timed := a.warm_starts.timed(now, learn, a.probes.fastest_s)) is not None: timed[0].add(took_s=timed[1])
+def _probe(aside, st, learn, now):
+    "The recorder times this batch alone, for `st`'s probe: a probe of its own where the state probed last was another"
+    if aside.last_probed is not st: st.probe, aside.last_probed, aside.changes = Probe(), st, aside.changes + 1
+    aside.timing = st
 
-    def warm(self, st:ModelState, rec:dict, learn, now:float|None)->bool:
-        "Compile `st` in the fit's path, from inductor's cache: this batch (`now`), or the next"
-        a = self.aside
-        st.to(Stage.READY)
-        a.worker.idle() # Not needed this fit, unless a job waits for it
-        record = {k: rec[k] for k in ('warm_s', 'path_s', 'cold_s') if k in rec} # The compile times it was recorded with
-        a.notes.append(note := Note('warm', record=record, training=st.key.training, at=position(learn, next_batch=now is None),
-                                    ranks=a.ranks.together()))
-        if now is None: st.handover = 'warm' # Timed from the next batch, which compiles
-        else: a.warm_starts.time(st.compiled_record, now, note, learn)
-        return False
+def _compiling(aside, st, learn, now):
+    "The worker compiles `st` from this batch"
+    st.eager_batches, st.sent_at, aside.compiling = int(st.key.training), position(learn), st
 
-    def in_path(self, st:ModelState, learn, next_batch:bool=False)->bool:
-        "Compile `st` in the fit's path from this batch (or the next), the faster tier first: a worker beside its eager step would cost the fit more"
-        st.to(Stage.READY)
-        self.aside.worker.idle() # Not needed for this state
-        self.aside.notes.append(Note('in_path', training=st.key.training, at=position(learn, next_batch), ranks=self.aside.ranks.together()))
-        return False
+def _count(aside, st, learn, now): aside.compiling.eager_batches += st.key.training
 
-    def settle(self,
-        st:ModelState, # A state the worker finished, or that the ranks agreed on
-        res:JobResult|None=None, # Why it failed, where it did
-    ):
-        "`st`'s compiled code takes over at its next batch, or it trains eagerly where its compile failed"
-        if res is not None and not res.ok: return self._failed(st, res)
-        st.to(Stage.READY)
-        if st.result is not None: st.handover = 'worker' # Announced at its first compiled batch
+def _release(aside, st, learn, now):
+    "The tier compiled first failed: the default's job, held, compiles next"
+    st.job, st.fallback, st.first, aside.compiling = aside.release(st.fallback), None, None, st
 
-    def take_over(self, st:ModelState, learn, now:float)->bool:
-        "The compiled code runs from this batch on; the first after its compile elsewhere compiles warm, timed"
-        a, (handover, st.handover) = self.aside, (st.handover, None)
-        if handover is None: return False
-        # A warm compile the ranks agreed on was announced as they agreed; a worker's hand-over is announced now
-        if handover == 'worker':
-            at = position(learn)
-            a.notes.append(Note('took_over', training=st.key.training, res=st.result, eager_batches=st.eager_batches, at=at,
-                                ranks=a.ranks.together()))
-            if a.show is not None: a.show(handover_text(at, st.result.took_s))
-        a.warm_starts.time(st.compiled_record, now, _last(a.notes, 'warm' if handover == 'warm' else 'took_over'), learn)
-        return False
+def _result(aside, st, learn, now, res:JobResult): st.result = res
 
-    def _failed(self, st:ModelState, res:JobResult):
-        "The worker failed: this state trains eagerly, with one warning (under DDP, on rank 0) that says why in the user's terms"
-        st.to(Stage.FAILED)
-        self.aside.notes.append(Note('failed', res=res))
-        if self.aside.ranks.rank == 0: warnings.warn(_failed_warning(res))
+def _handover(aside, st, learn, now, how:str): st.handover = how # Announced and timed at its next batch
+
+def _warm(aside, st, learn, now, rec:dict, next_batch:bool):
+    "Compile `st` in the fit's path from inductor's cache, at this batch or the next, timed"
+    record = {k: rec[k] for k in ('warm_s', 'path_s', 'cold_s') if k in rec} # The compile times it was recorded with
+    note = Note('warm', record=record, training=st.key.training, at=position(learn, next_batch), ranks=aside.ranks.together())
+    aside.notes.append(note)
+    if next_batch: st.handover = 'warm'
+    else: aside.warm_starts.time(st.compiled_record, now, note, learn, _fastest(st))
+
+def _in_path(aside, st, learn, now, next_batch:bool):
+    "Compile `st` in the fit's path from this batch (or the next), the faster tier first"
+    aside.notes.append(Note('in_path', training=st.key.training, at=position(learn, next_batch), ranks=aside.ranks.together()))
+
+def _take_over(aside, st, learn, now):
+    "The compiled code runs from this batch on, compiled warm here, timed; a worker's hand-over is announced now"
+    how, st.handover = st.handover, None
+    if how == 'worker':
+        at = position(learn)
+        aside.notes.append(Note('took_over', training=st.key.training, res=st.result, eager_batches=st.eager_batches, at=at,
+                                ranks=aside.ranks.together()))
+        if aside.show is not None: aside.show(handover_text(at, st.result.took_s))
+    # A warm compile the ranks agreed on was noted as they agreed
+    note = next(n for n in reversed(aside.notes) if n.kind == ('warm' if how == 'warm' else 'took_over'))
+    aside.warm_starts.time(st.compiled_record, now, note, learn, _fastest(st))
+
+def _fastest(st:ModelState)->float|None:
+    "The state's fastest eager batch this fit: a busy machine only ever slows a batch down"
+    return st.probe.fastest if st.probe is not None and st.probe.seen else None
+
+# What each of a move's actions does (`advance`): 'run' and 'send' are `act`'s own
+_ACTS = dict(note=_note, probe=_probe, compiling=_compiling, count=_count, release=_release, result=_result, handover=_handover,
+             warm=_warm, in_path=_in_path, take_over=_take_over,
+             default_first=lambda aside, st, learn, now: st.default_first(),
+             idle=lambda aside, st, learn, now: aside.worker.idle(),
+             record=lambda aside, st, learn, now, res: aside.warm_starts.compiled(st.compiled_record, res),
+             warn=lambda aside, st, learn, now, res: warnings.warn(_failed_warning(res)))
 
 # %% ../nbs/08_background.ipynb #b6d2a962
 def position(learn, next_batch:bool=False)->tuple:
@@ -450,7 +457,6 @@ def position(learn, next_batch:bool=False)->tuple:
     if next_batch and it >= getattr(learn, 'n_iter', it + 1): epoch, it = epoch + 1, 0
     return epoch, it
 def _batch(learn)->tuple: return learn.epoch, learn.iter, learn.training
-def _last(notes:list, kind:str)->Note: return next(n for n in reversed(notes) if n.kind == kind)
 
 # %% ../nbs/08_background.ipynb #2d444b79
 def _failed_warning(res:JobResult)->str:

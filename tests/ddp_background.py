@@ -18,7 +18,7 @@ from fastxtend_compile import *
 from fastxtend_compile.background import BackgroundCompile
 from fastxtend_compile.worker import Worker
 from fastxtend_compile.agreement import DDP
-from fastxtend_compile import tiers, background
+from fastxtend_compile import tiers, background, life
 from fastxtend_compile.tiers import Tiers
 from tier_backends import sleepy, flaky, IdleMeter as _IdleMeter
 import ddp_worker as learner_module
@@ -97,13 +97,13 @@ def path_first(compiled=True, batches=48):
     "A fit of `SlowEager` whose eager step rank 0 finds idle: the tier, the default's arithmetic, compiled first in the fit's path"
     saved = [(o, k, getattr(o, k)) for o,ks in ((Tiers, ('default_on', 'settle_batches', 'time_batches', 'warmup_batches', 'compile_guess_s')),
              (tiers.FirstTier, ('choose', 'in_path')), (tiers, ('_BusyMeter', 'why_no_tiers')),
-             (BackgroundCompile, ('cold_cost_s', 'handover_s')), (background, ('warm_cost',)), (learner_module, ('model',))) for k in ks]
+             (BackgroundCompile, ('cold_cost_s', 'handover_s')), (life, ('warm_cost',)), (learner_module, ('model',))) for k in ks]
     Tiers.default_on, Tiers.settle_batches, Tiers.time_batches, Tiers.warmup_batches, Tiers.compile_guess_s = ('cpu',), 1, 3, 1, 1e-3
     tiers.FirstTier.choose = staticmethod(lambda busy, *_: 'plain' if busy == 0 else None)
     tiers.FirstTier.in_path = staticmethod(lambda busy, compile_s, warm_s: True)
     tiers._BusyMeter, tiers.why_no_tiers = _IdleMeter, lambda settings: None # The test's backends have no modes
     BackgroundCompile.cold_cost_s, BackgroundCompile.handover_s = 1e-9, 0 # The probe runs, and any fit pays back a compile
-    background.warm_cost = lambda rec, default_s: 1e-9 # A warm one too, however long the cold one took on a busy machine
+    life.warm_cost = lambda rec, default_s: 1e-9 # A warm one too, however long the cold one took on a busy machine
     learner_module.model = lambda kind: SlowEager(*_model(kind))
     tiers.TIERS['plain'] = dict(backend='aot_eager')
     try: return fit(compiled=compiled, batches=batches, backend=sleepy) # The default's code, 100 ms slower a call, never runs

@@ -199,10 +199,10 @@ def test_a_state_compiled_before_compiles_at_once_without_a_worker(no_records, m
 _NEXT_PROCESS = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-import fastxtend_compile.background as bg
+import fastxtend_compile.life as life
 from fastxtend_compile.worker import Worker
 from test_background import _fit
-bg.pays_back = lambda *a: True # However short this fit: the records, not the payoff, are what this process checks
+life.pays_back = lambda *a: True # However short this fit: the records, not the payoff, are what this process checks
 started = []
 Worker.start = lambda self, *a: started.append(a)
 learn = _fit(True)
@@ -327,14 +327,19 @@ def test_the_hand_overs_compile_is_timed_within_its_epoch_and_phase(tmp_path, mo
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
     at = lambda epoch, it, training=True: SimpleNamespace(epoch=epoch, iter=it, training=training)
     warm = BackgroundCompile({'backend': 'eager'}).warm_starts
-    warm.time('state', 10., 0, at(0, 5)) # Batch 5 compiled warm, for the report's first line; batch 6 ran eagerly in 0.5s
-    assert warm.timed(14., at(0, 7), 0.5) == (0, 3.) and warm.get('state') == {'warm_s': 3.}
-    warm.time('other', 10., 0, at(0, 5))
-    assert warm.timed(99., at(0, 0, training=False), 0.5) is None # The epoch's validation came first
+    warm.time('state', 10., 0, at(0, 5), 0.5) # Batch 5 compiled warm, for the report's first line; batch 6 ran eagerly in 0.5s
+    assert warm.timed(14., at(0, 7)) == (0, 3.) and warm.get('state') == {'warm_s': 3.}
+    warm.time('other', 10., 0, at(0, 5), 0.5)
+    assert warm.timed(99., at(0, 0, training=False)) is None # The epoch's validation came first
     assert warm.get('other') is None and warm.timer.timing is None
     warm.times_warm = False # Under DDP, a rank other than 0: timed, not recorded
-    warm.time('third', 10., 0, at(0, 5))
-    assert warm.timed(14., at(0, 7), 0.5) == (0, 3.) and warm.get('third') is None
+    warm.time('third', 10., 0, at(0, 5), 0.5)
+    assert warm.timed(14., at(0, 7)) == (0, 3.) and warm.get('third') is None
+
+def judge(aside, st, learn)->bool:
+    "Whether the background compile sends `st` to its worker at this training batch, as the state's move finds (no worker started)"
+    aside.send = lambda *args: False # The move's 'send', carried out as far as this batch goes
+    return not aside.act(st, 'batch', learn)
 
 @pytest.mark.parametrize('batches,first', [(2000, 0.02), (4000, 0.02), (2000, 2.)])
 def test_a_cold_compile_pays_back_only_with_the_batches_left_after_the_workers_hand_over(tmp_path, monkeypatch, batches, first):
@@ -345,12 +350,12 @@ def test_a_cold_compile_pays_back_only_with_the_batches_left_after_the_workers_h
     aside, model = BackgroundCompile({'backend': 'eager'}), nn.Linear(2, 2)
     st, n = aside.state(state_key(model, (torch.randn(1, 2),), True), model), BackgroundCompile.probe_batches
     for i in range(n):
-        assert not aside.probes.judge(aside, st, learn)
+        assert not judge(aside, st, learn)
         aside.probed(first if i == 0 else 0.02) # A 20 ms eager step; a first batch of 2s (a GPU's libraries loading) as one
     # By the mean, a 2s first batch would make the step 267 ms: 1892 batches after the hand-over would pay back the compile
     learn.iter = n
     # 1992 batches left save 8s against a 6s cold compile, but 1346 of them run before the worker's 35s hand-over
-    assert aside.probes.judge(aside, st, learn) == (batches == 4000)
+    assert judge(aside, st, learn) == (batches == 4000)
     if batches == 2000:
         assert st.stage is Stage.SHORT and [n.text for n in aside.notes] == ["trained eagerly: the fit's 1992 training batches left, "
             "about 40s eagerly, are too few to pay back a compile (under 57s; `background=False` compiles in the fit's path)"], aside.notes
@@ -365,15 +370,15 @@ def test_the_probe_times_the_fastest_eager_step_for_the_hand_overs_timing(tmp_pa
     worth = []
     # The first batch takes 5s, the others 0.25-0.45s, each timed alone by the recorder
     for took in [5., 0.3, 0.25, 0.4, 0.3, 0.35, 0.3, 0.45, None]:
-        worth.append(aside.probes.judge(aside, st, learn))
+        worth.append(judge(aside, st, learn))
         assert aside.probing == (took is not None) # Each of the probe's batches is timed, not the one judged after them
         if took is not None: aside.probed(took)
     assert worth == [False]*8 + [True] # After 8 batches timed, thousands left: a cold compile pays
     # The step: the median of the batches after the first (`eager_step`); the fastest for the hand-over's timing
-    assert st.probe.step_s == pytest.approx(0.3) and aside.probes.fastest_s == pytest.approx(0.25)
-    aside.warm_starts.time(st.record, 10., 0, SimpleNamespace(epoch=0, iter=9, training=True))
+    assert st.probe.step_s == pytest.approx(0.3) and st.probe.fastest == pytest.approx(0.25)
+    aside.warm_starts.time(st.record, 10., 0, SimpleNamespace(epoch=0, iter=9, training=True), st.probe.fastest)
     # Batch 9 compiled in 2s, then ran in 0.25s: the probe's fastest step, not its median, is taken off
-    assert aside.warm_starts.timed(12.25, SimpleNamespace(epoch=0, iter=10, training=True), aside.probes.fastest_s) == (0, pytest.approx(2.))
+    assert aside.warm_starts.timed(12.25, SimpleNamespace(epoch=0, iter=10, training=True)) == (0, pytest.approx(2.))
     assert aside.warm_starts.get(st.record) == {'warm_s': pytest.approx(2.)}
 
 @pytest.mark.parametrize('saving', [None, 0.4, -0.1])
@@ -387,11 +392,11 @@ def test_a_state_compiled_before_compiles_warm_where_the_share_its_code_saved_pa
     aside.warm_starts.records.put(st.record, path_s=3. / WARM_SHARE, **({} if saving is None else {'saving': saving}))
     learn = SimpleNamespace(n_epoch=1, n_iter=2808, epoch=0, iter=0, training=True)
     for _ in range(n):
-        assert not aside.probes.judge(aside, st, learn)
+        assert not judge(aside, st, learn)
         aside.probed(0.004)
     learn.iter = n
     # 2800 batches of 4ms left, 11.2s eagerly: 40% saved pays back 3s (7.5s of steps), 20% (no saving measured) would not
-    assert aside.probes.judge(aside, st, learn) == (saving == 0.4)
+    assert judge(aside, st, learn) == (saving == 0.4)
     if saving != 0.4:
         needed = 3. / (SAVING if saving is None else MARGIN)
         assert [n.text for n in aside.notes] == [f"trained eagerly: the fit's 2800 training batches left, about 11s eagerly, are too "

@@ -6,7 +6,7 @@ from fastai.learner import Learner
 from fastai.callback.core import Callback
 from fastai.torch_core import set_seed
 from fastxtend_compile import *
-from fastxtend_compile import tiers, background
+from fastxtend_compile import tiers, background, life
 from fastxtend_compile.tiers import Tiers, why_no_tiers
 from fastxtend_compile.payoff import pick_tier, first_tier, cudagraphs_fit, faster, first_in_path
 from fastxtend_compile.background import BackgroundCompile
@@ -199,7 +199,7 @@ def test_a_launch_bound_eager_step_compiles_its_tier_first_in_the_fits_path_and_
     assert ran[-1][:3] == (2, True, len(learn.dls.train) - 1) # Kept to the fit's end
     assert_fit_close(eager.model, learn.model)
     # Recorded as a compile in a fit's path: a new Learner of the model runs the tier at once from its probe's end
-    monkeypatch.setattr(background, 'warm_cost', lambda rec, default_s: 1e-9) # Any fit pays back a warm compile
+    monkeypatch.setattr(life, 'warm_cost', lambda rec, default_s: 1e-9) # Any fit pays back a warm compile
     learn, ran = _fit(epochs=1, model=PythonBound, backend='aot_eager')
     notes = learn.compiler.report.background
     assert re.match(rf"compiled at once, in the fit's path at epoch 0, batch {at}: inductor's cache has this model state's code "
@@ -222,7 +222,7 @@ def test_a_tier_compiled_first_in_the_fits_path_no_faster_than_eager_meets_the_d
 def test_a_tier_compiled_first_starts_warm_in_a_later_fit(first_tiers, monkeypatch):
     "A new Learner of the same model (a notebook run again) runs the tier from its probe's end, compiled at once, with no worker"
     first_tiers('plain', dict(backend='aot_eager'))
-    monkeypatch.setattr(background, 'warm_cost', lambda rec, default_s: 1e-9) # Any fit pays back a warm compile
+    monkeypatch.setattr(life, 'warm_cost', lambda rec, default_s: 1e-9) # Any fit pays back a warm compile
     _fit(epochs=2, backend=sleepy) # Records both codes: the tier's, compiled first, and the default's
     learn, ran = _fit(epochs=2, backend=sleepy)
     notes, at = learn.compiler.report.background, VERDICT

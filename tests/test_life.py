@@ -1,0 +1,89 @@
+"A model state's life as a table: each move of `advance`, from a stage, an event and facts, with no compile, worker or fit"
+from types import SimpleNamespace
+import pytest
+from fastxtend_compile.life import advance, runs_eagerly, EAGER, COMPILED
+from fastxtend_compile.state import Stage
+from fastxtend_compile.worker import JobResult
+from fastxtend_compile import background
+
+P, J, C, D, R, S, F = Stage.PROBING, Stage.JUDGED, Stage.COMPILING, Stage.DONE, Stage.READY, Stage.SHORT, Stage.FAILED
+OK, BAD = JobResult(True, took_s=20.), JobResult(False, 'no kernels', took_s=3.)
+
+def facts(**kw):
+    "A training batch of a probed state in one process: 10,000 batches of 100 ms left, nothing recorded, nothing waiting"
+    return SimpleNamespace(**{**dict(training=True, handover=None, compiling=False, judges=True, evaluates=True, agrees=False, rank=0,
+        leader=True, probe_all=False, probe_batches=8, seen=8, changes=1, any_ready=False, held=False, path=False, cached=(None, False),
+        left=10_000, step_s=0.1, cold_s=6., warm_s=5., handover_s=35., fallback=False, has_result=True, warm_rec={}), **kw})
+
+DDP = dict(agrees=True, evaluates=False)
+WARM = ({'warm_s': 1.}, False) # Only the default's code is cached, which compiled warm in 1s
+
+MOVES = [ # (what, stage, event, facts, the stage it moves to, its actions: each action's kind, a batch's 'eager' or 'compiled')
+    ('its code runs', R, 'batch', {}, R, ['compiled']),
+    ('its hand-over is this batch', R, 'batch', dict(handover='worker'), R, ['take_over', 'compiled']),
+    ('too short for the fit', S, 'batch', {}, S, ['eager']),
+    ('its compile failed', F, 'batch', {}, F, ['eager']),
+    ('another state compiles', P, 'batch', dict(compiling=True), P, ['count', 'eager']),
+    ('it waits for the ranks', J, 'batch', DDP, J, ['eager']),
+    ('an evaluation, under DDP', P, 'batch', dict(training=False, judges=False, **DDP), P, ['note', 'eager']),
+    ('rank 0 alone probes', P, 'batch', dict(judges=False, **DDP), P, ['eager']),
+    ('a probe batch', P, 'batch', dict(seen=3), P, ['probe', 'eager']),
+    ('states keep changing', P, 'batch', dict(seen=0, changes=16), P, ['note', 'probe', 'eager']),
+    ('changing, one compiled', P, 'batch', dict(seen=0, changes=16, any_ready=True), P, ['probe', 'eager']),
+    ('its GPU work measured first', P, 'batch', dict(held=True), P, ['eager']),
+    ('worth a cold compile', P, 'batch', {}, P, ['send']),
+    ('every state compiles', P, 'batch', dict(probe_all=True, seen=0), P, ['send']),
+    ('too short for a cold compile', P, 'batch', dict(left=2000, step_s=0.02), S, ['idle', 'note', 'eager']),
+    ('the default cached', P, 'batch', dict(cached=WARM), R, ['default_first', 'idle', 'warm', 'compiled']),
+    ('its tier first cached', P, 'batch', dict(cached=({'path_s': 30.}, True)), R, ['idle', 'warm', 'compiled']),
+    ('too short even warm', P, 'batch', dict(cached=WARM, left=40), S, ['default_first', 'idle', 'note', 'eager']),
+    ('its tier first in the path', P, 'batch', dict(path=True, left=10), R, ['idle', 'in_path', 'compiled']),
+    ('worth it, under DDP', P, 'batch', DDP, J, ['eager']),
+    ('an evaluation state', P, 'batch', dict(training=False, seen=0, cached=WARM), R, ['idle', 'warm', 'compiled']),
+    ('sent', P, 'sent', {}, C, ['compiling', 'eager']),
+    ('not sent', P, 'unsent', dict(error='PicklingError: no'), R, ['default_first', 'note', 'compiled']),
+    ('not sent, under DDP', J, 'unsent', dict(error='PicklingError: no', **DDP), D, ['default_first', 'result', 'eager']),
+    ('compiled', C, 'done', dict(res=OK), R, ['result', 'record', 'handover']),
+    ('compiled, under DDP', C, 'done', dict(res=OK, **DDP), D, ['result', 'record']),
+    ('failed', C, 'done', dict(res=BAD), F, ['result', 'record', 'note', 'warn']),
+    ('failed, on rank 1', C, 'done', dict(res=BAD, rank=1), F, ['result', 'record', 'note']),
+    ('its tier first failed', C, 'done', dict(res=BAD, fallback=True), C, ['release', 'note']),
+    ('the ranks: failed', D, 'agreed', dict(decision='failed', res=BAD, **DDP), F, ['note', 'warn']),
+    ('the ranks: warm', J, 'agreed', dict(decision='warm', **DDP), R, ['idle', 'warm']),
+    ('the ranks: ready', D, 'agreed', dict(decision='ready', **DDP), R, ['handover']),
+    ('the ranks: ready, no job here', D, 'agreed', dict(decision='ready', has_result=False, **DDP), R, []),
+    ('the ranks: in the path', J, 'agreed', dict(decision='path', **DDP), R, ['idle', 'in_path']),
+    ('the ranks: start', J, 'agreed', dict(decision='start', worker='none', **DDP), J, ['send']),
+    ('the ranks: start, its device compiles', J, 'agreed', dict(decision='start', worker='none', leader=False, **DDP), J, []),
+    ('the ranks: start, compiling', J, 'agreed', dict(decision='start', worker='compiling', **DDP), J, []),
+]
+
+def note(actions): return next(a[1] for a in actions if a[0] == 'note')
+
+def kinds(actions): return [a[1] if a[0] == 'run' else a[0] for a in actions]
+
+@pytest.mark.parametrize('what,stage,event,given,to,acts', MOVES, ids=[m[0] for m in MOVES])
+def test_each_move_of_a_model_states_life(what, stage, event, given, to, acts):
+    moved, actions = advance(stage, event, facts(**given))
+    assert (moved, kinds(actions)) == (to, acts)
+    assert {a[0] for a in actions} - {'run', 'send'} <= set(background._ACTS) # The background compile carries out each
+
+def test_a_batch_moves_once_and_says_how_it_runs():
+    "A batch's move ends with how the batch runs, unless it sends the state, whose move ('sent', 'unsent') then says"
+    for _, stage, event, given, _, _ in MOVES:
+        _, actions = advance(stage, event, facts(**given))
+        if event != 'batch' or actions[-1] == ('send',): continue
+        assert [a for a in actions if a[0] == 'run'] == [actions[-1]] and runs_eagerly(actions) == (actions[-1] is EAGER)
+    assert runs_eagerly(advance(P, 'sent', facts())[1]) and not runs_eagerly(advance(P, 'unsent', facts(error='e'))[1])
+    assert COMPILED is advance(R, 'batch', facts())[1][-1]
+
+def test_the_verdicts_notes_say_what_it_weighed():
+    "A state too short to pay back its compile says the batches left, their eager time, and the time that would pay"
+    _, actions = advance(P, 'batch', facts(left=2000, step_s=0.02))
+    assert note(actions).text == ("trained eagerly: the fit's 2000 training batches left, about 40s eagerly, are too few to pay back a compile "
+                         "(under 57s; `background=False` compiles in the fit's path)")
+    _, actions = advance(P, 'batch', facts(cached=WARM, left=40))
+    assert note(actions).text == ("trained eagerly: the fit's 40 training batches left, about 4s eagerly, are too few to pay "
+                                          "back even a warm compile of 1.0s (under 5s)")
+    _, actions = advance(C, 'done', facts(res=BAD, fallback=True))
+    assert note(actions).kind == 'first_failed'
