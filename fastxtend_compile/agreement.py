@@ -162,7 +162,7 @@ def gather(self:DDP, obj, where:str)->list:
 @patch
 def view(self:DDP, aside, st:ModelState)->dict|None:
     "This rank's part of an agreement on its batch's state: rank 0's verdict, and its device's worker's progress; `None` once settled"
-    if st.stage in (Stage.READY, Stage.FAILED, Stage.SHORT): return None
+    if st.stage.compiled or st.stage in (Stage.FAILED, Stage.SHORT): return None
     if st.stage is Stage.DONE: worker = 'done' if st.result.ok else 'failed'
     elif aside.compiling is not None: worker = 'compiling'
     elif aside.warm_starts.get(st.compiled_record) is not None: worker = 'warm' # Inductor's cache on this host has its code

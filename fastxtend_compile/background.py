@@ -82,7 +82,7 @@ class _Facts:
     probe_batches = property(lambda self: self.aside.probe_batches)
     seen = property(lambda self: self.st.probe.seen if self.aside.last_probed is self.st else 0) # Its probe's batches, timed in a row
     changes = property(lambda self: self.aside.changes + (self.aside.last_probed is not self.st)) # How often the state probed changed
-    any_ready = property(lambda self: any(s.stage is Stage.READY for s in self.aside.states.values()))
+    any_ready = property(lambda self: any(s.stage.compiled for s in self.aside.states.values()))
     held = property(lambda self: self.st.held)
     path = property(lambda self: self.st.path) # A tier compiled first compiles in the fit's path
     left = property(lambda self: batches_left(self.learn))
@@ -212,10 +212,11 @@ def measured(self:WarmStarts,
     compiled_s:float|None, # The fit's compiled training step (`CompileReport.compiled_step`)
     eager_s:float|None, # Its eager step, measured in the same fit (`CompileReport.eager_step`)
 ):
-    "The fit's steps, measured: where it compiled one training state, its record keeps the share of a step the code saved"
+    "The fit's steps, measured: where it compiled one training state, its record keeps them, and the share of a step the code saved"
     # A later fit of the state, in any process, weighs compiling it by this share (`recorded_saving`)
     trained, self.trained = self.trained, set()
-    if self.times_warm and len(trained) == 1 and compiled_s and eager_s: self.records.put(trained.pop(), saving=1 - compiled_s/eager_s)
+    if not (self.times_warm and len(trained) == 1 and compiled_s and eager_s): return
+    self.records.put(trained.pop(), saving=1 - compiled_s/eager_s, compiled_s=compiled_s, eager_s=eager_s)
 
 # %% ../nbs/08_background.ipynb #f47c974a
 class BackgroundCompile:
@@ -271,7 +272,7 @@ class BackgroundCompile:
 
     def ready(self, key:StateKey)->bool:
         "Whether `key`'s compiled code runs, its hand-over done"
-        return (st := self.states.get(key)) is not None and st.stage is Stage.READY and st.handover is None
+        return (st := self.states.get(key)) is not None and st.stage.compiled and st.handover is None
 
 # %% ../nbs/08_background.ipynb #25110aeb
 @patch
@@ -285,7 +286,7 @@ def runs_eagerly(self:BackgroundCompile,
     if (timed := self.warm_starts.timed(now, learn)) is not None: timed[0].add(took_s=timed[1]) # A hand-over's warm compile
     self._collect()
     st = self.state(key, model)
-    if st.stage is Stage.READY and st.handover is None: return False # Its code runs: nothing moves
+    if st.stage.compiled and st.handover is None: return False # Its code runs: nothing moves
     return self.act(st, 'batch', learn, model, now)
 
 @patch
@@ -381,7 +382,7 @@ def stop(self:BackgroundCompile):
     self.ranks.end()
     self.ranks, self.compiling, self.last_probed, self.changes, self.timing, self.params = Local(), None, None, 0, None, None
     self.warm_starts.end_fit()
-    self.states = {k: s for k,s in self.states.items() if s.stage is Stage.READY}
+    self.states = {k: s for k,s in self.states.items() if s.stage.compiled}
     for s in self.states.values(): s.end_fit() # Its code compiles at its next batch, unannounced
 
 @patch

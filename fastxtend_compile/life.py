@@ -33,7 +33,7 @@ def advance(
 # %% ../nbs/20_life.ipynb #c51d7e93
 def _batch(stage, f):
     "A batch of the state starts: it runs compiled once its code is ready; a new training state is probed, then judged"
-    if stage is Stage.READY: return stage, ((('take_over',),) if f.handover else ()) + (COMPILED,)
+    if stage.compiled: return stage, ((('take_over',),) if f.handover else ()) + (COMPILED,)
     if stage in (Stage.FAILED, Stage.SHORT): return stage, (EAGER,)
     if f.compiling: return stage, (('count',), EAGER) # The worker compiles a state: the others wait their turn
     if stage is not Stage.PROBING or not f.judges: # It waits: a verdict, the worker, the ranks; or isn't judged here

@@ -61,14 +61,31 @@ def state_key(
 
 # %% ../nbs/15_state.ipynb #47721700
 class Stage(Enum):
-    "Where a model state is in its life"
+    "Where a model state is in its life: eager until its compiled code runs, then on its way through the faster tiers (`Tiers`)"
     PROBING = 'probing' # Its eager batches are timed
     JUDGED = 'judged' # Worth compiling: its compile waits for the worker, or the ranks
     COMPILING = 'compiling' # In the worker
     DONE = 'done' # The worker finished: its result waits for the ranks to agree
-    READY = 'ready' # Its compiled code runs
     SHORT = 'short' # The fit's rest is too short to pay back its compile
     FAILED = 'failed' # Its compile failed
+    READY = 'ready' # Its compiled code runs; where a fit tries faster tiers, from its next training batch on:
+    SETTLE = 'settle' # The default tier's first compiled batches
+    TIME = 'time' # The default's step timed alone
+    PROFILE = 'profile' # Its GPU work measured
+    TIER_COMPILING = 'tier_compiling' # A faster tier compiles in the worker
+    WARMUP = 'warmup' # The tier runs its first batches
+    CHECK = 'check' # The tier compiled first in the fit's path: its steps timed against the eager step its probe timed
+    WAIT = 'wait' # The tier compiled first runs while the default's code compiles, for the A/B
+    AB = 'ab' # The tier and the default alternate, each timed alone
+    AGREE = 'agree' # What was measured waits for a decision: under DDP, the ranks' at their next agreement
+    SETTLED = 'settled' # Decided: the kept tier runs, or the default
+
+    @property
+    def compiled(self)->bool:
+        "Whether the state's compiled code runs in this stage"
+        return self not in _EAGER
+
+_EAGER = frozenset([Stage.PROBING, Stage.JUDGED, Stage.COMPILING, Stage.DONE, Stage.SHORT, Stage.FAILED])
 
 class Probe:
     "A model state's first eager batches, each timed alone by the report's recorder: the fit's one measure of the eager step"
@@ -129,4 +146,5 @@ class ModelState:
         "The fit ended: what it measured of this state goes; its compiled code, and a tier it kept, stay"
         self.probe, self.job, self.eager_batches, self.sent_at, self.handover, self.fallback = None, None, 0, None, None, None
         self.held = False
-        if self.tier is not None: self.tier = self.tier.next_fit()
+        if self.tier is not None: self.tier, self.stage = self.tier.next_fit(self.stage)
+        elif self.stage.compiled: self.stage = Stage.READY

@@ -5,7 +5,6 @@
 # %% ../nbs/09_tiers.ipynb #78bf5b90
 from __future__ import annotations
 import time
-from enum import Enum
 from statistics import median
 
 import torch
@@ -21,7 +20,7 @@ from .background import BackgroundCompile, position
 from .report import Note, unsent_text
 
 # %% auto #0
-__all__ = ['TIERS', 'why_no_tiers', 'own_grads', 'TierStage', 'TierRun', 'decide_tier', 'Tiers', 'FirstTier', 'TierStages']
+__all__ = ['TIERS', 'why_no_tiers', 'own_grads', 'TierRun', 'decide_tier', 'Tiers', 'FirstTier', 'TierStages']
 
 # %% ../nbs/09_tiers.ipynb #fd24c3e4
 TIERS = { # A tier's `torch.compile` settings, over the model's
@@ -156,29 +155,12 @@ class _Profile:
         self.meter = None
 
 # %% ../nbs/09_tiers.ipynb #9aa13951
-class TierStage(Enum):
-    "Where a model state is on its way through the tiers"
-    PROBE = 'probe' # The eager step timed by the background compile, then its GPU work measured
-    FIRST = 'first' # Compiled first in the worker: it runs from the hand-over
-    SETTLE = 'settle' # The default tier's first compiled batches
-    TIME = 'time' # Its step timed alone
-    PROFILE = 'profile' # Its GPU work measured
-    COMPILE = 'compile' # The tier compiles in the worker
-    WARMUP = 'warmup' # The tier runs its first batches
-    CHECK = 'check' # The tier compiled first in the fit's path: its steps timed against the eager step its probe timed
-    WAIT = 'wait' # The tier compiled first runs while the default's code compiles, for the A/B
-    AB = 'ab' # The tier and the default alternate, each timed alone
-    AGREE = 'agree' # What was measured waits for a decision: under DDP, the ranks' at their next agreement
-    DONE = 'done' # Decided: the kept tier runs, or the default
-
 class TierRun:
     "One model state's way through the tiers: the default's steps timed, the GPU's work measured, a tier compiled, then an A/B"
     def __init__(self,
         kept:str|None=None, # The tier this state kept in an earlier fit
-        stage:TierStage=TierStage.SETTLE, # Where a state without one starts
         record:str|None=None, # The state's warm record, compiled with the kept tier
     ):
-        self.stage = TierStage.DONE if kept else stage
         self.n = 0 # Batches of this stage so far
         self.base, self.ab_base, self.tier_times = [], [], [] # Seconds of the default's steps, timed alone before and in the A/B, and the tier's
         self.tier, self.why = kept, None # The tier's name, and why it was picked: what was measured of the step, and the saving expected
@@ -189,24 +171,27 @@ class TierRun:
         self.grads = False # Its parameters' gradients are memory of their own, for CUDA graphs, in this fit
         self.kept = kept is not None # The A/B kept the tier: it runs this state's training batches
         self.first = False # The tier was compiled first, before the default's code
+        self.picked = False # The eager step's GPU work was measured, and a tier to compile first picked or not (`FirstTier`)
         self.step_bytes = None # Bytes the eager step allocated at its peak, where the tier compiled first runs CUDA graphs
         self.batches, self.since = 0, None # Training batches the tier ran in this fit, and where it started: (epoch, batch)
         self.vote = None # (kind, value) of what this process measured, for a decision: 'pick', 'compile', 'check' or 'verdict'
         self.agreed = None # (kind, value) the ranks decided on, under DDP, for this rank to act on
 
-    def to(self, stage:TierStage):
-        "Move on to `stage`, from its first batch: a vote of the stage before it is moot"
-        self.stage, self.n, self.vote, self.agreed = stage, 0, None, None
+    def to(self, st, stage:Stage):
+        "Move `st` on to `stage` of the tiers, from its first batch: a vote of the stage before it is moot"
+        st.stage = stage
+        self.n, self.vote, self.agreed = 0, None, None
         if self.profile is not None: self.profile.end()
         self.profile = None
 
-    def next_fit(self)->TierRun|None:
-        "What the state's next fit starts from: its kept tier; a tier compiled first runs on until its A/B; else nothing (it is tried again)"
-        if self.kept: return TierRun(self.tier, record=self.record)
-        if not (self.first and self.stage in (TierStage.WARMUP, TierStage.CHECK, TierStage.WAIT)): return None
-        self.to(TierStage.WAIT) # The default's code, which the A/B needs, is compiled in the worker as the fit starts
+    def next_fit(self, stage:Stage)->tuple:
+        "(run, stage) the state's next fit starts from: its kept tier; a tier compiled first runs on until its A/B; else none (tried again)"
+        if self.kept: return TierRun(self.tier, record=self.record), Stage.SETTLED
+        if not (self.first and stage in (Stage.WARMUP, Stage.CHECK, Stage.WAIT)): return None, Stage.READY
+        # The default's code, which the A/B needs, is compiled in the worker as the fit starts
+        self.n, self.vote, self.agreed, self.profile = 0, None, None, None
         self.grads, self.batches, self.since = False, 0, None
-        return self
+        return self, Stage.WAIT
 
 # %% ../nbs/09_tiers.ipynb #5e0c4a7d
 def decide_tier(
@@ -354,7 +339,7 @@ def view(self:Tiers, st)->dict:
 def settled(self:Tiers, st)->bool:
     "Whether `st`'s tiers wait for no agreement on this rank: no tier raised here, and the state's tier decided, or none to try"
     if self.raised is not None: return False
-    return st.stage is not Stage.READY or (st.tier is not None and st.tier.stage is TierStage.DONE)
+    return not st.stage.compiled or st.stage is Stage.SETTLED
 
 @patch
 def agreed(self:Tiers, st, views:list, learn, model:nn.Module, decision:str|None=None):
@@ -380,7 +365,7 @@ def drop(self:Tiers, name:str, model:nn.Module):
     if self.device.type == 'cuda': torch.cuda.empty_cache()
 
 @patch
-def _runs(self:Tiers)->list: return [] if self.aside is None else [s.tier for s in self.aside.states.values() if s.tier is not None]
+def _states(self:Tiers)->list: return [] if self.aside is None else [s for s in self.aside.states.values() if s.tier is not None]
 
 @patch
 def _raised(self:Tiers, name:str, error:Exception, model:nn.Module):
@@ -392,9 +377,9 @@ def _raised(self:Tiers, name:str, error:Exception, model:nn.Module):
 def _drop_raised(self:Tiers, name:str, model:nn.Module, note:Note):
     "Drop tier `name`, which raised: no state keeps it, in this fit or later ones"
     self.dropped.add(name)
-    for run in self._runs():
-        if run.tier != name: continue
-        run.to(TierStage.DONE)
+    for st in self._states():
+        if (run := st.tier).tier != name: continue
+        if st.stage.compiled: run.to(st, Stage.SETTLED) # Not yet compiled, it settles once it is (`TierStages._on_ready`)
         run.kept = False
         self.aside.warm_starts.kept(run.record, None) # A later fit tries it afresh
     self.drop(name, model)
@@ -405,11 +390,11 @@ def stop(self:Tiers):
     "The fit ended or raised: what each state's tier did, for the report; a tier compiling is abandoned with the worker"
     self.timer, self.measuring, self.raised, self.dropped = _StepTimer(), None, None, set()
     self.switch.reset() # Kept: the model's compiled calls read it
-    for r in self._runs():
-        if r.profile is not None: r.profile.end()
-        if r.stage is TierStage.COMPILE: self.notes.append(Note('tier_unfinished', name=r.tier))
+    for st in self._states():
+        if (r := st.tier).profile is not None: r.profile.end()
+        if st.stage is Stage.TIER_COMPILING: self.notes.append(Note('tier_unfinished', name=r.tier))
         # Where it ran, and what the fit ended before: the default's code compiled for the A/B, or the check against eager
-        until = {TierStage.WAIT: 'default', TierStage.CHECK: 'check'}.get(r.stage, '')
+        until = {Stage.WAIT: 'default', Stage.CHECK: 'check'}.get(st.stage, '')
         if r.batches and (until or r.kept): self.notes.append(Note('tier_ran', name=r.tier, batches=r.batches, since=r.since, until=until))
     self.aside = None
 
@@ -433,8 +418,8 @@ class FirstTier:
     def batch(self, st, learn, model:nn.Module):
         "A training batch of `st`'s eager probe: its GPU work measured once the probe timed its batches, the verdict held till then; then the tier to compile first, if any"
         if st.probe is None: return # Not probed: compiled at once
-        run = st.tier = st.tier or TierRun(stage=TierStage.PROBE)
-        if run.stage is not TierStage.PROBE: return
+        run = st.tier = st.tier or TierRun()
+        if run.picked: return
         # The probe times its batches alone, from a synced device: the GPU held for a measure would count in them
         if st.probe.seen < self.tiers.aside.probe_batches:
             st.held = _BusyMeter.measures(self.tiers.device)
@@ -442,7 +427,7 @@ class FirstTier:
         run.profile = run.profile or _Profile(self.batches)
         if (done := self.tiers.measure(run.profile, learn, st.probe.fastest)) is None: return
         st.held = False
-        run.to(TierStage.SETTLE) # The default goes first, unless the measure picks a tier
+        run.picked, run.profile = True, None # The default goes first, unless the measure picks a tier
         if done: self._pick(run, learn, model, st, *done)
 
     def _pick(self, run, learn, model, st, gpu_s:float|None, step_bytes:int):
@@ -461,16 +446,16 @@ class FirstTier:
 
     def _set(self, run, st, model:nn.Module, name:str, path:bool, why:str, step_bytes:int|None):
         "Compile tier `name` first for `st`, in the fit's path or the worker"
-        run.tier, run.record, run.first, run.why, run.step_bytes = name, self.tiers.record(model, st, name), True, why, step_bytes
+        run.tier, run.record, run.why, run.step_bytes = name, self.tiers.record(model, st, name), why, step_bytes
         st.tier, st.path, st.first = run, path, (self.tiers.settings_of(name), run.record)
-        run.to(TierStage.FIRST)
+        run.first, run.picked = True, True
 
 # %% ../nbs/09_tiers.ipynb #0b9246a4
 @patch
 def offer(self:FirstTier, st)->dict|None:
     "The tier this rank compiles first for `st`, for the other ranks to adopt (`adopt`); `None` where it compiles none"
     run = st.tier
-    if run is None or not run.first or st.first is None or run.stage is not TierStage.FIRST: return None
+    if run is None or not run.first or st.first is None: return None
     if st.stage not in (Stage.PROBING, Stage.JUDGED): return None # Settled: compiled, or too short to pay
     return dict(tier=run.tier, path=st.path, why=run.why, step_bytes=run.step_bytes)
 
@@ -490,7 +475,7 @@ def adopt(self:FirstTier,
 
 # %% ../nbs/09_tiers.ipynb #27bdc29b
 class TierStages:
-    "What each `TierStage` does with a training batch of a state whose compiled code runs: one method a stage, moving it on"
+    "What each stage of the tiers does with a training batch of a state whose compiled code runs: one method a stage, moving it on"
     def __init__(self,
         tiers:Tiers, # The fit's `Tiers`: their settings, device, worker, timer and notes
     ):
@@ -498,28 +483,25 @@ class TierStages:
 
     def batch(self, run:TierRun, learn, model:nn.Module, st):
         "This training batch of `st`, at its tier's stage"
-        self.on[run.stage](self, run, learn, model, st)
+        self.on[st.stage](self, run, learn, model, st)
 
-    def _on_probe(self, run, learn, model, st):
-        "The state's code runs before its eager step's GPU work was measured: the default goes first"
-        run.to(TierStage.SETTLE)
-        self._on_settle(run, learn, model, st)
-
-    def _on_first(self, run, learn, model, st):
-        "The tier compiled first takes over, compiled warm at this batch; where the default's code was cached instead, it waits its turn"
-        if st.first is None:
-            st.tier = TierRun()
-            return self._on_settle(st.tier, learn, model, st)
+    def _on_ready(self, run, learn, model, st):
+        "The state's code runs: a tier compiled first takes over, compiled warm at this batch; else the default goes first"
+        if run.tier in self.tiers.dropped and not run.kept: return run.to(st, Stage.SETTLED) # It raised before the state compiled
+        if run.first and st.first is None: run = st.tier = TierRun() # The default's code was cached instead: it waits its turn
+        if not run.first:
+            run.to(st, Stage.SETTLE)
+            return self._on_settle(run, learn, model, st)
         run.res = st.result # `None` where inductor's cache had its code
-        self._switch(run, learn)
+        self._switch(run, learn, st)
 
     def _on_settle(self, run, learn, model, st):
         run.n += 1
-        if run.n >= self.tiers.settle_batches: run.to(TierStage.TIME)
+        if run.n >= self.tiers.settle_batches: run.to(st, Stage.TIME)
 
     def _on_time(self, run, learn, model, st):
         if len(run.base) < self.tiers.time_batches: return self.tiers.timer.start(run.base)
-        run.to(TierStage.PROFILE)
+        run.to(st, Stage.PROFILE)
         self._on_profile(run, learn, model, st)
 
     def _on_profile(self, run, learn, model, st):
@@ -527,7 +509,7 @@ class TierStages:
         if (done := self.tiers.measure(run.profile, learn, median(run.base))) is None: return
         gpu_s, step_bytes = done or (None, None)
         busy = None if gpu_s is None else min(gpu_s / median(run.base), 1.)
-        run.to(TierStage.AGREE)
+        run.to(st, Stage.AGREE)
         run.vote = ('pick', dict(busy=busy, step_s=median(run.base), step_bytes=step_bytes, free=self.tiers.free()))
         self._on_agree(run, learn, model, st)
 
@@ -540,7 +522,7 @@ class TierStages:
         kind, v = decided
         if kind == 'verdict': return self._verdict(run, learn, model, st, **v)
         if kind == 'check': return self._checked(run, learn, model, st, **v)
-        run.to(TierStage.DONE)
+        run.to(st, Stage.SETTLED)
         if why := self._decide(run, learn, model, st, **v): self.tiers.notes.append(why)
 
 # %% ../nbs/09_tiers.ipynb #2d2418ad
@@ -561,14 +543,14 @@ def _decide(self:TierStages, run, learn, model, st, busy:float|None, step_s:floa
     if busy is not None: run.why = dict(busy=busy, step_s=step_s, of='default', graphs=self.tiers.graphs(name), saving=saving, first=False)
     # Inductor's cache has its code. Under DDP the ranks of a host read one cache; hosts whose caches differ would part
     # here, and stay on the default's code, as their votes on the tier never meet again
-    if cached: return self._switch(run, learn)
+    if cached: return self._switch(run, learn, st)
     # Under DDP the lowest rank on each device has its worker compile the tier; ranks that share the device wait for it
     if self.tiers.aside.ranks.leader:
         try: run.job = self.tiers.aside.submit(model, learn, self.tiers.settings_of(name))
         except Exception as e:
             if not self.tiers.together: return Note('tier_unsent', name=name, error=f"{type(e).__name__}: {e}")
             run.res = JobResult(False, unsent_text(f"{type(e).__name__}: {e}")) # Every rank's failure
-    run.to(TierStage.COMPILE)
+    run.to(st, Stage.TIER_COMPILING)
 
 @patch
 def _on_compile(self:TierStages, run, learn, model, st):
@@ -580,14 +562,14 @@ def _on_compile(self:TierStages, run, learn, model, st):
     run.vote = ('compile', None if mine is None else dict(ok=mine.ok, error=mine.error, oom=mine.oom, took_s=mine.took_s))
     if (decided := self.tiers.decision(run)) is None or (res := decided[1]) is None: return
     if not res['ok']:
-        run.to(TierStage.DONE)
+        run.to(st, Stage.SETTLED)
         return self.tiers.notes.append(Note('tier_failed', name=run.tier, res=JobResult(False, res['error'], res['oom'], took_s=res['took_s'])))
-    self._switch(run, learn)
+    self._switch(run, learn, st)
 
 @patch
-def _switch(self:TierStages, run, learn):
+def _switch(self:TierStages, run, learn, st):
     "This batch compiles the tier in the fit's path, from inductor's cache, timed"
-    run.to(TierStage.WARMUP)
+    run.to(st, Stage.WARMUP)
     self.tiers.run_tier(learn, run)
     self.tiers.timer.start(run.tier_times)
 
@@ -604,8 +586,8 @@ def _on_warmup(self:TierStages, run, learn, model, st):
     if (kept := self.tiers.aside.warm_starts.was_kept(run.record)) is not None: # No A/B, nor the default's code for one
         return self._keep_faster(run, learn, st, ('before', *kept))
     # Compiled first: in the fit's path, timed against the eager step; else the A/B waits for the default's code
-    run.to(TierStage.AB if st.first is None else TierStage.CHECK if st.path else TierStage.WAIT)
-    self.on[run.stage](self, run, learn, model, st)
+    run.to(st, Stage.AB if st.first is None else Stage.CHECK if st.path else Stage.WAIT)
+    self.on[st.stage](self, run, learn, model, st)
 
 @patch
 def _on_check(self:TierStages, run, learn, model, st):
@@ -616,7 +598,7 @@ def _on_check(self:TierStages, run, learn, model, st):
     # Under DDP, rank 0's: it alone timed the eager step
     keep = st.probe is not None and st.probe.step_s > 0 and faster(run.tier_times, [st.probe.step_s])
     tier_s = median(run.tier_times)
-    run.to(TierStage.AGREE)
+    run.to(st, Stage.AGREE)
     run.vote = ('check', dict(keep=keep, tier_s=tier_s, eager_s=st.probe.step_s if keep else None))
     self._on_agree(run, learn, model, st)
 
@@ -624,7 +606,7 @@ def _on_check(self:TierStages, run, learn, model, st):
 def _checked(self:TierStages, run, learn, model, st, keep:bool, tier_s:float, eager_s:float|None):
     "Keep the tier compiled first in the fit's path where its steps beat the eager step; else the default's code decides in an A/B"
     if keep: return self._keep_faster(run, learn, st, ('eager', tier_s, eager_s), 'the eager step')
-    run.to(TierStage.WAIT) # Not faster than eager, or the eager step unmeasured in this fit
+    run.to(st, Stage.WAIT) # Not faster than eager, or the eager step unmeasured in this fit
     self._on_wait(run, learn, model, st)
 
 @patch
@@ -632,19 +614,19 @@ def _on_wait(self:TierStages, run, learn, model, st):
     "The tier compiled first runs while the default's code, which the A/B needs, compiles in the worker"
     if st.fallback is None and self.tiers.aside.warm_starts.get(st.record) is None: # A warm start of the tier alone
         try: st.fallback = self.tiers.aside.submit(model, learn)
-        except Exception as e: return self._keep(run, learn, f"{type(e).__name__}: {e}", unsent=True)
+        except Exception as e: return self._keep(run, learn, st, f"{type(e).__name__}: {e}", unsent=True)
     if st.fallback is not None:
         if (res := self.tiers.aside.poll(self.tiers.aside.release(st.fallback))) is None: return self.tiers.run_tier(learn, run, counted=True)
         st.fallback = None
         self.tiers.aside.warm_starts.compiled(st.record, res)
-        if not res.ok: return self._keep(run, learn, res.error)
-    run.to(TierStage.AB)
+        if not res.ok: return self._keep(run, learn, st, res.error)
+    run.to(st, Stage.AB)
     self._on_ab(run, learn, model, st)
 
 @patch
-def _keep(self:TierStages, run, learn, error:str, unsent:bool=False):
+def _keep(self:TierStages, run, learn, st, error:str, unsent:bool=False):
     "Keep the tier compiled first without an A/B: the default's code isn't there to compare, its compile having failed (`unsent`: not sent) with `error`"
-    run.to(TierStage.DONE)
+    run.to(st, Stage.SETTLED)
     run.kept = True
     self.tiers.run_tier(learn, run, counted=True)
     self.tiers.notes.append(Note('kept_alone', name=run.tier, error=error, unsent=unsent))
@@ -654,7 +636,7 @@ def _keep(self:TierStages, run, learn, error:str, unsent:bool=False):
 def _on_ab(self:TierStages, run, learn, model, st):
     "Alternate the tier and the default, a batch each, each timed alone; then keep the faster"
     if run.n == 2*self.tiers.ab_batches:
-        run.to(TierStage.AGREE)
+        run.to(st, Stage.AGREE)
         run.vote = ('verdict', dict(keep=faster(run.tier_times, run.ab_base), tier_s=median(run.tier_times), base_s=median(run.ab_base)))
         return self._on_agree(run, learn, model, st)
     on = run.n % 2 == 0
@@ -666,14 +648,14 @@ def _on_ab(self:TierStages, run, learn, model, st):
 def _verdict(self:TierStages, run, learn, model, st, keep:bool, tier_s:float, base_s:float):
     "Keep the faster tier for the rest of the fit, as the A/B (under DDP, rank 0's) found; else drop its graphs"
     if keep: return self._keep_faster(run, learn, st, ('ab', tier_s, base_s), 'the default')
-    run.to(TierStage.DONE)
+    run.to(st, Stage.SETTLED)
     self.tiers.drop(run.tier, model)
     self.tiers.notes.append(Note('not_kept', name=run.tier, tier_s=tier_s, base_s=base_s))
 
 @patch
 def _keep_faster(self:TierStages, run, learn, st, against:tuple, of:str=''):
     "Keep the tier, faster than `against`'s (kind, tier's seconds, other's seconds), the step of `of`, for the rest of the fit; recorded, later fits of the state keep it at once"
-    run.to(TierStage.DONE)
+    run.to(st, Stage.SETTLED)
     run.kept = True
     self.tiers.run_tier(learn, run, counted=True)
     if of: self.tiers.aside.warm_starts.kept(run.record, median(run.tier_times), against[2], of)
@@ -686,7 +668,7 @@ def _on_done(self:TierStages, run, learn, model, st):
 
 # What each stage does with a batch, once every stage's method is on the class
 TierStages.on = {
-    TierStage.PROBE: TierStages._on_probe, TierStage.FIRST: TierStages._on_first, TierStage.SETTLE: TierStages._on_settle,
-    TierStage.TIME: TierStages._on_time, TierStage.PROFILE: TierStages._on_profile, TierStage.COMPILE: TierStages._on_compile,
-    TierStage.WARMUP: TierStages._on_warmup, TierStage.CHECK: TierStages._on_check, TierStage.WAIT: TierStages._on_wait,
-    TierStage.AB: TierStages._on_ab, TierStage.AGREE: TierStages._on_agree, TierStage.DONE: TierStages._on_done}
+    Stage.READY: TierStages._on_ready, Stage.SETTLE: TierStages._on_settle, Stage.TIME: TierStages._on_time,
+    Stage.PROFILE: TierStages._on_profile, Stage.TIER_COMPILING: TierStages._on_compile, Stage.WARMUP: TierStages._on_warmup,
+    Stage.CHECK: TierStages._on_check, Stage.WAIT: TierStages._on_wait, Stage.AB: TierStages._on_ab, Stage.AGREE: TierStages._on_agree,
+    Stage.SETTLED: TierStages._on_done}

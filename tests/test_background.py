@@ -93,7 +93,7 @@ def test_compiled_code_takes_over_from_the_worker_and_trains_like_eager(cold_cac
     assert any(cold_cache.rglob('*')) # The worker filled the cache the fit compiled from
     records = [json.loads(f.read_text()) for f in (cold_cache/WarmRecords.folder).glob('*.json')]
     # The state compiled, how long it took, and the share of a step its code saved, as the report measured
-    assert len(records) == 1 and set(records[0]) == {'cold_s', 'warm_s', 'saving'}, records
+    assert len(records) == 1 and set(records[0]) == {'cold_s', 'warm_s', 'saving', 'compiled_s', 'eager_s'}, records
     assert records[0]['saving'] == pytest.approx(1 - cb.report.compiled_step / cb.report.eager_step)
     assert_fit_close(eager.model, comp.model)
 
@@ -214,7 +214,7 @@ def test_a_compile_in_the_fits_path_is_a_warm_start_for_the_background_in_a_new_
     "A cache filled by `background=False` is a warm start: the next process compiles at once after its probe, with no worker"
     r = _fit(True, background=False).compiler.report
     records = [json.loads(f.read_text()) for f in (cold_cache/WarmRecords.folder).glob('*.json')]
-    assert len(records) == 1 and set(records[0]) == {'path_s', 'saving'} and records[0]['path_s'] > 0, records # The training state
+    assert len(records) == 1 and set(records[0]) == {'path_s', 'saving', 'compiled_s', 'eager_s'} and records[0]['path_s'] > 0, records # The training state
     assert records[0]['saving'] == pytest.approx(1 - r.compiled_step / r.eager_step)
     env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': str(cold_cache), 'OMP_NUM_THREADS': '1'}
     out = subprocess.run([sys.executable, '-c', _NEXT_PROCESS, os.path.dirname(__file__)], capture_output=True, text=True, env=env)
@@ -412,7 +412,7 @@ def test_a_fit_records_the_share_of_a_step_its_one_compiled_training_state_saved
     warm.in_path(model, x, True, 9.)
     warm.in_path(model, x, False, 2.) # Validation's state: not the training step measured
     warm.measured(0.006, 0.010)
-    assert warm.get(record(True)) == {'path_s': 9., 'saving': pytest.approx(0.4)} and warm.get(record(False)) == {'path_s': 2.}
+    assert warm.get(record(True)) == {'path_s': 9., 'saving': pytest.approx(0.4), 'compiled_s': 0.006, 'eager_s': 0.010} and warm.get(record(False)) == {'path_s': 2.}
     warm.measured(0.001, 0.010) # A fit that compiled no training state records nothing
     assert warm.get(record(True))['saving'] == pytest.approx(0.4)
     warm.time(record(True), 1., 0, SimpleNamespace(epoch=0, iter=0, training=True)) # A later fit compiles it warm

@@ -21,6 +21,7 @@ WARM = ({'warm_s': 1.}, False) # Only the default's code is cached, which compil
 MOVES = [ # (what, stage, event, facts, the stage it moves to, its actions: each action's kind, a batch's 'eager' or 'compiled')
     ('its code runs', R, 'batch', {}, R, ['compiled']),
     ('its hand-over is this batch', R, 'batch', dict(handover='worker'), R, ['take_over', 'compiled']),
+    ('a faster tier is tried', Stage.AB, 'batch', {}, Stage.AB, ['compiled']),
     ('too short for the fit', S, 'batch', {}, S, ['eager']),
     ('its compile failed', F, 'batch', {}, F, ['eager']),
     ('another state compiles', P, 'batch', dict(compiling=True), P, ['count', 'eager']),
@@ -87,3 +88,19 @@ def test_the_verdicts_notes_say_what_it_weighed():
                                           "back even a warm compile of 1.0s (under 5s)")
     _, actions = advance(C, 'done', facts(res=BAD, fallback=True))
     assert note(actions).kind == 'first_failed'
+
+def test_a_fit_ends_where_the_next_starts_its_tiers():
+    "One stage for the whole life: a kept tier stays settled, a tier compiled first waits for its A/B, any other compiled state is ready"
+    from fastxtend_compile.state import ModelState
+    from fastxtend_compile.tiers import TierRun
+    assert [s for s in Stage if not s.compiled] == [P, J, C, D, S, F]
+    def ended(stage, **run):
+        st = ModelState(None, 'record')
+        st.stage, st.tier = stage, None if run.get('none') else TierRun(run.get('kept'))
+        if st.tier is not None: st.tier.first = run.get('first', False)
+        st.end_fit()
+        return st.stage, None if st.tier is None else (st.tier.tier, st.tier.kept)
+    assert ended(Stage.SETTLED, kept='reduce-overhead') == (Stage.SETTLED, ('reduce-overhead', True))
+    assert ended(Stage.WARMUP, first=True) == (Stage.WAIT, (None, False))
+    assert ended(Stage.AB) == (R, None)
+    assert ended(Stage.TIME, none=True) == (R, None)

@@ -331,13 +331,14 @@ def test_a_tier_runs_training_calls_alone_and_drops_whole():
 def test_under_ddp_a_tier_compiled_first_runs_on_every_rank_only_where_its_cuda_graphs_fit_every_ranks_gpu():
     "Rank 0's choice, offered at an agreement: a rank whose GPU is too full leaves every rank on the default's code first"
     from fastxtend_compile.core import compile_settings
-    from fastxtend_compile.state import ModelState
-    from fastxtend_compile.tiers import TierRun, TierStage
+    from fastxtend_compile.state import ModelState, Stage
+    from fastxtend_compile.tiers import TierRun
     t, gb = Tiers(compile_settings()), 2**30
     offer = dict(tier='reduce-overhead', path=True, why=None, step_bytes=2*gb)
     st = ModelState(None, 'record')
-    st.tier, st.first, st.path = TierRun(stage=TierStage.FIRST), ('settings', 'tier-record'), True # As rank 0 picked it
+    st.tier, st.first, st.path = TierRun(), ('settings', 'tier-record'), True # As rank 0 picked it
+    st.tier.first = st.tier.picked = True
     assert t.first.adopt(st, None, offer, [16*gb, int(2.5*gb)]).text == (
         "no tier compiled first: CUDA graphs (reduce-overhead), about 2.0 GB a step, don't fit with room to spare in the 2.5 GB "
         "free on the fullest rank's GPU; the default's code goes first")
-    assert st.first is None and not st.path and st.tier.stage is TierStage.SETTLE and t.first.offer(st) is None
+    assert st.first is None and not st.path and not st.tier.first and st.stage is Stage.PROBING and t.first.offer(st) is None
