@@ -127,7 +127,7 @@ def cpu_prefetch(monkeypatch, dl):
 def test_prefetch_yields_what_the_loader_yields_and_leaves_it_as_it_was(monkeypatch):
     "On the CPU, with CUDA's streams stood in for: the batches, their transforms, the loader restored after an epoch cut short"
     set_seed(0)
-    dl = digits_dls(bs=32).valid # Not shuffled, with its batch transforms (`IntToFloatTensor`)
+    dl = digits_dls(bs=32).cpu().valid # Not shuffled, with its batch transforms (`IntToFloatTensor`); on the CPU on any machine
     want = list(dl)
     device, after_batch = dl.device, dl.after_batch
     p = cpu_prefetch(monkeypatch, dl)
@@ -157,7 +157,7 @@ def test_the_training_loader_is_restored_after_an_epoch_cut_short(monkeypatch):
     import fastxtend_compile.pace as pace
     monkeypatch.setattr(pace, 'prefetches', lambda dl: True)
     set_seed(0)
-    dls = digits_dls(bs=32)
+    dls = digits_dls(bs=32).cpu() # On the CPU on any machine: the streams are stood in for
     cpu_prefetch(monkeypatch, dls.train)
     device, after_batch = dls.train.device, dls.train.after_batch
     learn = Learner(dls, bn_cnn(), cbs=[Cut(), Sees()]).compile(backend='eager')
