@@ -237,7 +237,7 @@ class CompilerCallback(Callback):
         self.background = background
         self.aside = BackgroundCompile(self.settings, regional) # Compiles each new model state in a worker process, with `background`
         self.policy = EagerPolicy(compile_valid) # Decides which calls of the model run eagerly, each batch
-        self.tiers = Tiers(self.settings, regional) # With `background` and no `mode`: a faster tier where the measured step has one
+        self.tiers = Tiers(self.settings, regional, self.policy) # With `background` and no `mode`: a faster tier where the measured step has one
         self.report = CompileReport()
         self.collector = GCFreeze() # Keeps Python's full garbage collections short during a fit
         self.pace = Pace() # Lets the host run ahead of a GPU: no wait for it in a training batch, the next batch copied ahead
@@ -441,7 +441,7 @@ def _compile(self:CompilerCallback):
     # purpose: it runs inside DDP's forward, where TorchDynamo sees DDP
     model = self.learn.model
     inner = get_model(model)
-    compiled = compile_model(inner, self.regional, on_refused=self._refused, policy=self.policy, switch=self.tiers.switch, **self.settings)
+    compiled = compile_model(inner, self.regional, on_refused=self._refused, policy=self.policy, **self.settings)
     if inner is model: self.learn.model = compiled
     elif compiled is not inner: model.module = compiled # `inner` was an `OptimizedModule`
     self.compiled_model = weakref.ref(compiled)

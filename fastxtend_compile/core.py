@@ -256,6 +256,8 @@ class EagerPolicy:
         self.eager_eval = 0 # Batches of this evaluation outside a fit run eagerly, their graph not compiled and not worth it
         self.eager_lr_find = 0 # Batches of this `lr_find` run eagerly, alike
         self.graph_step = None # In a batch, whether its CUDA graphs' step began; `None` outside one: each call begins one
+        self.tier = None # (name, settings over the model's) of the faster tier this training batch's calls run (`Tiers`); `None`: the model's own
+        self.tier_error = None # (name, error) of a tier that raised in the fit's path, until `Tiers` drops it
 
     def __getstate__(self): return {**self.__dict__, 'calls': (), 'aside': None} # A copy decides for the calls it compiles
 
@@ -322,6 +324,7 @@ def end_batch(self:EagerPolicy,
     if self.probing and took is not None: self.aside.probed(took)
     self.trained |= training
     self.measuring = self.valid_eager = self.waiting = self.evaluating = self.one_off = self.probing = False
+    self.tier = None # The next batch runs the model's own code, unless a tier is chosen for it
     if training: self.validation = None # The next validation is judged afresh, with fewer batches left
     self.graph_step = None
 
@@ -329,7 +332,32 @@ def end_batch(self:EagerPolicy,
 def stop(self:EagerPolicy):
     "The fit ended or raised: calls outside a fit run as their shapes say"
     self.end_batch(False)
-    self.aside, self.pays, self.unpaid, self.validation = None, None, None, None
+    self.aside, self.pays, self.unpaid, self.validation, self.tier_error = None, None, None, None, None
+
+@patch
+def run_tier(self:EagerPolicy,
+    name:str, # The faster tier this training batch's compiled calls run
+    settings:dict, # Its `torch.compile` settings, over the model's
+):
+    "This training batch runs tier `name` (`Tiers` chose it)"
+    self.tier = (name, settings)
+
+@patch
+def tier_failed(self:EagerPolicy,
+    name:str, # The tier whose compiled function raised
+    error:Exception, # What it raised
+)->bool:
+    "Whether the call that raised `error` runs again without tier `name`: the batch goes on without it, and `Tiers` drops it"
+    # A model's own bug, found as TorchDynamo traces it, is raised as eager raises it, whatever compiles the model
+    if isinstance(error, traced_op_error()): return False
+    self.tier, self.tier_error = None, (name, error)
+    return True
+
+@patch
+def take_tier_error(self:EagerPolicy)->tuple|None:
+    "The (name, error) of a tier that raised since the last call"
+    error, self.tier_error = self.tier_error, None
+    return error
 
 @patch
 def begins_graph_step(self:EagerPolicy)->bool:
@@ -452,10 +480,9 @@ class CompiledCall:
         entries:dict|None=None, # `compiled_entry`s by freeze state, to share with modules of the same class (regional compilation)
         on_refused:Callable|None=None, # Called when a `fullgraph=True` compile is refused
         policy:EagerPolicy|None=None, # Decides which calls run eagerly (`CompilerCallback`'s); one of its own if `None`
-        switch=None, # Which faster tier runs a training batch's calls (`Tiers.switch`); `None`: the model's own settings always
         **settings # `torch.compile` settings, from `compile_settings`
     ):
-        self.module, self.on_refused, self.settings, self.switch = module, on_refused, settings, switch
+        self.module, self.on_refused, self.settings = module, on_refused, settings
         self.policy = EagerPolicy() if policy is None else policy
         # CUDA graphs overwrite their outputs at the next replay, and fastai keeps outputs around (Recorder, metrics, preds)
         self.cudagraphs = uses_cudagraphs(settings)
@@ -496,7 +523,7 @@ class CompiledCall:
             if tier is None: raise
             failed = e # The tier's compiler failed: the model's own code runs the call, out of this handler
         else: failed = None
-        if failed is not None and tier is not None and self.switch.failed(tier[0], failed):
+        if failed is not None and tier is not None and self.policy.tier_failed(tier[0], failed):
             args, kwargs = tree_unflatten(leaves, spec)
             return self(*args, **kwargs)
         if failed is not None: self._raise_as_eager(failed, *tree_unflatten(leaves, spec), held)
@@ -571,8 +598,8 @@ def _hooks(self:CompiledCall)->tuple: return tuple(h for d in self.hook_dicts if
 # %% ../nbs/00_core.ipynb #6354bbcb
 @patch
 def _tier(self:CompiledCall)->tuple|None:
-    "The tier (name, settings) that runs this call: one its switch chose for a training batch, for the training phase alone"
-    tier = None if self.switch is None else self.switch.tier
+    "The tier (name, settings) that runs this call: one its policy runs this training batch, for the training phase alone"
+    tier = self.policy.tier
     return tier if tier is not None and self.module.training and torch.is_grad_enabled() else None
 
 @patch
@@ -717,7 +744,6 @@ def compile_model(
     regional:bool=False, # Compile only its repeated blocks, each reusing its twins' compiled code
     on_refused:Callable|None=None, # Called when a `fullgraph=True` compile is refused
     policy:EagerPolicy|None=None, # Decides which calls run eagerly, shared by the compiled blocks (`CompilerCallback`'s)
-    switch=None, # Which faster tier runs a training batch's calls, shared alike (`Tiers.switch`); `None`: the model's settings always
     **settings # `torch.compile` settings: `fullgraph`, `dynamic`, `backend`, `mode`, `options`
 )->nn.Module:
     "Compile `model` in place with `torch.compile` `settings`, unwrapping an `OptimizedModule` first; a recurrent one around its RNNs"
@@ -728,7 +754,7 @@ def compile_model(
         parts = _rnn_free_parts(model)
         rnns = '' if parts is None else ', '.join(dict.fromkeys(type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)))
         for m in [model] if parts is None else parts:
-            set_compiled_call(m, call := CompiledCall(m, on_refused=on_refused, policy=policy, switch=switch, **settings))
+            set_compiled_call(m, call := CompiledCall(m, on_refused=on_refused, policy=policy, **settings))
             call.around = rnns
         return model
     blocks = repeated_blocks(model)
@@ -738,7 +764,7 @@ def compile_model(
     entries, policy = {}, EagerPolicy() if policy is None else policy
     for b in blocks:
         twins = entries.setdefault((type(b), tuple(p.shape for p in b.parameters())), {})
-        set_compiled_call(b, CompiledCall(b, twins, on_refused=on_refused, policy=policy, switch=switch, **settings))
+        set_compiled_call(b, CompiledCall(b, twins, on_refused=on_refused, policy=policy, **settings))
     if len(entries) == len(blocks):
         warnings.warn(f"regional=True, but none of the {len(blocks)} repeated blocks of {type(model).__name__} has a twin with "
                       "parameters of the same shapes, so each compiles alone: compiling the whole model (regional=False) "

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from fastcore.basics import patch
 
-from .core import uses_cudagraphs, compiled_call, CompiledCall
-from .internals import gpu_sleep, traced_op_error
+from .core import uses_cudagraphs, compiled_call, CompiledCall, EagerPolicy
+from .internals import gpu_sleep
 from .worker import error_text, JobResult
 from .state import StateKey, Stage
 from .payoff import TIER_TRY_S, TIER_COMPILE_S, batches_left, pays_back, pick_tier, first_tier, first_saving, first_in_path, tier_saving, cudagraphs_fit, faster
@@ -46,39 +46,6 @@ def own_grads(
         if p.requires_grad and p.grad is None: p.grad = torch.zeros_like(p)
 
 # %% ../nbs/09_tiers.ipynb #2225c322
-class TierSwitch:
-    "Which faster tier runs a training batch's compiled calls, set by `Tiers` a batch at a time; and a tier that raised in them"
-    def __init__(self):
-        self.tier = None # (name, settings over the model's) of the tier this batch runs; `None`: the model's own
-        self.error = None # (name, error) of a tier that raised in the fit's path, until `Tiers` drops it
-
-    def run(self, name:str):
-        "This batch runs tier `name`"
-        self.tier = (name, TIERS[name])
-
-    def end_batch(self):
-        "The batch ended: the next runs the model's own code, unless a tier is chosen for it"
-        self.tier = None
-
-    def reset(self):
-        "The fit ended: no tier runs, and none raised"
-        self.tier = self.error = None
-
-    def failed(self,
-        name:str, # The tier whose compiled function raised
-        error:Exception, # What it raised
-    )->bool:
-        "Whether the call that raised `error` runs again without tier `name`: the batch goes on without it, and `Tiers` drops it"
-        # A model's own bug, found as TorchDynamo traces it, is raised as eager raises it, whatever compiles the model
-        if isinstance(error, traced_op_error()): return False
-        self.tier, self.error = None, (name, error)
-        return True
-
-    def take_error(self)->tuple|None:
-        "The (name, error) of a tier that raised since the last call"
-        error, self.error = self.error, None
-        return error
-
 class _BusyMeter:
     "How much of a training step the GPU runs work: its kernels, queued behind a GPU sleep that outlasts the host's launches, run back to back, timed by CUDA events"
     def __init__(self): self.marks, self.start_bytes = None, None
@@ -224,11 +191,12 @@ class Tiers:
     def __init__(self,
         settings:dict, # The model's `torch.compile` settings, from `compile_settings`
         regional:bool=False, # Only the model's repeated blocks are compiled
+        policy:EagerPolicy|None=None, # The callback's: the model's compiled calls read the tier this batch runs from it
     ):
         self.settings, self.regional = settings, regional
+        self.policy = EagerPolicy() if policy is None else policy
         self.aside = None # The fit's background compile, whose worker compiles the tiers; `None` while tiers are off
         self.device = None # The device the fit trains on
-        self.switch = TierSwitch() # Which tier this batch's compiled calls run: the model's compiled calls read it
         self.first = FirstTier(self) # Measures new states' eager steps, for a tier compiled first
         self.stages = TierStages(self) # What each stage of a state's way through the tiers does with its batches
         self.timer = _StepTimer() # Times a batch alone, where its state's stage needs
@@ -262,7 +230,7 @@ def before_batch(self:Tiers,
     model:nn.Module, # The model being compiled (not DDP's wrapper)
 ):
     "Choose the tier this training batch runs, and time it where its state's stage needs"
-    if (raised := self.switch.take_error()) is not None: self._raised(*raised, model)
+    if (raised := self.policy.take_tier_error()) is not None: self._raised(*raised, model)
     # An epoch's last batch too: one of the state's shape runs its tier (a smaller one is a state of its own)
     if self.aside is None or not learn.training or (st := self.aside.states.get(key)) is None: return
     # Under DDP rank 0 alone probes the eager step: the others learn of a tier compiled first at an agreement (`agreed`)
@@ -283,9 +251,7 @@ def after_batch(self:Tiers)->bool:
     if self.measuring is not None: self.measuring.batch_end(self.device)
     self.measuring = None
     self.timer.stop()
-    ran = self.switch.tier is not None
-    self.switch.end_batch()
-    return ran
+    return self.policy.tier is not None
 
 @patch
 def settings_of(self:Tiers, name:str)->dict:
@@ -300,7 +266,7 @@ def graphs(self:Tiers, name:str)->bool:
 @patch
 def graphs_now(self:Tiers)->bool:
     "Whether this batch runs a tier with CUDA graphs"
-    return self.switch.tier is not None and self.graphs(self.switch.tier[0])
+    return self.policy.tier is not None and self.graphs(self.policy.tier[0])
 
 @patch
 def record(self:Tiers, model:nn.Module, st, name:str)->str:
@@ -310,7 +276,7 @@ def record(self:Tiers, model:nn.Module, st, name:str)->str:
 @patch
 def run_tier(self:Tiers, learn, run:TierRun, counted:bool=False):
     "This batch runs the tier's compiled code; `counted` among the batches it runs once kept"
-    self.switch.run(run.tier)
+    self.policy.run_tier(run.tier, TIERS[run.tier])
     if not run.grads and self.graphs(run.tier): own_grads(learn.opt)
     run.grads = True # fastai's `zero_grad` zeroes gradients in place: they stay the parameters' own
     if counted: run.batches, run.since = run.batches + 1, run.since or position(learn)
@@ -389,7 +355,6 @@ def _drop_raised(self:Tiers, name:str, model:nn.Module, note:Note):
 def stop(self:Tiers):
     "The fit ended or raised: what each state's tier did, for the report; a tier compiling is abandoned with the worker"
     self.timer, self.measuring, self.raised, self.dropped = _StepTimer(), None, None, set()
-    self.switch.reset() # Kept: the model's compiled calls read it
     for st in self._states():
         if (r := st.tier).profile is not None: r.profile.end()
         if st.stage is Stage.TIER_COMPILING: self.notes.append(Note('tier_unfinished', name=r.tier))

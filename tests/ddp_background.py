@@ -35,7 +35,7 @@ class Batches(Callback):
         if self.training and (cb := self.learn.__dict__.get('compiler')) is not None:
             self.agreed = cb.aside.ranks.held # The `train_iter` of the fit's agreements so far, kept as the fit ends
             self.eager.append(cb.policy.waiting)
-            self.tier.append(cb.tiers.switch.tier is not None) # The batch runs a faster tier
+            self.tier.append(cb.policy.tier is not None) # The batch runs a faster tier
     def after_batch(self):
         cb = self.learn.__dict__.get('compiler')
         if not self.training or cb is None or not self.wait: return

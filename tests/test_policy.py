@@ -273,16 +273,17 @@ def test_a_tiers_error_does_not_outlive_its_fit():
     "A tier that raised in a fit that then ended is not dropped again, nor reported, in the next fit"
     from fastxtend_compile.tiers import Tiers
     tiers = Tiers({'backend': 'eager'})
-    tiers.switch.run('reduce-overhead')
-    assert tiers.switch.failed('reduce-overhead', RuntimeError('no kernels')) and tiers.switch.error is not None
-    assert tiers.switch.tier is None # The call runs again with the model's own code
+    p = tiers.policy
+    p.run_tier('reduce-overhead', {'mode': 'reduce-overhead'})
+    assert p.tier_failed('reduce-overhead', RuntimeError('no kernels')) and p.tier_error is not None
+    assert p.tier is None # The call runs again with the model's own code
     tiers.stop()
-    assert tiers.switch.take_error() is None and tiers.take_notes() == []
+    p.stop() # The callback stops both as the fit ends
+    assert p.take_tier_error() is None and tiers.take_notes() == []
 
 def test_a_models_own_bug_found_in_a_tier_is_raised_not_retried():
     "An error TorchDynamo finds in the model's own code, as it traces a tier, is the model's: the tier isn't blamed for it"
-    from fastxtend_compile.tiers import TierSwitch
     from fastxtend_compile.internals import traced_op_error
-    switch = TierSwitch()
-    switch.run('reduce-overhead')
-    assert not switch.failed('reduce-overhead', traced_op_error()('bad shapes')) and switch.error is None
+    p = EagerPolicy()
+    p.run_tier('reduce-overhead', {'mode': 'reduce-overhead'})
+    assert not p.tier_failed('reduce-overhead', traced_op_error()('bad shapes')) and p.tier_error is None

@@ -22,7 +22,7 @@ class TierBatches(Callback):
     order = 20 # After `CompilerCallback`
     def __init__(self, wait=True): self.ran, self.wait = [], wait # `wait=False`: for the default's job alone
     def before_batch(self):
-        if self.learn.compiler.tiers.switch.tier is not None: self.ran.append((self.epoch, self.training, self.iter, self.n_iter))
+        if self.learn.compiler.policy.tier is not None: self.ran.append((self.epoch, self.training, self.iter, self.n_iter))
     def after_batch(self):
         aside = self.learn.compiler.aside
         jobs = aside.worker.waiting if self.wait else [aside.compiling.job] if aside.compiling else [] # The default's job, then the tier's
@@ -305,19 +305,18 @@ def test_the_tier_policy_follows_the_measured_step():
     assert not first_in_path(None, compile_s=1., warm_s=5.) # Unmeasured: the worker, which never stops the fit
 
 def test_a_tier_runs_training_calls_alone_and_drops_whole():
-    "The switch's tier runs calls with gradients in training mode; evaluation keeps the model's own compiled function"
+    "The policy's tier runs calls with gradients in training mode; evaluation keeps the model's own compiled function"
     from torch import nn
-    from fastxtend_compile.core import compile_model
-    from fastxtend_compile.tiers import TierSwitch
+    from fastxtend_compile.core import compile_model, EagerPolicy
     set_seed(0)
     graphs = [] # The graphs the tier's backend compiled, by whether the model trained
     def tier_backend(gm, example_inputs):
         graphs.append(model.training)
         return gm
-    model, switch = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), TierSwitch()
-    compile_model(model, switch=switch, backend='aot_eager')
+    model, policy = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), EagerPolicy()
+    compile_model(model, policy=policy, backend='aot_eager')
     call, x = compiled_call(model), torch.randn(3, 4)
-    switch.tier = ('plain', dict(backend=tier_backend))
+    policy.run_tier('plain', dict(backend=tier_backend))
     out = model(x)
     model.eval()
     with torch.no_grad(): ev = model(x)
