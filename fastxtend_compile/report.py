@@ -687,6 +687,12 @@ def _no_room_first(name:str, step_bytes:int, free:int)->str:
     return (f"no tier compiled first: CUDA graphs ({name}), about {step_bytes/2**30:.1f} GB a step, don't fit with room to spare "
             f"in the {free/2**30:.1f} GB free on the fullest rank's GPU; the default's code goes first")
 
+def _no_first(busy:float, step_s:float, saving_s:float, left:int, cost_s:float, idle:bool)->str:
+    share = _share(busy, step_s, 'eager')
+    if not idle: return f"no tier compiled first: {share}so CUDA graphs would save too little of it; the default's code goes first"
+    return (f"no tier compiled first: {share}so CUDA graphs would save about {saving_s*1e3:.1f} ms of it, {left*saving_s:.1f}s "
+            f"over the {left} training batches left, under the {cost_s:.0f}s trying them costs the fit; the default's code goes first")
+
 def _no_gain(name:str, saving_s:float, left:int, cost_s:float)->str:
     return (f"no faster tier: {name} would save about {saving_s*1e3:.1f} ms a step over the {left} training batches left once it "
             f"compiled, {left*saving_s:.1f}s in all, under the {cost_s:.0f}s trying it costs the fit")
@@ -725,7 +731,7 @@ _NOTES = dict(
                                    "DDP's all-reduces, which a worker process can't run"),
     dynamic=lambda: "no faster tier with `dynamic=True`: CUDA graphs need the static shapes it gives up",
     no_busy=lambda: "no faster tier: the GPU's share of the step was not measured here",
-    no_room=_no_room, no_room_first=_no_room_first, no_gain=_no_gain, tier_failed=_tier_failed, tier_took_over=_tier_took_over,
+    no_room=_no_room, no_room_first=_no_room_first, no_first=_no_first, no_gain=_no_gain, tier_failed=_tier_failed, tier_took_over=_tier_took_over,
     tier_unsent=lambda name, error: f"tier {name} not tried: {unsent_text(error)}",
     kept_alone=lambda name, error, unsent: (
         f"tier {name} kept without an A/B: the default's code, which it would be timed against, is missing: "

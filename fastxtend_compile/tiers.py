@@ -15,7 +15,7 @@ from .core import uses_cudagraphs, compiled_call, CompiledCall, EagerPolicy
 from .internals import gpu_sleep
 from .worker import error_text, JobResult
 from .state import StateKey, Stage
-from .payoff import TIER_TRY_S, TIER_COMPILE_S, batches_left, pays_back, pick_tier, first_tier, first_saving, first_in_path, tier_saving, cudagraphs_fit, faster
+from .payoff import MARGIN, TIER_TRY_S, TIER_COMPILE_S, batches_left, pays_back, pick_tier, first_tier, first_saving, first_in_path, tier_saving, cudagraphs_fit, faster
 from .background import BackgroundCompile, position
 from .report import Note, unsent_text
 
@@ -400,7 +400,11 @@ class FirstTier:
         # The probe's median step: the fit's rest runs such steps, its lucky fastest one hides idle time CUDA graphs would save
         t, step_s, left = self.tiers, st.probe.step_s, batches_left(learn)
         busy = None if gpu_s is None else min(gpu_s / step_s, 1.)
-        if (name := self.choose(busy, step_s, left, t.try_cost_s)) is None: return
+        if (name := self.choose(busy, step_s, left, t.try_cost_s)) is None:
+            # Said where the step was measured: a fit that then trains eagerly, or compiles the default's code, says why not CUDA graphs
+            if busy is not None: t.notes.append(Note('no_first', busy=busy, step_s=step_s, saving_s=first_saving(busy, step_s),
+                                                     left=left, cost_s=t.try_cost_s, idle=busy <= 1 - MARGIN))
+            return
         if t.graphs(name) and not cudagraphs_fit(torch.cuda.mem_get_info(t.device)[0], step_bytes): return
         saving = first_saving(busy, step_s)
         why = dict(busy=busy, step_s=step_s, of='eager', graphs=True, saving=saving, first=True)
