@@ -89,6 +89,7 @@ def why_ddp_syncs(ddp:DistributedDataParallel)->str|None:
 # %% ../nbs/17_gradsync.ipynb #b1f62596
 class GradSync:
     "Under DDP, once the ranks ran compiled code, each batch's gradients averaged after its backward in one all-reduce, in place of DDP's reducer"
+    replaces = True # Whether it takes the compiled batches from DDP's reducer where it can: `GradSync.replaces = False` keeps DDP's own
     def __init__(self):
         self.ddp = None # The fit's DDP model, whose batches' gradients this library averages once compiled code ran
         self.groups = [] # Its trained parameters' `GradBuffer`s, by device and dtype (`by_kind`)
@@ -104,6 +105,7 @@ class GradSync:
     )->str|None:
         "A fit under `ddp` starts: once compiled code ran, its batches are averaged here, unless DDP must (why, or `None`)"
         self.stop()
+        if not self.replaces: return "kept, as `GradSync.replaces = False` asks"
         if (why := why_ddp_syncs(ddp)) is not None: return why
         self.ddp, self.synced, self.agrees = ddp, 0, ranks is not None and ranks.agrees
         if self.agrees: ranks.join(self)

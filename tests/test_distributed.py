@@ -512,4 +512,10 @@ def test_grad_sync_takes_compiled_batches_from_ddps_reducer_unless_the_fit_asked
         assert static.require_backward_grad_sync # Left to DDP
         sparse = DistributedDataParallel(torch.nn.Sequential(torch.nn.EmbeddingBag(10, 2, sparse=True), torch.nn.Linear(2, 2)))
         assert sync.start(sparse) == "sparse gradients"
-    finally: torch.distributed.destroy_process_group()
+        GradSync.replaces = False # The user's switch: DDP's reducer averages every batch, compiled or not
+        assert sync.start(ddp) == "kept, as `GradSync.replaces = False` asks" and sync.ddp is None
+        sync.before_batch(True)
+        assert ddp.require_backward_grad_sync and not sync.on
+    finally:
+        GradSync.replaces = True
+        torch.distributed.destroy_process_group()
