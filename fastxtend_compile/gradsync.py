@@ -89,7 +89,7 @@ def why_ddp_syncs(ddp:DistributedDataParallel)->str|None:
 # %% ../nbs/17_gradsync.ipynb #b1f62596
 class GradSync:
     "Under DDP, once the ranks ran compiled code, each batch's gradients averaged after its backward in one all-reduce, in place of DDP's reducer"
-    replaces = True # Whether it takes the compiled batches from DDP's reducer where it can: `GradSync.replaces = False` keeps DDP's own
+    replaces = True # `False`: DDP's reducer averages every batch
     def __init__(self):
         self.ddp = None # The fit's DDP model, whose batches' gradients this library averages once compiled code ran
         self.groups = [] # Its trained parameters' `GradBuffer`s, by device and dtype (`by_kind`)

@@ -687,6 +687,8 @@ def _no_room_first(name:str, step_bytes:int, free:int)->str:
     return (f"no tier compiled first: CUDA graphs ({name}), about {step_bytes/2**30:.1f} GB a step, don't fit with room to spare "
             f"in the {free/2**30:.1f} GB free on the fullest rank's GPU; the default's code goes first")
 
+
+# %% ../nbs/01_report.ipynb #c0a1e5da
 def _no_first(busy:float, step_s:float, saving_s:float, left:int, cost_s:float, idle:bool)->str:
     share = _share(busy, step_s, 'eager')
     if not idle: return f"no tier compiled first: {share}so CUDA graphs would save too little of it; the default's code goes first"
