@@ -18,7 +18,7 @@ from .internals import inductor_cache_dir
 from .worker import Worker, Job, JobResult, job_payload, read_json, write_json
 from .state import StateKey, Stage, Probe, ModelState, state_key
 from .payoff import COLD_S, WARM_S, WORKER_HANDOVER_S, batches_left
-from .life import advance, runs_eagerly
+from .life import advance
 from .agreement import Local, DDP
 from .report import Note, handover_text
 

@@ -11,16 +11,10 @@ from .worker import JobResult
 from .report import Note, unsent_text
 
 # %% auto #0
-__all__ = ['EAGER', 'COMPILED', 'runs_eagerly', 'advance']
+__all__ = ['EAGER', 'COMPILED', 'advance']
 
 # %% ../nbs/20_life.ipynb #8b0e2d41
 EAGER, COMPILED = ('run', 'eager'), ('run', 'compiled') # A batch move's last action: how the batch runs
-
-def runs_eagerly(
-    actions:tuple, # A batch move's actions (`advance`)
-)->bool:
-    "Whether the batch runs eagerly, as its move's last action says"
-    return actions[-1] is EAGER
 
 def advance(
     stage:Stage, # Where the model state is

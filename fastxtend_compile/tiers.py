@@ -147,6 +147,10 @@ class TierRun:
     def to(self, st, stage:Stage):
         "Move `st` on to `stage` of the tiers, from its first batch: a vote of the stage before it is moot"
         st.stage = stage
+        self._restart()
+
+    def _restart(self):
+        "A stage starts: no batch of it yet, no vote, no measure under way"
         self.n, self.vote, self.agreed = 0, None, None
         if self.profile is not None: self.profile.end()
         self.profile = None
@@ -156,7 +160,7 @@ class TierRun:
         if self.kept: return TierRun(self.tier, record=self.record), Stage.SETTLED
         if not (self.first and stage in (Stage.WARMUP, Stage.CHECK, Stage.WAIT)): return None, Stage.READY
         # The default's code, which the A/B needs, is compiled in the worker as the fit starts
-        self.n, self.vote, self.agreed, self.profile = 0, None, None, None
+        self._restart()
         self.grads, self.batches, self.since = False, 0, None
         return self, Stage.WAIT
 
