@@ -5,8 +5,10 @@
 # %% ../nbs/20_life.ipynb #3f6a1c20
 from __future__ import annotations
 
+from statistics import median
+
 from .state import Stage
-from .payoff import WORKER_SLOWDOWN, pays_back, recorded_saving, rest_needed, warm_cost, worker_rest
+from .payoff import WORKER_SLOWDOWN, pays_back, recorded_saving, rest_needed, warm_cost, worker_rest, tier_saving, cudagraphs_fit, faster
 from .worker import JobResult
 from .report import Note, unsent_text
 
@@ -18,8 +20,8 @@ EAGER, COMPILED = ('run', 'eager'), ('run', 'compiled') # A batch move's last ac
 
 def advance(
     stage:Stage, # Where the model state is
-    event:str, # What happened: 'batch', 'sent', 'unsent', 'done' or 'agreed'
-    f, # What is known, each fact read where the move needs it (`BackgroundCompile.facts`)
+    event:str, # What happened: 'batch', 'tier' (a training batch of its faster tiers), 'sent', 'unsent', 'done' or 'agreed'
+    f, # What is known, each fact read where the move needs it (`BackgroundCompile.facts`, `Tiers.facts`)
 )->tuple:
     "(stage, actions): where the state moves on `event`, and what the fit's parts do about it"
     return _MOVES[event](stage, f)
@@ -62,10 +64,14 @@ def _worth(stage, f, rec:dict|None, path:bool):
     return stage, (('send',),) # Its next move is the send's: 'sent' or 'unsent'
 
 # %% ../nbs/20_life.ipynb #0e7d5b96
-def _sent(stage, f): return Stage.COMPILING, (('compiling',), EAGER)
+def _sent(stage, f):
+    "Its job was sent to the worker; or, once its code runs, a faster tier's job or the default's for the A/B (`_tier_sent`)"
+    if stage.compiled: return _tier_sent(stage, f)
+    return Stage.COMPILING, (('compiling',), EAGER)
 
 def _unsent(stage, f):
     "It could not be sent to the worker, with `f.error`: it compiles in the fit's path now, the default's code; under DDP, a failure the ranks agree on"
+    if stage.compiled: return _tier_unsent(stage, f)
     if f.agrees: return Stage.DONE, (('default_first',), ('result', JobResult(False, unsent_text(f.error))), EAGER)
     return Stage.READY, (('default_first',), ('note', Note('unsent', error=f.error)), COMPILED)
 
@@ -92,4 +98,145 @@ def _agreed(stage, f):
     if d == 'start' and f.leader and f.worker == 'none': return stage, (('send',),)
     return stage, ()
 
-_MOVES = dict(batch=_batch, sent=_sent, unsent=_unsent, done=_done, agreed=_agreed)
+# %% ../nbs/20_life.ipynb #6e1b7a30
+def _tier(stage, f):
+    "A training batch of a state whose compiled code runs, on its way through the faster tiers (`Tiers`)"
+    return _TIER[stage](f, f.n)
+
+def _ready(f, n):
+    "Its code runs: a tier compiled first takes over, compiled warm at this batch; else the default goes first"
+    if f.dropped and not f.kept: return Stage.SETTLED, () # It raised before the state compiled
+    if f.first and not f.first_gone: return _switch((('result_first',),))
+    stage, acts = _settling(f, 0)
+    return stage, ((('fresh',),) if f.first else ()) + acts # The default's code was cached instead: the tier waits its turn
+
+def _settling(f, n):
+    "The default's first compiled batches, its caches warming"
+    return (Stage.TIME, ()) if n + 1 >= f.settle_batches else (Stage.SETTLE, (('tick',),))
+
+def _time(f, n):
+    "The default's step, timed alone"
+    return (Stage.TIME, (('time', 'base'),)) if len(f.base) < f.time_batches else _profile(f, 0)
+
+def _profile(f, n):
+    "The default's GPU work, measured: what the step needs decides the tier"
+    step_s = median(f.base)
+    if f.profiled is None: return Stage.PROFILE, (('measure', step_s),)
+    gpu_s, step_bytes = f.profiled or (None, None) # `False`: the device's work can't be measured
+    busy = None if gpu_s is None else min(gpu_s / step_s, 1.)
+    return _vote(f, ('pick', dict(busy=busy, step_s=step_s, step_bytes=step_bytes, free=f.free)))
+
+def _vote(f, vote:tuple):
+    "What this process measured, decided at once; under DDP cast for the ranks' next agreement, a tier compiled first running meanwhile"
+    return _decided(f, *vote) if not f.together else (Stage.AGREE, (('vote', vote),) + _meanwhile(f))
+
+def _meanwhile(f): return (('run_tier', True),) if f.first else () # The default's code may not be compiled
+
+def _agree(f, n):
+    "Under DDP: what the ranks decided on the vote, once they agreed"
+    return (Stage.AGREE, _meanwhile(f)) if f.agreed is None else _decided(f, *f.agreed)
+
+def _decided(f, kind:str, v:dict):
+    return dict(pick=_decide, check=_checked, verdict=_verdict)[kind](f, **v)
+
+
+# %% ../nbs/20_life.ipynb #6e1b7a31
+def _decide(f, busy:float|None, step_s:float, step_bytes:int|None, free:int|None):
+    "Pick the tier the measured step needs; the worker compiles it, or this batch where inductor's cache has its code; else why not"
+    if (name := f.tier_for(busy)) is None: return _settled_with(Note('no_busy'))
+    if f.graphs(name) and step_bytes is not None and free is not None and not cudagraphs_fit(free, step_bytes):
+        return _settled_with(Note('no_room', busy=busy, step_s=step_s, name=name, step_bytes=step_bytes, free=free))
+    cached = f.cached(name)
+    left = f.left(0. if cached else f.cold_s, step_s) # The batches it would run: uncached, after a compile as long as the default's
+    if not pays_back(left, saving := tier_saving(name, busy, step_s), f.try_cost_s):
+        return _settled_with(Note('no_gain', name=name, saving_s=saving, left=left, cost_s=f.try_cost_s))
+    why = None if busy is None else dict(busy=busy, step_s=step_s, of='default', graphs=f.graphs(name), saving=saving, first=False)
+    acts = (('tier', name, why),)
+    # Inductor's cache has its code. Under DDP the ranks of a host read one cache; hosts whose caches differ would part
+    # here, and stay on the default's code, as their votes on the tier never meet again
+    if cached: return _switch(acts)
+    # Under DDP the lowest rank on each device has its worker compile the tier; ranks that share the device wait for it
+    return (Stage.SETTLED, acts + (('send', 'tier'),)) if f.leader else (Stage.TIER_COMPILING, acts)
+
+def _settled_with(note:Note): return Stage.SETTLED, (('note', note),)
+
+def _tier_sent(stage, f):
+    "The tier's job is in the worker; or, where the tier compiled first waits, the default's, which it runs beside"
+    return (stage, (('run_tier', True),)) if stage is Stage.WAIT else (Stage.TIER_COMPILING, ())
+
+def _tier_unsent(stage, f):
+    "The job could not be sent, with `f.error`: the tier compiled first is kept without an A/B; a tier is not tried (under DDP, every rank's failure)"
+    if stage is Stage.WAIT: return _keep_alone(f, f.error, unsent=True)
+    if f.together: return Stage.TIER_COMPILING, (('res', JobResult(False, unsent_text(f.error))),)
+    return _settled_with(Note('tier_unsent', name=f.name, error=f.error))
+
+def _tier_compiling(f, n):
+    "Wait for the worker, under DDP every device's: the tier's code, or why it failed"
+    res, acts = f.res, ()
+    if res is None and f.has_job and f.polled is not None: res, acts = f.polled, (('compiled', f.polled),)
+    mine = res or (None if f.has_job else JobResult(True)) # A rank without a job: its device's worker compiles
+    vote = ('compile', None if mine is None else dict(ok=mine.ok, error=mine.error, oom=mine.oom, took_s=mine.took_s))
+    decided = f.agreed if f.together else vote
+    if decided is None or (v := decided[1]) is None: return Stage.TIER_COMPILING, acts + ((('vote', vote),) if f.together else ())
+    if not v['ok']: return Stage.SETTLED, acts + (('note', Note('tier_failed', name=f.name, res=JobResult(False, v['error'], v['oom'], took_s=v['took_s']))),)
+    stage, more = _switch()
+    return stage, acts + more
+
+def _switch(acts:tuple=()):
+    "This batch compiles the tier in the fit's path, from inductor's cache, timed"
+    return Stage.WARMUP, acts + (('run_tier', False), ('time', 'tier_times'))
+
+
+# %% ../nbs/20_life.ipynb #6e1b7a32
+def _warmup(f, n):
+    "The tier's first batches (CUDA graphs record at their first runs); the switch batch's time, less a step, was its compile"
+    acts = (('took', f.path),) if n == 0 else () # Warm, or first in the fit's path, cold
+    if n + 1 <= f.warmup_batches: return Stage.WARMUP, acts + (('tick',), ('run_tier', False))
+    if f.was_kept is not None: return _keep_faster(f, ('before', *f.was_kept)) # No A/B, nor the default's code for one
+    # Compiled first: in the fit's path, timed against the eager step; else the A/B waits for the default's code
+    stage, more = _TIER[Stage.AB if f.first_gone else Stage.CHECK if f.path else Stage.WAIT](f, 0)
+    return stage, acts + more
+
+def _check(f, n):
+    "The tier compiled first in the fit's path, timed alone: kept where it beats the eager step its probe timed, with no worker"
+    if len(f.tier_times) < f.time_batches: return Stage.CHECK, (('run_tier', True), ('time', 'tier_times'))
+    keep = bool(f.probe_s) and faster(f.tier_times, [f.probe_s]) # Under DDP, rank 0's: it alone timed the eager step
+    return _vote(f, ('check', dict(keep=keep, tier_s=median(f.tier_times), eager_s=f.probe_s if keep else None)))
+
+def _checked(f, keep:bool, tier_s:float, eager_s:float|None):
+    "Keep the tier where its steps beat the eager step; else the default's code decides in an A/B"
+    return _keep_faster(f, ('eager', tier_s, eager_s), 'the eager step') if keep else _wait(f, 0)
+
+def _wait(f, n):
+    "The tier compiled first runs while the default's code, which the A/B needs, compiles in the worker"
+    if not f.fallback: return (Stage.WAIT, (('send', 'fallback'),)) if not f.default_cached else _ab(f, 0)
+    if (res := f.fallback_res) is None: return Stage.WAIT, (('release',), ('run_tier', True))
+    stage, acts = _ab(f, 0) if res.ok else _keep_alone(f, res.error)
+    return stage, (('fallback_done', res),) + acts
+
+def _keep_alone(f, error:str, unsent:bool=False):
+    "Keep the tier compiled first without an A/B: the default's code isn't there to compare, its compile having failed (or not sent)"
+    return Stage.SETTLED, (('kept',), ('run_tier', True), ('note', Note('kept_alone', name=f.name, error=error, unsent=unsent)))
+
+def _ab(f, n):
+    "The tier and the default alternate, a batch each, each timed alone; then the faster is kept"
+    if n == 2*f.ab_batches:
+        return _vote(f, ('verdict', dict(keep=faster(f.tier_times, f.ab_base), tier_s=median(f.tier_times), base_s=median(f.ab_base))))
+    on = n % 2 == 0
+    return Stage.AB, ((('run_tier', False),) if on else ()) + (('time', 'tier_times' if on else 'ab_base'), ('tick',))
+
+def _verdict(f, keep:bool, tier_s:float, base_s:float):
+    "The A/B's (under DDP, rank 0's): the faster tier kept for the rest of the fit; else its graphs dropped"
+    if keep: return _keep_faster(f, ('ab', tier_s, base_s), 'the default')
+    return Stage.SETTLED, (('drop',), ('note', Note('not_kept', name=f.name, tier_s=tier_s, base_s=base_s)))
+
+def _keep_faster(f, against:tuple, of:str=''):
+    "Keep the tier, faster than `against`'s (kind, tier's seconds, other's seconds), the step of `of`: recorded, later fits keep it at once"
+    return Stage.SETTLED, (('kept',), ('run_tier', True)) + ((('record_kept', against[1], against[2], of),) if of else ()) + (('took_over', against),)
+
+def _settled(f, n): return Stage.SETTLED, (('run_tier', True),) if f.kept else ()
+
+_TIER = {Stage.READY: _ready, Stage.SETTLE: _settling, Stage.TIME: _time, Stage.PROFILE: _profile, Stage.TIER_COMPILING: _tier_compiling,
+         Stage.WARMUP: _warmup, Stage.CHECK: _check, Stage.WAIT: _wait, Stage.AB: _ab, Stage.AGREE: _agree, Stage.SETTLED: _settled}
+_MOVES = dict(batch=_batch, tier=_tier, sent=_sent, unsent=_unsent, done=_done, agreed=_agreed)
+

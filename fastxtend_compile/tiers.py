@@ -5,7 +5,7 @@
 # %% ../nbs/09_tiers.ipynb #78bf5b90
 from __future__ import annotations
 import time
-from statistics import median
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -15,12 +15,13 @@ from .core import uses_cudagraphs, compiled_call, CompiledCall, EagerPolicy
 from .internals import gpu_sleep
 from .worker import error_text, JobResult
 from .state import StateKey, Stage
-from .payoff import MARGIN, TIER_TRY_S, TIER_COMPILE_S, batches_left, pays_back, pick_tier, first_tier, first_saving, first_in_path, tier_saving, cudagraphs_fit, faster
+from .payoff import MARGIN, TIER_TRY_S, TIER_COMPILE_S, batches_left, pays_back, pick_tier, first_tier, first_saving, first_in_path, cudagraphs_fit
 from .background import BackgroundCompile, position
-from .report import Note, unsent_text
+from .life import advance
+from .report import Note
 
 # %% auto #0
-__all__ = ['TIERS', 'why_no_tiers', 'own_grads', 'TierRun', 'decide_tier', 'Tiers', 'FirstTier', 'TierStages']
+__all__ = ['TIERS', 'why_no_tiers', 'own_grads', 'TierRun', 'decide_tier', 'Tiers', 'FirstTier']
 
 # %% ../nbs/09_tiers.ipynb #fd24c3e4
 TIERS = { # A tier's `torch.compile` settings, over the model's
@@ -102,16 +103,18 @@ class _StepTimer:
 class _Profile:
     "Measures the GPU work of `batches` training batches in a row, within one epoch (a validation's work isn't the step's)"
     hold, hold_spare_s = 1.5, 2e-3 # The GPU is held 1.5 steps and 2 ms: the host queues a step in less than the step takes
-    def __init__(self, batches:int): self.batches, self.meter, self.busy, self.epoch = batches, None, [], None
+    def __init__(self, batches:int): self.batches, self.meter, self.busy, self.epoch, self.device = batches, None, [], None, None
 
-    def batch(self, learn, device:torch.device, step_s:float)->tuple|bool|None:
-        "Measure this batch, whose step takes about `step_s`: once done, (GPU seconds a step, bytes at its peak); `False` where the GPU can't be measured; else `None`"
-        if self.meter is not None and learn.epoch != self.epoch: self.end() # Started over
-        if self.meter is None: self.meter, self.busy, self.epoch = _BusyMeter(), [], learn.epoch
+    def result(self)->tuple|None:
+        "(GPU seconds a step, bytes at its peak) once its batches were measured; else `None`"
         # The least of the steps: a host slower than the hold, or a sync within the step, only ever adds idle time
-        if len(self.busy) >= self.batches: return min(self.busy), self.meter.peak_bytes(device)
-        hold_s = self.hold * (step_s if step_s < 1. else 1.) + self.hold_spare_s
-        return None if self.meter.start(device, hold_s) else False
+        if self.meter is not None and len(self.busy) >= self.batches: return min(self.busy), self.meter.peak_bytes(self.device)
+
+    def batch(self, learn, device:torch.device, step_s:float):
+        "Measure this batch, whose step takes about `step_s`"
+        if self.meter is not None and learn.epoch != self.epoch: self.end() # Started over
+        if self.meter is None: self.meter, self.busy, self.epoch, self.device = _BusyMeter(), [], learn.epoch, device
+        self.meter.start(device, self.hold * (step_s if step_s < 1. else 1.) + self.hold_spare_s)
 
     def batch_end(self, device:torch.device):
         "The batch measured ended"
@@ -202,7 +205,6 @@ class Tiers:
         self.aside = None # The fit's background compile, whose worker compiles the tiers; `None` while tiers are off
         self.device = None # The device the fit trains on
         self.first = FirstTier(self) # Measures new states' eager steps, for a tier compiled first
-        self.stages = TierStages(self) # What each stage of a state's way through the tiers does with its batches
         self.timer = _StepTimer() # Times a batch alone, where its state's stage needs
         self.measuring = None # The `_Profile` measuring the GPU work of the batch running
         self.notes = [] # The report's lines about the tiers of this fit
@@ -241,13 +243,19 @@ def before_batch(self:Tiers,
     if st.stage is Stage.PROBING: return self.first.batch(st, learn, model)
     if eager or not self.aside.ready(key): return # The compiled code doesn't run it yet
     if st.tier is None: st.tier = TierRun()
-    self.stages.batch(st.tier, learn, model, st)
+    self.act(st, 'tier', learn, model)
 
 @patch
-def measure(self:Tiers, profile:_Profile, learn, step_s:float)->tuple|bool|None:
-    "Measure this batch's GPU work with `profile`, where it isn't done: `_Profile.batch`"
-    if (done := profile.batch(learn, self.device, step_s)) is None: self.measuring = profile
-    return done
+def profiled(self:Tiers, profile:_Profile|None)->tuple|bool|None:
+    "(GPU seconds a step, bytes at its peak) that `profile` measured; `False` where the fit's device can't be measured; `None` till done"
+    if not _BusyMeter.measures(self.device): return False
+    return None if profile is None else profile.result()
+
+@patch
+def measure(self:Tiers, run:TierRun, learn, step_s:float, batches:int|None=None):
+    "Measure this batch's GPU work for `run`'s profile, of `batches` (`profile_batches`) steps of about `step_s`"
+    self.measuring = run.profile = run.profile or _Profile(batches or self.profile_batches)
+    run.profile.batch(learn, self.device, step_s)
 
 @patch
 def after_batch(self:Tiers)->bool:
@@ -349,7 +357,7 @@ def _drop_raised(self:Tiers, name:str, model:nn.Module, note:Note):
     self.dropped.add(name)
     for st in self._states():
         if (run := st.tier).tier != name: continue
-        if st.stage.compiled: run.to(st, Stage.SETTLED) # Not yet compiled, it settles once it is (`TierStages._on_ready`)
+        if st.stage.compiled: run.to(st, Stage.SETTLED) # Not yet compiled, it settles once it is (its first tier move)
         run.kept = False
         self.aside.warm_starts.kept(run.record, None) # A later fit tries it afresh
     self.drop(name, model)
@@ -393,8 +401,7 @@ class FirstTier:
         if st.probe.seen < self.tiers.aside.probe_batches:
             st.held = _BusyMeter.measures(self.tiers.device)
             return
-        run.profile = run.profile or _Profile(self.batches)
-        if (done := self.tiers.measure(run.profile, learn, st.probe.fastest)) is None: return
+        if (done := self.tiers.profiled(run.profile)) is None: return self.tiers.measure(run, learn, st.probe.fastest, self.batches)
         st.held = False
         run.picked, run.profile = True, None # The default goes first, unless the measure picks a tier
         if done: self._pick(run, learn, model, st, *done)
@@ -447,201 +454,104 @@ def adopt(self:FirstTier,
     if self.offer(st) is None: self._set(st.tier or TierRun(), st, model, offer['tier'], offer['path'], offer['why'], offer['step_bytes'])
 
 # %% ../nbs/09_tiers.ipynb #27bdc29b
-class TierStages:
-    "What each stage of the tiers does with a training batch of a state whose compiled code runs: one method a stage, moving it on"
-    def __init__(self,
-        tiers:Tiers, # The fit's `Tiers`: their settings, device, worker, timer and notes
-    ):
-        self.tiers = tiers
+class _TierFacts:
+    "What a tier move of model state `st` may need to know (`advance`), each read where the move asks"
+    def __init__(self, tiers:Tiers, st, learn, model:nn.Module, **given):
+        self.t, self.st, self.run, self.learn, self.model = tiers, st, st.tier, learn, model
+        self.__dict__.update(given) # What the event brings: why a job wasn't sent
+    n = property(lambda self: self.run.n) # Batches of its stage so far
+    name = property(lambda self: self.run.tier)
+    kept, first = property(lambda self: self.run.kept), property(lambda self: self.run.first) # Kept; compiled first
+    first_gone = property(lambda self: self.st.first is None) # None compiled first, or the default's code was cached instead
+    path = property(lambda self: self.st.path) # The tier compiled first compiles in the fit's path
+    dropped = property(lambda self: self.run.tier in self.t.dropped) # It raised in this fit
+    base, tier_times, ab_base = (property(lambda self, k=k: getattr(self.run, k)) for k in ('base', 'tier_times', 'ab_base'))
+    settle_batches, time_batches, warmup_batches, ab_batches, try_cost_s = (
+        property(lambda self, k=k: getattr(self.t, k)) for k in ('settle_batches', 'time_batches', 'warmup_batches', 'ab_batches', 'try_cost_s'))
+    profiled = property(lambda self: self.t.profiled(self.run.profile)) # (GPU seconds, peak bytes) of the step; `False`: unmeasurable
+    free = property(lambda self: self.t.free())
+    together = property(lambda self: self.t.together)
+    agreed = property(lambda self: self.run.agreed) # (kind, value) the ranks decided on its vote
+    leader = property(lambda self: self.t.aside.ranks.leader) # This rank's worker compiles for its device
+    tier_for = property(lambda self: self.t.pick)
+    graphs = property(lambda self: self.t.graphs)
+    res, has_job = property(lambda self: self.run.res), property(lambda self: self.run.job is not None)
+    was_kept = property(lambda self: self.t.aside.warm_starts.was_kept(self.run.record)) # Kept by an earlier fit
+    probe_s = property(lambda self: None if self.st.probe is None else self.st.probe.step_s) # The eager step its probe timed
+    fallback = property(lambda self: self.st.fallback is not None) # The default's job, for the A/B, is in the worker or held
+    default_cached = property(lambda self: self.t.aside.warm_starts.get(self.st.record) is not None)
 
-    def batch(self, run:TierRun, learn, model:nn.Module, st):
-        "This training batch of `st`, at its tier's stage"
-        self.on[st.stage](self, run, learn, model, st)
+    def cached(self, name:str)->bool: return self.t.aside.warm_starts.get(self.t.record(self.model, self.st, name)) is not None
+    def left(self, wait_s:float, step_s:float)->int: return batches_left(self.learn, wait_s, step_s)
 
-    def _on_ready(self, run, learn, model, st):
-        "The state's code runs: a tier compiled first takes over, compiled warm at this batch; else the default goes first"
-        if run.tier in self.tiers.dropped and not run.kept: return run.to(st, Stage.SETTLED) # It raised before the state compiled
-        if run.first and st.first is None: run = st.tier = TierRun() # The default's code was cached instead: it waits its turn
-        if not run.first:
-            run.to(st, Stage.SETTLE)
-            return self._on_settle(run, learn, model, st)
-        run.res = st.result # `None` where inductor's cache had its code
-        self._switch(run, learn, st)
+    @property
+    def cold_s(self)->float:
+        "Seconds the state's default compiled in the worker; the prior where unrecorded"
+        return (self.t.aside.warm_starts.get(self.st.record) or {}).get('cold_s', self.t.compile_guess_s)
 
-    def _on_settle(self, run, learn, model, st):
-        run.n += 1
-        if run.n >= self.tiers.settle_batches: run.to(st, Stage.TIME)
+    @cached_property
+    def polled(self)->JobResult|None: return self.t.aside.poll(self.run.job) # The tier's job, once done
 
-    def _on_time(self, run, learn, model, st):
-        if len(run.base) < self.tiers.time_batches: return self.tiers.timer.start(run.base)
-        run.to(st, Stage.PROFILE)
-        self._on_profile(run, learn, model, st)
-
-    def _on_profile(self, run, learn, model, st):
-        run.profile = run.profile or _Profile(self.tiers.profile_batches)
-        if (done := self.tiers.measure(run.profile, learn, median(run.base))) is None: return
-        gpu_s, step_bytes = done or (None, None)
-        busy = None if gpu_s is None else min(gpu_s / median(run.base), 1.)
-        run.to(st, Stage.AGREE)
-        run.vote = ('pick', dict(busy=busy, step_s=median(run.base), step_bytes=step_bytes, free=self.tiers.free()))
-        self._on_agree(run, learn, model, st)
-
-    def _on_agree(self, run, learn, model, st):
-        "Act on what was measured once it is decided: at once in one process; under DDP at the ranks' next agreement, the tier compiled first or the default's code running meanwhile"
-        if (decided := self.tiers.decision(run)) is None:
-            # A tier compiled first runs on meanwhile: the default's code may not be compiled
-            if run.first: self.tiers.run_tier(learn, run, counted=True)
-            return
-        kind, v = decided
-        if kind == 'verdict': return self._verdict(run, learn, model, st, **v)
-        if kind == 'check': return self._checked(run, learn, model, st, **v)
-        run.to(st, Stage.SETTLED)
-        if why := self._decide(run, learn, model, st, **v): self.tiers.notes.append(why)
+    @cached_property
+    def fallback_res(self)->JobResult|None: return self.t.aside.poll(self.st.fallback) # The default's, once done
 
 # %% ../nbs/09_tiers.ipynb #2d2418ad
 @patch
-def _decide(self:TierStages, run, learn, model, st, busy:float|None, step_s:float, step_bytes:int|None, free:int|None)->Note|None:
-    "Pick the tier the measured step needs, and have the worker compile it, or compile it at once where its code is cached; else why not"
-    if (name := self.tiers.pick(busy)) is None: return Note('no_busy')
-    if self.tiers.graphs(name) and step_bytes is not None and free is not None and not cudagraphs_fit(free, step_bytes):
-        return Note('no_room', busy=busy, step_s=step_s, name=name, step_bytes=step_bytes, free=free)
-    run.record = self.tiers.record(model, st, name)
-    cached = self.tiers.aside.warm_starts.get(run.record) is not None
-    # Uncached, it compiles in the worker about as long as the default did
-    wait_s = 0. if cached else (self.tiers.aside.warm_starts.get(st.record) or {}).get('cold_s', self.tiers.compile_guess_s)
-    left = batches_left(learn, wait_s, step_s) # The batches it would run
-    if not pays_back(left, saving := tier_saving(name, busy, step_s), self.tiers.try_cost_s):
-        return Note('no_gain', name=name, saving_s=saving, left=left, cost_s=self.tiers.try_cost_s)
-    run.tier = name
-    if busy is not None: run.why = dict(busy=busy, step_s=step_s, of='default', graphs=self.tiers.graphs(name), saving=saving, first=False)
-    # Inductor's cache has its code. Under DDP the ranks of a host read one cache; hosts whose caches differ would part
-    # here, and stay on the default's code, as their votes on the tier never meet again
-    if cached: return self._switch(run, learn, st)
-    # Under DDP the lowest rank on each device has its worker compile the tier; ranks that share the device wait for it
-    if self.tiers.aside.ranks.leader:
-        try: run.job = self.tiers.aside.submit(model, learn, self.tiers.settings_of(name))
-        except Exception as e:
-            if not self.tiers.together: return Note('tier_unsent', name=name, error=f"{type(e).__name__}: {e}")
-            run.res = JobResult(False, unsent_text(f"{type(e).__name__}: {e}")) # Every rank's failure
-    run.to(st, Stage.TIER_COMPILING)
+def facts(self:Tiers, st, learn, model:nn.Module, **given)->_TierFacts: return _TierFacts(self, st, learn, model, **given)
 
 @patch
-def _on_compile(self:TierStages, run, learn, model, st):
-    "Wait for the worker, under DDP every device's: the tier's code, or why it failed"
-    if run.res is None and run.job is not None and (res := self.tiers.aside.poll(run.job)) is not None:
-        self.tiers.aside.warm_starts.compiled(run.record, res)
-        run.res = res
-    mine = run.res or (None if run.job is not None else JobResult(True)) # A rank without a job: its device's worker compiles
-    run.vote = ('compile', None if mine is None else dict(ok=mine.ok, error=mine.error, oom=mine.oom, took_s=mine.took_s))
-    if (decided := self.tiers.decision(run)) is None or (res := decided[1]) is None: return
-    if not res['ok']:
-        run.to(st, Stage.SETTLED)
-        return self.tiers.notes.append(Note('tier_failed', name=run.tier, res=JobResult(False, res['error'], res['oom'], took_s=res['took_s'])))
-    self._switch(run, learn, st)
+def act(self:Tiers,
+    st, # The state that moves, whose compiled code runs
+    event:str, # What happened (`advance`): 'tier', a training batch of it; 'sent' or 'unsent', the job this rank sent
+    learn, # The `Learner` whose batch this is
+    model:nn.Module, # The model being compiled (not DDP's wrapper)
+    **given, # What the event brings
+):
+    "Move `st` on through the tiers on `event`, and carry out the move's actions, deciding nothing"
+    stage, actions = advance(st.stage, event, self.facts(st, learn, model, **given))
+    if stage is not st.stage: st.tier.to(st, stage) # A stage starts from its first batch: no vote, no measure
+    for kind, *args in actions:
+        if kind == 'send': return self._send(st, learn, model, *args) # Its move is then 'sent' or 'unsent'
+        _TIER_ACTS[kind](self, st, learn, model, *args)
 
 @patch
-def _switch(self:TierStages, run, learn, st):
-    "This batch compiles the tier in the fit's path, from inductor's cache, timed"
-    run.to(st, Stage.WARMUP)
-    self.tiers.run_tier(learn, run)
-    self.tiers.timer.start(run.tier_times)
+def _send(self:Tiers, st, learn, model:nn.Module, what:str):
+    "Have the worker compile `what`: the tier, or the default's code for the A/B"
+    try:
+        if what == 'tier': st.tier.job = self.aside.submit(model, learn, self.settings_of(st.tier.tier))
+        else: st.fallback = self.aside.submit(model, learn)
+    except Exception as e: return self.act(st, 'unsent', learn, model, error=f"{type(e).__name__}: {e}")
+    self.act(st, 'sent', learn, model)
 
-# %% ../nbs/09_tiers.ipynb #0514d3cf
-@patch
-def _on_warmup(self:TierStages, run, learn, model, st):
-    if run.n == 0: # The switch batch's time, less a step: its compile, warm or, first in the fit's path, cold
-        run.warm = max(run.tier_times.pop() - min(run.base, default=0.), 0.)
-        ws = self.tiers.aside.warm_starts
-        if st.path: ws.path(run.record, run.warm)
-        else: ws.warmed(run.record, run.warm)
-    run.n += 1
-    if run.n <= self.tiers.warmup_batches: return self.tiers.run_tier(learn, run)
-    if (kept := self.tiers.aside.warm_starts.was_kept(run.record)) is not None: # No A/B, nor the default's code for one
-        return self._keep_faster(run, learn, st, ('before', *kept))
-    # Compiled first: in the fit's path, timed against the eager step; else the A/B waits for the default's code
-    run.to(st, Stage.AB if st.first is None else Stage.CHECK if st.path else Stage.WAIT)
-    self.on[st.stage](self, run, learn, model, st)
+def _took(t, st, learn, model, path:bool):
+    "The switch batch's time, less a step: the tier's compile, warm or, first in the fit's path, cold"
+    run, ws = st.tier, t.aside.warm_starts
+    run.warm = max(run.tier_times.pop() - min(run.base, default=0.), 0.)
+    (ws.path if path else ws.warmed)(run.record, run.warm)
 
-@patch
-def _on_check(self:TierStages, run, learn, model, st):
-    "The tier compiled first in the fit's path, timed alone: kept where it beats the eager step its probe timed, with no worker; else the A/B decides"
-    if len(run.tier_times) < self.tiers.time_batches:
-        self.tiers.run_tier(learn, run, counted=True)
-        return self.tiers.timer.start(run.tier_times)
-    # Under DDP, rank 0's: it alone timed the eager step
-    keep = st.probe is not None and st.probe.step_s > 0 and faster(run.tier_times, [st.probe.step_s])
-    tier_s = median(run.tier_times)
-    run.to(st, Stage.AGREE)
-    run.vote = ('check', dict(keep=keep, tier_s=tier_s, eager_s=st.probe.step_s if keep else None))
-    self._on_agree(run, learn, model, st)
+def _took_over(t, st, learn, model, against:tuple):
+    run = st.tier
+    t.notes.append(Note('tier_took_over', name=run.tier, why=run.why, res=run.res, warm_s=run.warm, path=st.path, at=position(learn),
+                        ranks=t.aside.ranks.together(), against=against))
 
-@patch
-def _checked(self:TierStages, run, learn, model, st, keep:bool, tier_s:float, eager_s:float|None):
-    "Keep the tier compiled first in the fit's path where its steps beat the eager step; else the default's code decides in an A/B"
-    if keep: return self._keep_faster(run, learn, st, ('eager', tier_s, eager_s), 'the eager step')
-    run.to(st, Stage.WAIT) # Not faster than eager, or the eager step unmeasured in this fit
-    self._on_wait(run, learn, model, st)
+def _set(run, **values): run.__dict__.update(values)
 
-@patch
-def _on_wait(self:TierStages, run, learn, model, st):
-    "The tier compiled first runs while the default's code, which the A/B needs, compiles in the worker"
-    if st.fallback is None and self.tiers.aside.warm_starts.get(st.record) is None: # A warm start of the tier alone
-        try: st.fallback = self.tiers.aside.submit(model, learn)
-        except Exception as e: return self._keep(run, learn, st, f"{type(e).__name__}: {e}", unsent=True)
-    if st.fallback is not None:
-        if (res := self.tiers.aside.poll(self.tiers.aside.release(st.fallback))) is None: return self.tiers.run_tier(learn, run, counted=True)
-        st.fallback = None
-        self.tiers.aside.warm_starts.compiled(st.record, res)
-        if not res.ok: return self._keep(run, learn, st, res.error)
-    run.to(st, Stage.AB)
-    self._on_ab(run, learn, model, st)
-
-@patch
-def _keep(self:TierStages, run, learn, st, error:str, unsent:bool=False):
-    "Keep the tier compiled first without an A/B: the default's code isn't there to compare, its compile having failed (`unsent`: not sent) with `error`"
-    run.to(st, Stage.SETTLED)
-    run.kept = True
-    self.tiers.run_tier(learn, run, counted=True)
-    self.tiers.notes.append(Note('kept_alone', name=run.tier, error=error, unsent=unsent))
-
-# %% ../nbs/09_tiers.ipynb #f6f080e9
-@patch
-def _on_ab(self:TierStages, run, learn, model, st):
-    "Alternate the tier and the default, a batch each, each timed alone; then keep the faster"
-    if run.n == 2*self.tiers.ab_batches:
-        run.to(st, Stage.AGREE)
-        run.vote = ('verdict', dict(keep=faster(run.tier_times, run.ab_base), tier_s=median(run.tier_times), base_s=median(run.ab_base)))
-        return self._on_agree(run, learn, model, st)
-    on = run.n % 2 == 0
-    if on: self.tiers.run_tier(learn, run)
-    self.tiers.timer.start(run.tier_times if on else run.ab_base)
-    run.n += 1
-
-@patch
-def _verdict(self:TierStages, run, learn, model, st, keep:bool, tier_s:float, base_s:float):
-    "Keep the faster tier for the rest of the fit, as the A/B (under DDP, rank 0's) found; else drop its graphs"
-    if keep: return self._keep_faster(run, learn, st, ('ab', tier_s, base_s), 'the default')
-    run.to(st, Stage.SETTLED)
-    self.tiers.drop(run.tier, model)
-    self.tiers.notes.append(Note('not_kept', name=run.tier, tier_s=tier_s, base_s=base_s))
-
-@patch
-def _keep_faster(self:TierStages, run, learn, st, against:tuple, of:str=''):
-    "Keep the tier, faster than `against`'s (kind, tier's seconds, other's seconds), the step of `of`, for the rest of the fit; recorded, later fits of the state keep it at once"
-    run.to(st, Stage.SETTLED)
-    run.kept = True
-    self.tiers.run_tier(learn, run, counted=True)
-    if of: self.tiers.aside.warm_starts.kept(run.record, median(run.tier_times), against[2], of)
-    self.tiers.notes.append(Note('tier_took_over', name=run.tier, why=run.why, res=run.res, warm_s=run.warm, path=st.path,
-                                 at=position(learn), ranks=self.tiers.aside.ranks.together(), against=against))
-
-@patch
-def _on_done(self:TierStages, run, learn, model, st):
-    if run.kept: self.tiers.run_tier(learn, run, counted=True)
-
-# What each stage does with a batch, once every stage's method is on the class
-TierStages.on = {
-    Stage.READY: TierStages._on_ready, Stage.SETTLE: TierStages._on_settle, Stage.TIME: TierStages._on_time,
-    Stage.PROFILE: TierStages._on_profile, Stage.TIER_COMPILING: TierStages._on_compile, Stage.WARMUP: TierStages._on_warmup,
-    Stage.CHECK: TierStages._on_check, Stage.WAIT: TierStages._on_wait, Stage.AB: TierStages._on_ab, Stage.AGREE: TierStages._on_agree,
-    Stage.SETTLED: TierStages._on_done}
+# What each of a tier move's actions does (`advance`): 'send' is `act`'s own
+_TIER_ACTS = dict(
+    fresh=lambda t, st, learn, model: setattr(st, 'tier', TierRun()),
+    tick=lambda t, st, learn, model: _set(st.tier, n=st.tier.n + 1),
+    time=lambda t, st, learn, model, times: t.timer.start(getattr(st.tier, times)),
+    measure=lambda t, st, learn, model, step_s: t.measure(st.tier, learn, step_s),
+    vote=lambda t, st, learn, model, vote: _set(st.tier, vote=vote),
+    tier=lambda t, st, learn, model, name, why: _set(st.tier, tier=name, record=t.record(model, st, name), why=why),
+    compiled=lambda t, st, learn, model, res: (t.aside.warm_starts.compiled(st.tier.record, res), _set(st.tier, res=res)),
+    res=lambda t, st, learn, model, res: _set(st.tier, res=res),
+    result_first=lambda t, st, learn, model: _set(st.tier, res=st.result), # `None` where inductor's cache had its code
+    run_tier=lambda t, st, learn, model, counted: t.run_tier(learn, st.tier, counted),
+    took=_took, took_over=_took_over,
+    kept=lambda t, st, learn, model: _set(st.tier, kept=True),
+    record_kept=lambda t, st, learn, model, tier_s, other_s, of: t.aside.warm_starts.kept(st.tier.record, tier_s, other_s, of),
+    drop=lambda t, st, learn, model: t.drop(st.tier.tier, model),
+    note=lambda t, st, learn, model, note: t.notes.append(note),
+    release=lambda t, st, learn, model: t.aside.release(st.fallback),
+    fallback_done=lambda t, st, learn, model, res: (setattr(st, 'fallback', None), t.aside.warm_starts.compiled(st.record, res)))

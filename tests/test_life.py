@@ -104,3 +104,92 @@ def test_a_fit_ends_where_the_next_starts_its_tiers():
     assert ended(Stage.WARMUP, first=True) == (Stage.WAIT, (None, False))
     assert ended(Stage.AB) == (R, None)
     assert ended(Stage.TIME, none=True) == (R, None)
+
+# A compiled state's way through the faster tiers: each move of `advance(stage, 'tier', ...)`, and its jobs' 'sent' and 'unsent'
+from fastxtend_compile import tiers
+from fastxtend_compile.payoff import pick_tier
+SE, TI, PR, TC, WU, CK, WA, AB, AG, SD = (Stage.SETTLE, Stage.TIME, Stage.PROFILE, Stage.TIER_COMPILING, Stage.WARMUP, Stage.CHECK,
+                                          Stage.WAIT, Stage.AB, Stage.AGREE, Stage.SETTLED)
+
+def tier_facts(**kw):
+    "A training batch of a compiled state in one process, on a GPU with room: its default's steps 100 ms, 10,000 batches left"
+    return SimpleNamespace(**{**dict(n=0, name='reduce-overhead', kept=False, first=False, first_gone=True, path=False, dropped=False,
+        base=[0.1]*8, tier_times=[], ab_base=[], settle_batches=4, time_batches=8, warmup_batches=3, ab_batches=8, try_cost_s=2.,
+        profiled=None, free=80*2**30, together=False, agreed=None, leader=True, tier_for=pick_tier, graphs=lambda name: name == 'reduce-overhead',
+        cached=lambda name: False, left=lambda wait_s, step_s: 10_000, cold_s=20., res=None, has_job=False, polled=None, was_kept=None,
+        probe_s=None, fallback=False, default_cached=True, fallback_res=None), **kw})
+
+FIRST = dict(first=True, first_gone=False) # A tier compiled first, before the default's code
+LAUNCH = dict(profiled=(0.03, 2**30)) # The GPU ran work 30% of the default's step: CUDA graphs pay
+TOGETHER = dict(together=True)
+PICKED = ('pick', dict(busy=0.3, step_s=0.1, step_bytes=0, free=None))
+FAILED_ELSEWHERE = ('compile', dict(ok=False, error='out of memory', oom=True, took_s=5.))
+KEEP = ['kept', 'run_tier', 'record_kept', 'took_over']
+
+TIER_MOVES = [ # (what, stage, event, facts, the stage it moves to, its actions' kinds)
+    ('a tier that raised before the code ran', R, 'tier', dict(dropped=True), SD, []),
+    ('the default goes first', R, 'tier', {}, SE, ['tick']),
+    ('a tier compiled first takes over', R, 'tier', FIRST, WU, ['result_first', 'run_tier', 'time']),
+    ('the default cached instead of the tier', R, 'tier', dict(first=True), SE, ['fresh', 'tick']),
+    ('its caches warm', SE, 'tier', dict(n=1), SE, ['tick']),
+    ('warm: its step timed next', SE, 'tier', dict(n=3), TI, []),
+    ('its step timed', TI, 'tier', dict(base=[0.1]*3), TI, ['time']),
+    ('timed: its GPU work measured', TI, 'tier', {}, PR, ['measure']),
+    ('its GPU work measured', PR, 'tier', {}, PR, ['measure']),
+    ('launch-bound: CUDA graphs in the worker', PR, 'tier', LAUNCH, SD, ['tier', 'send']),
+    ('their code cached', PR, 'tier', dict(cached=lambda name: True, **LAUNCH), WU, ['tier', 'run_tier', 'time']),
+    ('another rank compiles for the device', PR, 'tier', dict(leader=False, **LAUNCH), TC, ['tier']),
+    ('no room for the graphs', PR, 'tier', dict(free=2**20, **LAUNCH), SD, ['note']),
+    ('too few batches left', PR, 'tier', dict(left=lambda wait_s, step_s: 20, **LAUNCH), SD, ['note']),
+    ('unmeasurable: no tier', PR, 'tier', dict(profiled=False), SD, ['note']),
+    ('under DDP, its vote', PR, 'tier', dict(**LAUNCH, **TOGETHER), AG, ['vote']),
+    ('under DDP, the ranks undecided', AG, 'tier', TOGETHER, AG, []),
+    ('undecided, the tier compiled first runs', AG, 'tier', dict(**FIRST, **TOGETHER), AG, ['run_tier']),
+    ('under DDP, decided', AG, 'tier', dict(agreed=PICKED, **TOGETHER), SD, ['tier', 'send']),
+    ('the tier sent', SD, 'sent', {}, TC, []),
+    ('the tier not sent', SD, 'unsent', dict(error='PicklingError: no'), SD, ['note']),
+    ('not sent, under DDP', SD, 'unsent', dict(error='PicklingError: no', **TOGETHER), TC, ['res']),
+    ('the tier compiles', TC, 'tier', dict(has_job=True), TC, []),
+    ('the tier compiled', TC, 'tier', dict(has_job=True, polled=OK), WU, ['compiled', 'run_tier', 'time']),
+    ('the tier failed', TC, 'tier', dict(has_job=True, polled=BAD), SD, ['compiled', 'note']),
+    ('compiled here, under DDP', TC, 'tier', dict(has_job=True, polled=OK, **TOGETHER), TC, ['compiled', 'vote']),
+    ('failed on another device', TC, 'tier', dict(agreed=FAILED_ELSEWHERE, **TOGETHER), SD, ['note']),
+    ('the switch batch timed', WU, 'tier', {}, WU, ['took', 'tick', 'run_tier']),
+    ('warm: the A/B', WU, 'tier', dict(n=3), AB, ['run_tier', 'time', 'tick']),
+    ('kept by an earlier fit', WU, 'tier', dict(n=3, was_kept=[0.05, 0.1, 'the default']), SD, ['kept', 'run_tier', 'took_over']),
+    ('compiled first in the path: checked', WU, 'tier', dict(n=3, path=True, **FIRST), CK, ['run_tier', 'time']),
+    ('compiled first in the worker: it waits', WU, 'tier', dict(n=3, fallback=True, **FIRST), WA, ['release', 'run_tier']),
+    ('it beats the eager step', CK, 'tier', dict(tier_times=[0.05]*8, probe_s=0.1, path=True, **FIRST), SD, KEEP),
+    ('no faster than eager', CK, 'tier', dict(tier_times=[0.1]*8, probe_s=0.1, path=True, default_cached=False, **FIRST), WA, ['send']),
+    ('the eager step unmeasured', CK, 'tier', dict(tier_times=[0.05]*8, path=True, **FIRST), AB, ['run_tier', 'time', 'tick']),
+    ("the default's job sent", WA, 'sent', FIRST, WA, ['run_tier']),
+    ("the default's job not sent", WA, 'unsent', dict(error='PicklingError: no', **FIRST), SD, ['kept', 'run_tier', 'note']),
+    ('the default compiled: the A/B', WA, 'tier', dict(fallback=True, fallback_res=OK, **FIRST), AB, ['fallback_done', 'run_tier', 'time', 'tick']),
+    ('the default failed: the tier kept alone', WA, 'tier', dict(fallback=True, fallback_res=BAD, **FIRST), SD, ['fallback_done', 'kept', 'run_tier', 'note']),
+    ("the A/B: the tier's batch", AB, 'tier', dict(n=2), AB, ['run_tier', 'time', 'tick']),
+    ("the A/B: the default's batch", AB, 'tier', dict(n=3), AB, ['time', 'tick']),
+    ('the tier wins its A/B', AB, 'tier', dict(n=16, tier_times=[0.05]*8, ab_base=[0.1]*8), SD, KEEP),
+    ('the tier loses its A/B', AB, 'tier', dict(n=16, tier_times=[0.098]*8, ab_base=[0.1]*8), SD, ['drop', 'note']),
+    ("rank 0's A/B, under DDP", AB, 'tier', dict(n=16, tier_times=[0.05]*8, ab_base=[0.1]*8, **TOGETHER), AG, ['vote']),
+    ('its tier kept', SD, 'tier', dict(kept=True), SD, ['run_tier']),
+    ('the default kept', SD, 'tier', {}, SD, []),
+]
+
+@pytest.mark.parametrize('what,stage,event,given,to,acts', TIER_MOVES, ids=[m[0] for m in TIER_MOVES])
+def test_each_move_through_the_tiers(what, stage, event, given, to, acts):
+    moved, actions = advance(stage, event, tier_facts(**given))
+    assert (moved, [a[0] for a in actions]) == (to, acts)
+    assert {a[0] for a in actions} - {'send'} <= set(tiers._TIER_ACTS) # `Tiers.act` carries out each
+    assert ('send',) not in [a[:1] for a in actions[:-1]] # A job's send is the move's last action: 'sent' or 'unsent' goes on
+    # A vote waits for the ranks: cast only where the state stays to wait, since a new stage starts with none
+    assert not any(a[0] == 'vote' for a in actions) or moved in (AG, TC)
+
+def test_the_tiers_notes_say_what_they_weighed():
+    "Why no tier, or why the tier compiled first is kept alone, in the report's words"
+    def said(stage, event, **given): return next(a[1] for a in advance(stage, event, tier_facts(**given))[1] if a[0] == 'note')
+    assert said(PR, 'tier', left=lambda wait_s, step_s: 20, **LAUNCH).text == (
+        "no faster tier: reduce-overhead would save about 70.0 ms a step over the 20 training batches left once it compiled, 1.4s in all, "
+        "under the 2s trying it costs the fit")
+    assert said(PR, 'tier', free=2**20, **LAUNCH).kind == 'no_room'
+    assert said(WA, 'unsent', error='PicklingError: no', **FIRST).kind == 'kept_alone'
+    assert said(TC, 'tier', agreed=FAILED_ELSEWHERE, **TOGETHER).facts['res'].oom # Another device's failure, as that device had it
