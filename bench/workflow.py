@@ -62,7 +62,7 @@ eager-fused where that arm ran) and DIR/arms.log (each process's command and the
 after every arm. Exits with status 1 when an arm failed.
 """
 from __future__ import annotations
-import argparse, datetime, json, os, shutil, statistics, sys, tempfile, time
+import argparse, collections, datetime, json, os, shutil, statistics, sys, tempfile, time
 from contextlib import nullcontext
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -455,7 +455,7 @@ def child(spec:dict)->dict:
     res['optimizer'] = f"{type(opt).__module__.split('.')[0]}.{type(opt).__name__}" + (' (fused)' if getattr(opt, 'defaults', {}).get('fused') else '')
     if cuda: res['peak_mem_gb'] = torch.cuda.max_memory_allocated() / 2**30
     if spec.get('get_preds'): res['get_preds_s'] = get_preds_s
-    if host_work: res['host_work_ms'] = dict(median=1e3*statistics.median(host_work[len(host_work)//2:]), batches=len(host_work)//2)
+    if host_work: res['host_work_ms'] = host_work_ms(host_work)
     try: # Inductor's cache hits and misses in this process: a warm compile hits
         from torch._dynamo.utils import counters
         res['inductor_counters'] = {k: v for k,v in counters['inductor'].items() if 'cache' in k}
@@ -547,21 +547,28 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 def library_host_work(end)->list:
-    "Seconds of the host's time each training batch spends in the library's own code: `CompilerCallback`'s events, copying the batch ahead"
+    "Seconds of the host's time each training batch spends in the library's own code, by part: `CompilerCallback`'s events, copying the batch ahead"
     from fastxtend_compile.callback import CompilerCallback
     from fastxtend_compile.pace import Prefetch
-    spent, per_batch = [0.], []
-    def timed(f):
+    spent, per_batch = collections.Counter(), []
+    def timed(f, part=None):
         def inner(*args, **kwargs):
             t = time.perf_counter()
             try: return f(*args, **kwargs)
-            finally: spent[0] += time.perf_counter() - t
+            finally: spent[part or args[1]] += time.perf_counter() - t # A callback's event, by its name
         return inner
     CompilerCallback.__call__ = timed(CompilerCallback.__call__)
-    Prefetch._copy, Prefetch._ready = timed(Prefetch._copy), timed(Prefetch._ready)
-    def batch_done(): per_batch.append(spent[0]); spent[0] = 0.
+    Prefetch._copy, Prefetch._ready = timed(Prefetch._copy, 'copy ahead'), timed(Prefetch._ready, 'batch ready')
+    def batch_done(): per_batch.append(dict(spent)); spent.clear()
     end.batch_done = batch_done
     return per_batch
+
+def host_work_ms(per_batch:list)->dict:
+    "The median of the library's host time a training batch over the fit's second half, and of each part's"
+    half = per_batch[len(per_batch)//2:]
+    parts = {k for b in half for k in b}
+    return dict(median=1e3*statistics.median(sum(b.values()) for b in half), batches=len(half),
+                parts={k: round(1e3*statistics.median(b.get(k, 0.) for b in half), 4) for k in sorted(parts)})
 
 def steady_epochs(rec)->list:
     "The last fit's epochs after its first (which carries the compile): the steady state. Empty with a one-epoch fit"
