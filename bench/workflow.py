@@ -419,7 +419,7 @@ def child(spec:dict)->dict:
             epochs.append(r)
     start, end = Start(), End()
     learn.add_cbs([start, end])
-    host_work = library_host_work(end) if ARM_MODE[arm] is not None else None
+    host_work = library_host_work(end, sync if spec.get('drain') else None) if ARM_MODE[arm] is not None else None
     mode = ARM_MODE[arm]
     if mode is not None:
         kw = dict(spec.get('compile_kwargs') or {}, **ARM_KWARGS.get(arm, {}))
@@ -456,6 +456,7 @@ def child(spec:dict)->dict:
     if cuda: res['peak_mem_gb'] = torch.cuda.max_memory_allocated() / 2**30
     if spec.get('get_preds'): res['get_preds_s'] = get_preds_s
     if host_work: res['host_work_ms'] = host_work_ms(host_work)
+    if spec.get('drain'): res['drained'] = True # Synchronized after each training batch: its times are no timing run's
     try: # Inductor's cache hits and misses in this process: a warm compile hits
         from torch._dynamo.utils import counters
         res['inductor_counters'] = {k: v for k,v in counters['inductor'].items() if 'cache' in k}
@@ -546,8 +547,8 @@ def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
 
-def library_host_work(end)->list:
-    "Seconds of the host's time each training batch spends in the library's own code, by part: `CompilerCallback`'s events, copying the batch ahead"
+def library_host_work(end, drain=None)->list:
+    "Seconds of the host's time each training batch spends in the library's own code, by part: `CompilerCallback`'s events, copying the batch ahead; `drain()` after each"
     from fastxtend_compile.callback import CompilerCallback
     from fastxtend_compile.pace import Prefetch
     spent, per_batch = collections.Counter(), []
@@ -559,7 +560,9 @@ def library_host_work(end)->list:
         return inner
     CompilerCallback.__call__ = timed(CompilerCallback.__call__)
     Prefetch._copy, Prefetch._ready = timed(Prefetch._copy, 'copy ahead'), timed(Prefetch._ready, 'batch ready')
-    def batch_done(): per_batch.append(dict(spent)); spent.clear()
+    def batch_done():
+        per_batch.append(dict(spent)); spent.clear()
+        if drain is not None: drain() # The next batch's calls find the GPU's queue empty: none of them waits for room in it
     end.batch_done = batch_done
     return per_batch
 
@@ -709,6 +712,8 @@ def main():
     p.add_argument('--data-dir', default=None, help='where to write the image files (default: a temporary folder, removed at the end)')
     p.add_argument('--get-preds', action='store_true', help='also time learn.get_preds() on the validation set after the fit')
     p.add_argument('--bar', action='store_true', help="fit with fastai's progress bar shown, as users train (default: no bar)")
+    p.add_argument('--drain', action='store_true', help="wait for the GPU at each training batch's end, after it is timed: the library's "
+                   "host time a batch (`host_work_ms`) without the waits of a host ahead of the GPU, whose queue is full. Not a timing run")
     p.add_argument('--child', default=None, help=argparse.SUPPRESS)
     p.add_argument('--result', default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -751,7 +756,7 @@ def main():
             c = configs[w]
             spec = dict(workflow=w, config=c, device=args.device, smoke=args.smoke, backend=args.backend,
                         compile_kwargs=json.loads(args.compile_kwargs), num_workers=num_workers, matmul_precision=args.matmul_precision,
-                        get_preds=args.get_preds, bar=args.bar)
+                        get_preds=args.get_preds, bar=args.bar, drain=args.drain)
             if w.startswith('vision'):
                 data = Path(args.data_dir)/w if args.data_dir else tmp/f'data-{w}'
                 if not (data/'train').exists():

@@ -8,9 +8,11 @@ from __future__ import annotations
 import time
 import torch
 from fastcore.basics import GetAttr, store_attr, patch
-from fastai.torch_core import apply, to_detach, to_device
+from fastai.torch_core import apply, to_detach
 from fastai.learner import AvgSmoothLoss
 from fastai.callback.progress import ProgressCallback
+
+from .internals import subclass_dispatch_off
 
 # %% auto #0
 __all__ = ['DeviceSmoothLoss', 'Prefetch', 'prefetches', 'Pace', 'ShownLoss']
@@ -25,9 +27,23 @@ class DeviceSmoothLoss(AvgSmoothLoss):
         self.val = torch.lerp(loss, self.val if self.count > 1 else torch.zeros_like(loss), self.beta)
 
 # %% ../nbs/19_pace.ipynb #8433a637
-def _pin(o):
-    "`o` in pinned host memory, where it is a tensor on the host"
-    return o.pin_memory() if isinstance(o, torch.Tensor) and o.device.type == 'cpu' else o
+def _pin(o:torch.Tensor)->torch.Tensor:
+    "`o`, a tensor on the host, in pinned memory"
+    return o.pin_memory()
+
+def _ahead(o, device:torch.device):
+    "`o` pinned and its copy to `device` queued, where it is a tensor on the host: as its type, with its metadata, as fastai's `to_device` has it"
+    if not isinstance(o, torch.Tensor) or o.device.type != 'cpu': return o
+    with subclass_dispatch_off(): res = _pin(o).to(device, non_blocking=True) # A plain tensor: no `TensorBase` dispatch, twice
+    if type(o) is not torch.Tensor:
+        res = res.as_subclass(type(o))
+        res.__dict__.update(o.__dict__)
+    return res
+
+def _keep(o, stream):
+    "Keep `o`'s memory, where it is a tensor on a GPU, until the work `stream` has queued so far is done"
+    if isinstance(o, torch.Tensor) and o.is_cuda:
+        with subclass_dispatch_off(): o.record_stream(stream)
 
 # %% ../nbs/19_pace.ipynb #629e7a0b
 class Prefetch(GetAttr):
@@ -57,14 +73,13 @@ class Prefetch(GetAttr):
 
     def _copy(self, b):
         "Batch `b` pinned, its copy to the device queued on the side stream"
-        b = apply(_pin, b)
-        with torch.cuda.stream(self.stream): return to_device(b, self.device, non_blocking=True)
+        with torch.cuda.stream(self.stream): return apply(_ahead, b, self.device)
 
     def _ready(self, b, after_batch):
         "Batch `b` for the step on the current stream: its copy waited for, its memory kept while the step reads it"
         main = torch.cuda.current_stream(self.device)
         main.wait_stream(self.stream)
-        apply(lambda o: o.record_stream(main) if isinstance(o, torch.Tensor) and o.is_cuda else o, b)
+        apply(_keep, b, main)
         return after_batch(b)
 
     def __iter__(self):
