@@ -296,8 +296,9 @@ def _start_parts(self:CompilerCallback, device:torch.device):
     self.pace.start(self.learn, device, rec.report)
     self.precision.set(device)
     self.precompile.set(inner_model(model), ddp=isinstance(model, DistributedDataParallel))
-    self.policy.start_fit(self.aside if self._compiles_in_background(device, model) else None, self.report.pays_back)
-    self.tiers.start(self.policy.aside, device)
+    aside = self.aside if self._compiles_in_background(device, model) else None
+    self.tiers.start(aside, device)
+    self.policy.start_fit(aside, self.report.pays_back, self.tiers) # Each batch's one decision: eager or compiled, which tier
     self.ddp.start_sync(model, self.policy.aside) # After the background compile started: the ranks switch at its agreements
     rec.report.ddp_reducer = self.ddp.reducer
 
@@ -371,7 +372,6 @@ def before_batch(self:CompilerCallback):
     rec, p, model = self.compile_recorder, self.policy, get_model(self.learn.model)
     key = None if p.aside is None else p.aside.batch_key(model, self.learn.xb, self.training) # Once a batch, for every part that asks
     p.start_batch(self.learn, key, measure=rec.wants_eager_step(getattr(self.learn, 'n_iter', 0)), whole_backward=self.ddp.in_backward)
-    self.tiers.before_batch(self.learn, p.eager, key, model)
     if self.training: self.ddp.before_batch(not p.eager)
     if p.timed: rec.batch_start(self.training, self.learn.xb, p.measuring or p.probing, p.valid_eager)
 

@@ -242,6 +242,7 @@ class EagerPolicy:
     ):
         self.compile_valid = compile_valid
         self.aside = None # A compile outside the fit's path (`BackgroundCompile`): its batches run eagerly until its code is ready
+        self.tiers = None # The fit's faster tiers (`Tiers`): which one a training batch's compiled calls run
         self.calls = () # Weak references to the compiled calls of the model this policy decides for (its blocks' with `regional`)
         self.trained = False # This fit ran a training batch
         self.measuring = False # This training batch runs eagerly, to measure the eager step
@@ -259,7 +260,7 @@ class EagerPolicy:
         self.tier = None # (name, settings over the model's) of the faster tier this training batch's calls run (`Tiers`); `None`: the model's own
         self.tier_error = None # (name, error) of a tier that raised in the fit's path, until `Tiers` drops it
 
-    def __getstate__(self): return {**self.__dict__, 'calls': (), 'aside': None} # A copy decides for the calls it compiles
+    def __getstate__(self): return {**self.__dict__, 'calls': (), 'aside': None, 'tiers': None} # A copy decides for the calls it compiles
 
     @property
     def eager(self)->bool:
@@ -284,9 +285,11 @@ class EagerPolicy:
 def start_fit(self:EagerPolicy,
     aside=None, # A compile outside the fit's path (`runs_eagerly`, `agree`, `probing`, `probed`, as `BackgroundCompile`); `None` compiles in it
     pays:Callable|None=None, # `pays(batches)`: whether that many batches pay back compiling their graph; `None`: never judged to
+    tiers=None, # The fit's faster tiers (`Tiers`), which choose a training batch's tier once its compiled code runs
 ):
     "A fit starts: it has trained no batch yet"
     self.trained, self.aside, self.pays, self.unpaid, self.eager_eval, self.eager_lr_find = False, aside, pays, None, 0, 0
+    self.tiers = tiers
     self.validation = None
 
 @patch
@@ -296,7 +299,7 @@ def start_batch(self:EagerPolicy,
     measure:bool=False, # The report asks for a training batch run eagerly, to measure the eager step
     whole_backward:bool=False, # Training runs compiled: compiled autograd runs the backward, DDP's all-reduces in it
 ):
-    "Decide whether the batch starting runs eagerly, and whether it is a one-off"
+    "Decide how the batch starting runs, the one decision a batch: eagerly or compiled, which tier, and whether it is a one-off"
     # An eager backward would all-reduce each gradient alone: not DDP's eager step, and not a training batch to leave out
     training = learn.training
     self.evaluating = self._unpaid(learn, training)
@@ -311,6 +314,7 @@ def start_batch(self:EagerPolicy,
     self.waiting = asks and self.aside.runs_eagerly(learn, key, _get_model(learn.model))
     self.probing = self.waiting and training and self.aside.probing
     if self.aside is not None and training: self.aside.agree(learn, key, _get_model(learn.model)) # Under DDP, at every rank's same batches
+    if self.tiers is not None: self.tiers.before_batch(learn, self.eager, key, _get_model(learn.model)) # Once its compiled code runs
     if self.evaluating and training: self.eager_lr_find += 1
     elif self.evaluating: self.eager_eval += 1
     self.graph_step = False
@@ -332,7 +336,7 @@ def end_batch(self:EagerPolicy,
 def stop(self:EagerPolicy):
     "The fit ended or raised: calls outside a fit run as their shapes say"
     self.end_batch(False)
-    self.aside, self.pays, self.unpaid, self.validation, self.tier_error = None, None, None, None, None
+    self.aside, self.tiers, self.pays, self.unpaid, self.validation, self.tier_error = None, None, None, None, None, None
 
 @patch
 def run_tier(self:EagerPolicy,
