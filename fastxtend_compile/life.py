@@ -8,7 +8,8 @@ from __future__ import annotations
 from statistics import median
 
 from .state import Stage
-from .payoff import WORKER_SLOWDOWN, pays_back, recorded_saving, rest_needed, warm_cost, worker_rest, tier_saving, cudagraphs_fit, faster
+from .payoff import (MARGIN, WORKER_SLOWDOWN, pays_back, recorded_saving, rest_needed, warm_cost, worker_rest, tier_saving, cudagraphs_fit,
+                     faster, first_saving)
 from .worker import JobResult
 from .report import Note, unsent_text
 
@@ -100,8 +101,34 @@ def _agreed(stage, f):
 
 # %% ../nbs/20_life.ipynb #6e1b7a30
 def _tier(stage, f):
-    "A training batch of a state whose compiled code runs, on its way through the faster tiers (`Tiers`)"
+    "A training batch of a state on its way through the faster tiers (`Tiers`): its eager probe's, or its compiled code's"
     return _TIER[stage](f, f.n)
+
+def _first(f, n):
+    "Its eager probe's: once it timed its batches, the eager step's GPU work measured, its verdict held till then; then the tier to compile first"
+    if not f.probed or f.picked: return Stage.PROBING, () # Not probed: compiled at once
+    # The probe times its batches alone, from a synced device: the GPU held for a measure would count in them
+    if f.seen < f.probe_batches: return Stage.PROBING, (('hold', f.measures),)
+    if f.profiled is None: return Stage.PROBING, (('measure', f.fastest, f.first_batches),)
+    acts = (('hold', False), ('picked',)) # The default goes first, unless the measure picks a tier
+    return Stage.PROBING, acts + (_pick_first(f, *f.profiled) if f.profiled else ())
+
+def _pick_first(f, gpu_s:float|None, step_bytes:int):
+    "CUDA graphs compiled first, in the worker or the fit's path, where their saving over the fit's rest pays back trying them, and they fit the GPU"
+    # The probe's median step: the fit's rest runs such steps, its lucky fastest one hides idle time CUDA graphs would save
+    step_s, left = f.probe_s, f.left(0., 1.)
+    busy = None if gpu_s is None else min(gpu_s / step_s, 1.)
+    if (name := f.first_for(busy, step_s, left, f.try_cost_s)) is None:
+        # Said where the step was measured: a fit that then trains eagerly, or compiles the default's code, says why not CUDA graphs
+        if busy is None: return ()
+        return (('note', Note('no_first', busy=busy, step_s=step_s, saving_s=first_saving(busy, step_s), left=left, cost_s=f.try_cost_s,
+                              idle=busy <= 1 - MARGIN)),)
+    if (graphs := f.graphs(name)) and not cudagraphs_fit(f.free, step_bytes): return ()
+    saving = first_saving(busy, step_s)
+    why = dict(busy=busy, step_s=step_s, of='eager', graphs=True, saving=saving, first=True)
+    # Cold, in the fit's path where the fit's rest pays back standing still for it, and a worker would cost more
+    path = f.first_in_path(busy, f.compile_guess_s, f.warm_s) and pays_back(left, saving, f.compile_guess_s) and not f.cached(name)
+    return (('first', name, path, why, step_bytes if graphs else None),)
 
 def _ready(f, n):
     "Its code runs: a tier compiled first takes over, compiled warm at this batch; else the default goes first"
@@ -236,7 +263,7 @@ def _keep_faster(f, against:tuple, of:str=''):
 
 def _settled(f, n): return Stage.SETTLED, (('run_tier', True),) if f.kept else ()
 
-_TIER = {Stage.READY: _ready, Stage.SETTLE: _settling, Stage.TIME: _time, Stage.PROFILE: _profile, Stage.TIER_COMPILING: _tier_compiling,
+_TIER = {Stage.PROBING: _first, Stage.READY: _ready, Stage.SETTLE: _settling, Stage.TIME: _time, Stage.PROFILE: _profile, Stage.TIER_COMPILING: _tier_compiling,
          Stage.WARMUP: _warmup, Stage.CHECK: _check, Stage.WAIT: _wait, Stage.AB: _ab, Stage.AGREE: _agree, Stage.SETTLED: _settled}
 _MOVES = dict(batch=_batch, tier=_tier, sent=_sent, unsent=_unsent, done=_done, agreed=_agreed)
 

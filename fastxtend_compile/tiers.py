@@ -15,7 +15,7 @@ from .core import uses_cudagraphs, compiled_call, CompiledCall, EagerPolicy
 from .internals import gpu_sleep
 from .worker import error_text, JobResult
 from .state import StateKey, Stage
-from .payoff import MARGIN, TIER_TRY_S, TIER_COMPILE_S, batches_left, pays_back, pick_tier, first_tier, first_saving, first_in_path, cudagraphs_fit
+from .payoff import TIER_TRY_S, TIER_COMPILE_S, batches_left, pick_tier, first_tier, first_in_path, cudagraphs_fit
 from .background import BackgroundCompile, position
 from .life import advance
 from .report import Note
@@ -239,9 +239,8 @@ def before_batch(self:Tiers,
     if (raised := self.policy.take_tier_error()) is not None: self._raised(*raised, model)
     # An epoch's last batch too: one of the state's shape runs its tier (a smaller one is a state of its own)
     if self.aside is None or not learn.training or (st := self.aside.states.get(key)) is None: return
-    # Under DDP rank 0 alone probes the eager step: the others learn of a tier compiled first at an agreement (`agreed`)
-    if st.stage is Stage.PROBING: return self.first.batch(st, learn, model)
-    if eager or not self.aside.ready(key): return # The compiled code doesn't run it yet
+    # Eager, its probe's: under DDP rank 0 alone probes, the others learn of a tier compiled first at an agreement (`agreed`)
+    if st.stage is not Stage.PROBING and (eager or not self.aside.ready(key)): return # Else its compiled code doesn't run it yet
     if st.tier is None: st.tier = TierRun()
     self.act(st, 'tier', learn, model)
 
@@ -383,7 +382,7 @@ def take_notes(self:Tiers)->list:
 
 # %% ../nbs/09_tiers.ipynb #04d59625
 class FirstTier:
-    "Measure a new state's eager step once the background compile's probe timed it: where the saving expected of CUDA graphs pays back trying them, they compile first"
+    "A tier compiled first, before the default's code: CUDA graphs, where the GPU idles in the eager step its probe timed, and their saving pays back trying them"
     batches = 3 # Eager batches whose GPU work is measured, once the probe timed its own
     choose = staticmethod(first_tier) # The policy that picks the tier compiled first, from the eager step
     in_path = staticmethod(first_in_path) # The policy that compiles it in the fit's path rather than the worker
@@ -391,38 +390,6 @@ class FirstTier:
         tiers:Tiers, # The fit's `Tiers`: their device, settings and worker
     ):
         self.tiers = tiers
-
-    def batch(self, st, learn, model:nn.Module):
-        "A training batch of `st`'s eager probe: its GPU work measured once the probe timed its batches, the verdict held till then; then the tier to compile first, if any"
-        if st.probe is None: return # Not probed: compiled at once
-        run = st.tier = st.tier or TierRun()
-        if run.picked: return
-        # The probe times its batches alone, from a synced device: the GPU held for a measure would count in them
-        if st.probe.seen < self.tiers.aside.probe_batches:
-            st.held = _BusyMeter.measures(self.tiers.device)
-            return
-        if (done := self.tiers.profiled(run.profile)) is None: return self.tiers.measure(run, learn, st.probe.fastest, self.batches)
-        st.held = False
-        run.picked, run.profile = True, None # The default goes first, unless the measure picks a tier
-        if done: self._pick(run, learn, model, st, *done)
-
-    def _pick(self, run, learn, model, st, gpu_s:float|None, step_bytes:int):
-        "Have the worker compile the tier the eager step needs first, where it pays and its memory fits"
-        # The probe's median step: the fit's rest runs such steps, its lucky fastest one hides idle time CUDA graphs would save
-        t, step_s, left = self.tiers, st.probe.step_s, batches_left(learn)
-        busy = None if gpu_s is None else min(gpu_s / step_s, 1.)
-        if (name := self.choose(busy, step_s, left, t.try_cost_s)) is None:
-            # Said where the step was measured: a fit that then trains eagerly, or compiles the default's code, says why not CUDA graphs
-            if busy is not None: t.notes.append(Note('no_first', busy=busy, step_s=step_s, saving_s=first_saving(busy, step_s),
-                                                     left=left, cost_s=t.try_cost_s, idle=busy <= 1 - MARGIN))
-            return
-        if t.graphs(name) and not cudagraphs_fit(torch.cuda.mem_get_info(t.device)[0], step_bytes): return
-        saving = first_saving(busy, step_s)
-        why = dict(busy=busy, step_s=step_s, of='eager', graphs=True, saving=saving, first=True)
-        # Cold, in the fit's path where the fit's rest pays back standing still for it, and a worker would cost more
-        path = (self.in_path(busy, t.compile_guess_s, t.aside.warm_s) and pays_back(left, saving, t.compile_guess_s)
-                and t.aside.warm_starts.get(t.record(model, st, name)) is None)
-        self._set(run, st, model, name, path, why, step_bytes if t.graphs(name) else None)
 
     def _set(self, run, st, model:nn.Module, name:str, path:bool, why:str, step_bytes:int|None):
         "Compile tier `name` first for `st`, in the fit's path or the worker"
@@ -480,6 +447,15 @@ class _TierFacts:
     probe_s = property(lambda self: None if self.st.probe is None else self.st.probe.step_s) # The eager step its probe timed
     fallback = property(lambda self: self.st.fallback is not None) # The default's job, for the A/B, is in the worker or held
     default_cached = property(lambda self: self.t.aside.warm_starts.get(self.st.record) is not None)
+
+    # Its eager probe's (`PROBING`)
+    probed = property(lambda self: self.st.probe is not None) # Probed: not compiled at once
+    picked = property(lambda self: self.run.picked) # The tier to compile first picked, or none
+    seen, fastest = property(lambda self: self.st.probe.seen), property(lambda self: self.st.probe.fastest) # Its batches timed; the fastest
+    probe_batches, warm_s = property(lambda self: self.t.aside.probe_batches), property(lambda self: self.t.aside.warm_s)
+    measures = property(lambda self: _BusyMeter.measures(self.t.device)) # The device's work can be measured
+    first_batches, first_for, first_in_path = (property(lambda self, k=k: getattr(self.t.first, k)) for k in ('batches', 'choose', 'in_path'))
+    compile_guess_s = property(lambda self: self.t.compile_guess_s)
 
     def cached(self, name:str)->bool: return self.t.aside.warm_starts.get(self.t.record(self.model, self.st, name)) is not None
     def left(self, wait_s:float, step_s:float)->int: return batches_left(self.learn, wait_s, step_s)
@@ -541,7 +517,10 @@ _TIER_ACTS = dict(
     fresh=lambda t, st, learn, model: setattr(st, 'tier', TierRun()),
     tick=lambda t, st, learn, model: _set(st.tier, n=st.tier.n + 1),
     time=lambda t, st, learn, model, times: t.timer.start(getattr(st.tier, times)),
-    measure=lambda t, st, learn, model, step_s: t.measure(st.tier, learn, step_s),
+    measure=lambda t, st, learn, model, step_s, batches=None: t.measure(st.tier, learn, step_s, batches),
+    hold=lambda t, st, learn, model, on: setattr(st, 'held', on), # The probe's verdict waits for the measure
+    picked=lambda t, st, learn, model: _set(st.tier, picked=True, profile=None),
+    first=lambda t, st, learn, model, name, path, why, step_bytes: t.first._set(st.tier, st, model, name, path, why, step_bytes),
     vote=lambda t, st, learn, model, vote: _set(st.tier, vote=vote),
     tier=lambda t, st, learn, model, name, why: _set(st.tier, tier=name, record=t.record(model, st, name), why=why),
     compiled=lambda t, st, learn, model, res: (t.aside.warm_starts.compiled(st.tier.record, res), _set(st.tier, res=res)),

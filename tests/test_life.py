@@ -107,7 +107,7 @@ def test_a_fit_ends_where_the_next_starts_its_tiers():
 
 # A compiled state's way through the faster tiers: each move of `advance(stage, 'tier', ...)`, and its jobs' 'sent' and 'unsent'
 from fastxtend_compile import tiers
-from fastxtend_compile.payoff import pick_tier
+from fastxtend_compile.payoff import pick_tier, first_tier, first_in_path
 SE, TI, PR, TC, WU, CK, WA, AB, AG, SD = (Stage.SETTLE, Stage.TIME, Stage.PROFILE, Stage.TIER_COMPILING, Stage.WARMUP, Stage.CHECK,
                                           Stage.WAIT, Stage.AB, Stage.AGREE, Stage.SETTLED)
 
@@ -117,7 +117,8 @@ def tier_facts(**kw):
         base=[0.1]*8, tier_times=[], ab_base=[], settle_batches=4, time_batches=8, warmup_batches=3, ab_batches=8, try_cost_s=2.,
         profiled=None, free=80*2**30, together=False, agreed=None, leader=True, tier_for=pick_tier, graphs=lambda name: name == 'reduce-overhead',
         cached=lambda name: False, left=lambda wait_s, step_s: 10_000, cold_s=20., res=None, has_job=False, polled=None, was_kept=None,
-        probe_s=None, fallback=False, default_cached=True, fallback_res=None), **kw})
+        probe_s=None, fallback=False, default_cached=True, fallback_res=None, probed=True, picked=False, seen=8, probe_batches=8,
+        measures=True, fastest=0.02, first_batches=3, first_for=first_tier, first_in_path=first_in_path, compile_guess_s=20., warm_s=5.), **kw})
 
 FIRST = dict(first=True, first_gone=False) # A tier compiled first, before the default's code
 LAUNCH = dict(profiled=(0.03, 2**30)) # The GPU ran work 30% of the default's step: CUDA graphs pay
@@ -126,7 +127,17 @@ PICKED = ('pick', dict(busy=0.3, step_s=0.1, step_bytes=0, free=None))
 FAILED_ELSEWHERE = ('compile', dict(ok=False, error='out of memory', oom=True, took_s=5.))
 KEEP = ['kept', 'run_tier', 'record_kept', 'took_over']
 
+EAGER_20MS = dict(probe_s=0.02) # The probe timed a 20 ms eager step
+
 TIER_MOVES = [ # (what, stage, event, facts, the stage it moves to, its actions' kinds)
+    ('not probed: compiled at once', P, 'tier', dict(probed=False), P, []),
+    ('its probe under way: the verdict held', P, 'tier', dict(seen=3), P, ['hold']),
+    ("the eager step's GPU work measured", P, 'tier', {}, P, ['measure']),
+    ('unmeasurable: the default first', P, 'tier', dict(profiled=False), P, ['hold', 'picked']),
+    ('launch-bound: CUDA graphs first', P, 'tier', dict(profiled=(0.006, 2**30), **EAGER_20MS), P, ['hold', 'picked', 'first']),
+    ('GPU-bound: the default first, and why', P, 'tier', dict(profiled=(0.02, 0), **EAGER_20MS), P, ['hold', 'picked', 'note']),
+    ('no room for the graphs first', P, 'tier', dict(profiled=(0.006, 2**30), free=2**20, **EAGER_20MS), P, ['hold', 'picked']),
+    ('picked', P, 'tier', dict(picked=True), P, []),
     ('a tier that raised before the code ran', R, 'tier', dict(dropped=True), SD, []),
     ('the default goes first', R, 'tier', {}, SE, ['tick']),
     ('a tier compiled first takes over', R, 'tier', FIRST, WU, ['result_first', 'run_tier', 'time']),
@@ -193,3 +204,16 @@ def test_the_tiers_notes_say_what_they_weighed():
     assert said(PR, 'tier', free=2**20, **LAUNCH).kind == 'no_room'
     assert said(WA, 'unsent', error='PicklingError: no', **FIRST).kind == 'kept_alone'
     assert said(TC, 'tier', agreed=FAILED_ELSEWHERE, **TOGETHER).facts['res'].oom # Another device's failure, as that device had it
+
+def test_an_eager_step_measured_says_which_tier_goes_first_and_why():
+    "CUDA graphs first, in the fit's path where a worker beside the eager step would cost more; else why the default's code goes first"
+    def acts(**given): return advance(P, 'tier', tier_facts(**{**EAGER_20MS, **given}))[1]
+    first = next(a for a in acts(profiled=(0.006, 2**30)) if a[0] == 'first')
+    assert first[1:3] == ('reduce-overhead', True) and first[4] == 2**30 and first[3]['busy'] == pytest.approx(0.3)
+    assert next(a for a in acts(profiled=(0.006, 2**30), cached=lambda name: True) if a[0] == 'first')[2] is False # Cached: warm, from the worker
+    few = dict(left=lambda wait_s, step_s: 90, try_cost_s=6.)
+    assert [note(acts(profiled=(0.02, 0), **few)).text, note(acts(profiled=(0.01, 0), **few)).text] == [
+        "no tier compiled first: the GPU ran work 100% of the eager 20.0 ms step, so CUDA graphs would save too little of it; the "
+        "default's code goes first",
+        "no tier compiled first: the GPU ran work 50% of the eager 20.0 ms step, so CUDA graphs would save about 12.0 ms of it, 1.1s "
+        "over the 90 training batches left, under the 6s trying them costs the fit; the default's code goes first"]

@@ -341,21 +341,3 @@ def test_under_ddp_a_tier_compiled_first_runs_on_every_rank_only_where_its_cuda_
         "no tier compiled first: CUDA graphs (reduce-overhead), about 2.0 GB a step, don't fit with room to spare in the 2.5 GB "
         "free on the fullest rank's GPU; the default's code goes first")
     assert st.first is None and not st.path and not st.tier.first and st.stage is Stage.PROBING and t.first.offer(st) is None
-
-def test_an_eager_step_measured_without_a_tier_compiled_first_says_why():
-    "The report says why no CUDA graphs went first: the GPU left too little of the step idle, or too few batches are left"
-    from types import SimpleNamespace
-    from fastxtend_compile.state import ModelState, Probe
-    from fastxtend_compile.tiers import TierRun
-    t, st = Tiers({'backend': 'inductor'}), ModelState(None, 'record')
-    st.probe = Probe()
-    for s in (1., 0.02, 0.02, 0.02): st.probe.add(s) # A 20 ms eager step
-    learn = SimpleNamespace(n_epoch=1, n_iter=100, epoch=0, iter=10)
-    t.first._pick(TierRun(), learn, None, st, 0.02, 0) # The GPU ran work the whole step
-    t.first._pick(TierRun(), learn, None, st, 0.01, 0) # Half of it, with 90 batches left
-    assert [n.text for n in t.take_notes()] == [
-        "no tier compiled first: the GPU ran work 100% of the eager 20.0 ms step, so CUDA graphs would save too little of it; the "
-        "default's code goes first",
-        "no tier compiled first: the GPU ran work 50% of the eager 20.0 ms step, so CUDA graphs would save about 12.0 ms of it, 1.1s "
-        "over the 90 training batches left, under the 6s trying them costs the fit; the default's code goes first"]
-    assert st.first is None and not st.path
