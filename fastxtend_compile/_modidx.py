@@ -1137,8 +1137,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                          'fastxtend_compile.tiers.Tiers.agreed': ('tiers.html#tiers.agreed', 'fastxtend_compile/tiers.py'),
                                          'fastxtend_compile.tiers.Tiers.before_batch': ( 'tiers.html#tiers.before_batch',
                                                                                          'fastxtend_compile/tiers.py'),
-                                         'fastxtend_compile.tiers.Tiers.decision': ( 'tiers.html#tiers.decision',
-                                                                                     'fastxtend_compile/tiers.py'),
                                          'fastxtend_compile.tiers.Tiers.drop': ('tiers.html#tiers.drop', 'fastxtend_compile/tiers.py'),
                                          'fastxtend_compile.tiers.Tiers.facts': ('tiers.html#tiers.facts', 'fastxtend_compile/tiers.py'),
                                          'fastxtend_compile.tiers.Tiers.free': ('tiers.html#tiers.free', 'fastxtend_compile/tiers.py'),

@@ -299,13 +299,6 @@ def free(self:Tiers)->int|None:
     return torch.cuda.mem_get_info(self.device)[0] if self.device.type == 'cuda' else None
 
 @patch
-def decision(self:Tiers, run:TierRun)->tuple|None:
-    "(kind, value) decided on `run.vote`: at once in one process; under DDP the ranks', once agreed, `None` till then"
-    if not self.together: decided, run.vote = run.vote, None
-    else: decided, run.agreed = run.agreed, None
-    return decided
-
-@patch
 def view(self:Tiers, st)->dict:
     "This rank's part of an agreement of the ranks: its vote on its batch's state's tier, a tier that raised here, the tier it compiles first, its GPU's free memory"
     first = self.first.offer(st)
