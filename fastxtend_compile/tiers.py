@@ -204,7 +204,7 @@ class Tiers:
         self.policy = EagerPolicy() if policy is None else policy
         self.aside = None # The fit's background compile, whose worker compiles the tiers; `None` while tiers are off
         self.device = None # The device the fit trains on
-        self.first = FirstTier(self) # Measures new states' eager steps, for a tier compiled first
+        self.first = FirstTier(self) # Its policies for a tier compiled first, and under DDP rank 0's offer of it
         self.timer = _StepTimer() # Times a batch alone, where its state's stage needs
         self.measuring = None # The `_Profile` measuring the GPU work of the batch running
         self.notes = [] # The report's lines about the tiers of this fit
