@@ -11,6 +11,9 @@ A text batch (64 sequences of 256 tokens and their labels) and an image batch (6
     pin+to, plain     the same with that dispatch off (`Prefetch._copy` today)
     pinned ring       copied into one of 3 pinned buffers kept for the fit, then to the GPU on the side stream
     ready             the step's stream waits for the side stream, and each tensor's memory kept for it (`Prefetch._ready`)
+
+With `--loader`, the same ways on the batches of `bench/workflow.py`'s text workflow's own training DataLoader, as a fit
+gets them (fastai's default workers, then none), each way a pass of its own over fresh batches.
 """
 import argparse, json, statistics, sys, time
 from pathlib import Path
@@ -60,10 +63,30 @@ def timed(f, bs:list, rounds:int=5)->float:
         per.append(spent / len(bs) * 1e6)
     return statistics.median(per)
 
+def loader_parts(ways:dict, n:int)->dict:
+    "Median microseconds a batch of each way on the text workflow's training batches, with fastai's default workers and with none"
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import workflow
+    res = {}
+    for workers in (None, 0):
+        learn, _ = workflow.build_text('text', dict(workflow.WORKFLOWS['text']['gpu']), None, 'cuda', workers)
+        dl = learn.dls.train
+        dl.device = None # Host batches, as `Prefetch` has its loader yield them
+        for name, f in ways.items():
+            it, per = iter(dl), []
+            for i in range(n):
+                b = next(it)
+                t = time.perf_counter(); f(b); per.append(time.perf_counter() - t)
+                if i % 50 == 49: torch.cuda.synchronize()
+            res[f"{'default' if workers is None else workers} workers, {name}"] = statistics.median(per) * 1e6
+        print({k: round(v, 1) for k,v in res.items()}, flush=True)
+    return res
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument('--out', default=None)
     ap.add_argument('--n', type=int, default=200)
+    ap.add_argument('--loader', action='store_true', help="also on the text workflow's DataLoader")
     args = ap.parse_args()
     dev, side = torch.device('cuda'), torch.cuda.Stream()
     main_stream = torch.cuda.current_stream()
@@ -84,6 +107,7 @@ def main():
         res[kind] = {'to_device': timed(lambda b: to_device(b, dev), bs), 'pin+to, dispatch': timed(dispatch, bs),
                      'pin+to, plain': timed(plain, bs), 'pinned ring': timed(ringed, bs), 'ready': timed(ready, on_gpu)}
         print(kind, {k: round(v, 1) for k,v in res[kind].items()}, flush=True)
+    if args.loader: res['loader'] = loader_parts({'to_device': lambda b: to_device(b, dev), 'pin+to, plain': plain, 'pinned ring': ringed}, args.n)
     res['env'] = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name())
     if args.out: Path(args.out).write_text(json.dumps(res, indent=1))
 
