@@ -93,6 +93,8 @@ class _Facts:
     fallback = property(lambda self: self.st.fallback is not None) # The default's job waits behind a tier compiled first
     has_result = property(lambda self: self.st.result is not None)
     warm_rec = property(lambda self: self.aside.warm_starts.get(self.st.compiled_record) or {})
+    # The GPU's share of the eager step, where it picked a tier to compile first (`FirstTier`)
+    first_busy = property(lambda self: self.st.tier.why['busy'] if self.st.first is not None and self.st.tier.why else None)
 
     @cached_property
     def cached(self)->tuple:

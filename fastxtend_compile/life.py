@@ -54,7 +54,7 @@ def _judge(stage, f):
         stage, acts = _worth(stage, f, rec, False)
         return stage, default_first + acts
     needed_s = rest_needed(cost, saving) + (0. if rec is not None else f.handover_s / WORKER_SLOWDOWN) # Seconds of eager steps that pay
-    note = Note('too_short', left=left, rest_s=step_s*left, warm_s=None if rec is None else cost, needed_s=needed_s)
+    note = Note('too_short', left=left, rest_s=step_s*left, warm_s=None if rec is None else cost, needed_s=needed_s, first_busy=f.first_busy)
     return Stage.SHORT, default_first + (('idle',), ('note', note), EAGER)
 
 def _worth(stage, f, rec:dict|None, path:bool):

@@ -13,7 +13,7 @@ def facts(**kw):
     "A training batch of a probed state in one process: 10,000 batches of 100 ms left, nothing recorded, nothing waiting"
     return SimpleNamespace(**{**dict(training=True, handover=None, compiling=False, judges=True, evaluates=True, agrees=False, rank=0,
         leader=True, probe_all=False, probe_batches=8, seen=8, changes=1, any_ready=False, held=False, path=False, cached=(None, False),
-        left=10_000, step_s=0.1, cold_s=6., warm_s=5., handover_s=35., fallback=False, has_result=True, warm_rec={}), **kw})
+        left=10_000, step_s=0.1, cold_s=6., warm_s=5., handover_s=35., fallback=False, has_result=True, warm_rec={}, first_busy=None), **kw})
 
 DDP = dict(agrees=True, evaluates=False)
 WARM = ({'warm_s': 1.}, False) # Only the default's code is cached, which compiled warm in 1s
@@ -86,6 +86,8 @@ def test_the_verdicts_notes_say_what_it_weighed():
     _, actions = advance(P, 'batch', facts(cached=WARM, left=40))
     assert note(actions).text == ("trained eagerly: the fit's 40 training batches left, about 4s eagerly, are too few to pay "
                                           "back even a warm compile of 1.0s (under 5s)")
+    _, actions = advance(P, 'batch', facts(left=2000, step_s=0.02, first_busy=0.82)) # CUDA graphs were picked to go first, in the worker
+    assert note(actions).text.endswith("compiles in the fit's path); the eager step's measure had picked CUDA graphs to compile first (the GPU ran work 82% of it)")
     _, actions = advance(C, 'done', facts(res=BAD, fallback=True))
     assert note(actions).kind == 'first_failed'
 
@@ -217,3 +219,16 @@ def test_an_eager_step_measured_says_which_tier_goes_first_and_why():
         "default's code goes first",
         "no tier compiled first: the GPU ran work 50% of the eager 20.0 ms step, so CUDA graphs would save about 12.0 ms of it, 1.1s "
         "over the 90 training batches left, under the 6s trying them costs the fit; the default's code goes first"]
+
+def test_a_tier_picked_first_is_a_fact_of_the_verdict():
+    "The probe's verdict knows the GPU's share of the eager step where CUDA graphs were picked to compile first, and only there"
+    from fastxtend_compile.state import ModelState
+    from fastxtend_compile.tiers import TierRun
+    st = ModelState(None, 'record')
+    f = background._Facts(None, st, None)
+    assert f.first_busy is None
+    st.tier = TierRun()
+    st.tier.why = dict(busy=0.82, step_s=0.02, of='eager', graphs=True, saving=0.007, first=True)
+    assert f.first_busy is None # Measured, but the default's code goes first
+    st.first = ('settings', 'record-of-the-tier')
+    assert f.first_busy == 0.82
