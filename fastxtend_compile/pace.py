@@ -15,7 +15,7 @@ from fastai.callback.progress import ProgressCallback
 from .internals import subclass_dispatch_off
 
 # %% auto #0
-__all__ = ['DeviceSmoothLoss', 'Prefetch', 'prefetches', 'Pace', 'ShownLoss']
+__all__ = ['PIN_BYTES', 'DeviceSmoothLoss', 'Prefetch', 'prefetches', 'Pace', 'ShownLoss']
 
 # %% ../nbs/19_pace.ipynb #cc5d091e
 class DeviceSmoothLoss(AvgSmoothLoss):
@@ -27,14 +27,19 @@ class DeviceSmoothLoss(AvgSmoothLoss):
         self.val = torch.lerp(loss, self.val if self.count > 1 else torch.zeros_like(loss), self.beta)
 
 # %% ../nbs/19_pace.ipynb #8433a637
+# Pinning a tensor costs the host more than the copy from pageable memory it saves, for a small one (a batch of tokens);
+# for a large one (a batch of images) it saves most of that copy: bench/results/workflow/archive/tier_moves_h200
+PIN_BYTES = 2**20
+
 def _pin(o:torch.Tensor)->torch.Tensor:
-    "`o`, a tensor on the host, in pinned memory"
-    return o.pin_memory()
+    "`o`, a tensor on the host, in pinned memory where that saves the host time: a large one"
+    return o.pin_memory() if o.nbytes >= PIN_BYTES else o
 
 def _ahead(o, device:torch.device):
-    "`o` pinned and its copy to `device` queued, where it is a tensor on the host: as its type, with its metadata, as fastai's `to_device` has it"
+    "`o`'s copy to `device` queued, where it is a tensor on the host, pinned first if large: as its type, with its metadata, as fastai's `to_device` has it"
     if not isinstance(o, torch.Tensor) or o.device.type != 'cpu': return o
-    with subclass_dispatch_off(): res = _pin(o).to(device, non_blocking=True) # A plain tensor: no `TensorBase` dispatch, twice
+    # A plain tensor: no `TensorBase` dispatch, twice. On the side stream, a copy from pageable memory waits for no step
+    with subclass_dispatch_off(): res = _pin(o).to(device, non_blocking=True)
     if type(o) is not torch.Tensor:
         res = res.as_subclass(type(o))
         res.__dict__.update(o.__dict__)
@@ -47,7 +52,7 @@ def _keep(o, stream):
 
 # %% ../nbs/19_pace.ipynb #629e7a0b
 class Prefetch(GetAttr):
-    "Iterates a fastai `DataLoader` one batch ahead: each batch pinned and copied to its device on a side stream while the step before runs"
+    "Iterates a fastai `DataLoader` one batch ahead: each batch copied to its device on a side stream (pinned first where large) while the step before runs"
     _default = 'dl'
     def __init__(self,
         dl, # The fastai `DataLoader` whose batches go to its `device`, a CUDA GPU
@@ -72,7 +77,7 @@ class Prefetch(GetAttr):
         return b
 
     def _copy(self, b):
-        "Batch `b` pinned, its copy to the device queued on the side stream"
+        "Batch `b`'s copy to the device queued on the side stream"
         with torch.cuda.stream(self.stream): return apply(_ahead, b, self.device)
 
     def _ready(self, b, after_batch):

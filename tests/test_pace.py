@@ -142,6 +142,15 @@ def test_prefetch_yields_what_the_loader_yields_and_leaves_it_as_it_was(monkeypa
     p.close()
     assert dl.device == device and dl.after_batch is after_batch # Closed: the loader as it was
 
+def test_a_batch_is_pinned_only_where_that_saves_the_host_time(monkeypatch):
+    "A small tensor (a batch of tokens) is copied from pageable memory, a large one (a batch of images) from pinned memory"
+    import fastxtend_compile.pace as pace
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, 'pin_memory', lambda self: pinned.append(self.nbytes) or self) # No CUDA needed
+    tokens, images = torch.zeros(64, 256, dtype=torch.long), torch.zeros(64, 3, 224, 224, dtype=torch.uint8)
+    assert pace._pin(tokens) is tokens and pinned == []
+    assert pace._pin(images) is images and pinned == [images.nbytes]
+
 def test_the_training_loader_is_restored_after_an_epoch_cut_short(monkeypatch):
     from fastai.callback.core import Callback, CancelEpochException
     class Cut(Callback):
