@@ -250,6 +250,14 @@ def _lower_priority(pid:int, by:int):
     try: os.setpriority(os.PRIO_PROCESS, pid, min(os.getpriority(os.PRIO_PROCESS, 0) + by, 19))
     except OSError: pass
 
+# The first lines of a worker process: it takes the priority it was given before it starts a process of its own, which
+# inherits it (the training process lowers it too, but may run only after the worker has started its compile processes)
+_OWN_PRIORITY = """import os
+if hasattr(os, 'setpriority') and 'FXC_WORKER_PRIORITY' in os.environ:
+    try: os.setpriority(os.PRIO_PROCESS, 0, int(os.environ['FXC_WORKER_PRIORITY']))
+    except OSError: pass
+"""
+
 def _modules(model:nn.Module)->list:
     "The modules that define the classes of `model`'s layers, for a worker to import before its first job"
     return sorted({type(m).__module__ for m in model.modules()} - {'__main__'})
@@ -305,9 +313,10 @@ class Worker:
         # The worker sees what this process imports from, and fills the same inductor cache
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_cache_dir(), PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
                    FXC_WORKER_STARTED=repr(time.time()))
+        if hasattr(os, 'getpriority'): env['FXC_WORKER_PRIORITY'] = str(min(os.getpriority(os.PRIO_PROCESS, 0) + self.nice, 19))
         self.log = os.path.join(self.tmp, 'worker.log')
         with open(self.log, 'w') as log:
-            self.proc = subprocess.Popen([sys.executable, '-c', self.code or type(self).code, str(device), ','.join(modules), str(int(inductor))],
+            self.proc = subprocess.Popen([sys.executable, '-c', _OWN_PRIORITY + (self.code or type(self).code), str(device), ','.join(modules), str(int(inductor))],
                                          env=env, cwd=os.getcwd(), stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True, text=True)
         _lower_priority(self.proc.pid, self.nice)
