@@ -311,10 +311,11 @@ def start_batch(self:EagerPolicy,
     # whose graph exists, nor one run eagerly (an evaluation's last batch, a one-off, runs eagerly in `runs_eagerly`)
     asks = (self.aside is not None and not (self.evaluating or self.measuring or (self.one_off and not training))
             and validation in (None, 'compile'))
-    self.waiting = asks and self.aside.runs_eagerly(learn, key, _get_model(learn.model))
+    model = _get_model(learn.model) # The model being compiled, not DDP's wrapper
+    self.waiting = asks and self.aside.runs_eagerly(learn, key, model)
     self.probing = self.waiting and training and self.aside.probing
-    if self.aside is not None and training: self.aside.agree(learn, key, _get_model(learn.model)) # Under DDP, at every rank's same batches
-    if self.tiers is not None: self.tiers.before_batch(learn, self.eager, key, _get_model(learn.model)) # Once its compiled code runs
+    if self.aside is not None and training: self.aside.agree(learn, key, model) # Under DDP, at every rank's same batches
+    if self.tiers is not None: self.tiers.before_batch(learn, self.eager, key, model) # Once its compiled code runs
     if self.evaluating and training: self.eager_lr_find += 1
     elif self.evaluating: self.eager_eval += 1
     self.graph_step = False

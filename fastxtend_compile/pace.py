@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 import torch
 from fastcore.basics import GetAttr, store_attr, patch
-from fastai.torch_core import apply, to_detach
+from fastai.torch_core import apply, to_detach, retain_type
 from fastai.learner import AvgSmoothLoss
 from fastai.callback.progress import ProgressCallback
 
@@ -40,10 +40,7 @@ def _ahead(o, device:torch.device):
     if not isinstance(o, torch.Tensor) or o.device.type != 'cpu': return o
     # A plain tensor: no `TensorBase` dispatch, twice. On the side stream, a copy from pageable memory waits for no step
     with subclass_dispatch_off(): res = _pin(o).to(device, non_blocking=True)
-    if type(o) is not torch.Tensor:
-        res = res.as_subclass(type(o))
-        res.__dict__.update(o.__dict__)
-    return res
+    return retain_type(res, o, as_copy=True)
 
 def _keep(o, stream):
     "Keep `o`'s memory, where it is a tensor on a GPU, until the work `stream` has queued so far is done"

@@ -244,14 +244,18 @@ def _remove_stale(prefix:str):
         owner = os.path.basename(d)[len(prefix):].split('-')[0]
         if owner.isdigit() and not _alive(int(owner)): shutil.rmtree(d, ignore_errors=True)
 
-def _lower_priority(pid:int, by:int):
-    "Run process `pid` (and the processes it starts) `by` steps below this one's CPU priority, where the system lets it"
-    if not hasattr(os, 'setpriority'): return
-    try: os.setpriority(os.PRIO_PROCESS, pid, min(os.getpriority(os.PRIO_PROCESS, 0) + by, 19))
+def _below(by:int)->int|None:
+    "The CPU priority `by` steps below this process's; `None` where the system has none"
+    return min(os.getpriority(os.PRIO_PROCESS, 0) + by, 19) if hasattr(os, 'getpriority') else None
+
+def _set_priority(pid:int, priority:int|None):
+    "Run process `pid` (and the processes it starts after this) at `priority`, where the system lets it"
+    if priority is None: return
+    try: os.setpriority(os.PRIO_PROCESS, pid, priority)
     except OSError: pass
 
 # The first lines of a worker process: it takes the priority it was given before it starts a process of its own, which
-# inherits it (the training process lowers it too, but may run only after the worker has started its compile processes)
+# inherits it (the training process sets it too, but may run only after the worker has started its compile processes)
 _OWN_PRIORITY = """import os
 if hasattr(os, 'setpriority') and 'FXC_WORKER_PRIORITY' in os.environ:
     try: os.setpriority(os.PRIO_PROCESS, 0, int(os.environ['FXC_WORKER_PRIORITY']))
@@ -313,13 +317,13 @@ class Worker:
         # The worker sees what this process imports from, and fills the same inductor cache
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_cache_dir(), PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
                    FXC_WORKER_STARTED=repr(time.time()))
-        if hasattr(os, 'getpriority'): env['FXC_WORKER_PRIORITY'] = str(min(os.getpriority(os.PRIO_PROCESS, 0) + self.nice, 19))
+        if (priority := _below(self.nice)) is not None: env['FXC_WORKER_PRIORITY'] = str(priority)
         self.log = os.path.join(self.tmp, 'worker.log')
         with open(self.log, 'w') as log:
             self.proc = subprocess.Popen([sys.executable, '-c', _OWN_PRIORITY + (self.code or type(self).code), str(device), ','.join(modules), str(int(inductor))],
                                          env=env, cwd=os.getcwd(), stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True, text=True)
-        _lower_priority(self.proc.pid, self.nice)
+        _set_priority(self.proc.pid, priority)
         _live.add(self.proc)
 
     def submit(self,
