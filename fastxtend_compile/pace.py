@@ -6,6 +6,7 @@ before it is needed"""
 # %% ../nbs/19_pace.ipynb #4968332d
 from __future__ import annotations
 import time
+from concurrent.futures import ThreadPoolExecutor
 import torch
 from fastcore.basics import GetAttr, store_attr, patch
 from fastai.torch_core import apply, to_detach, retain_type
@@ -49,7 +50,7 @@ def _keep(o, stream):
 
 # %% ../nbs/19_pace.ipynb #629e7a0b
 class Prefetch(GetAttr):
-    "Iterates a fastai `DataLoader` one batch ahead: each batch copied to its device on a side stream (pinned first where large) while the step before runs"
+    "Iterates a fastai `DataLoader` one batch ahead: each batch copied to its device by a thread of its own, on a side stream (pinned first where large), while the step before runs"
     _default = 'dl'
     def __init__(self,
         dl, # The fastai `DataLoader` whose batches go to its `device`, a CUDA GPU
@@ -59,29 +60,40 @@ class Prefetch(GetAttr):
         store_attr()
         self.device = dl.device # What the `DataLoader` says while its batches are copied here
         self.stream = torch.cuda.Stream(self.device)
+        self.copier = None # The thread that queues the copies, during an iteration
+        self.main = None # The stream the steps run on, during an iteration
         self.asked = None # When the last batch was asked for
         self.running = None # The iteration under way, which `close` ends
 
     def __len__(self): return len(self.dl)
 
     def _fetch(self, it):
-        "The next batch from `it`, its copy to the device queued on the side stream; `None` at the end"
+        "The next batch from `it`, its copy to the device handed to the copying thread: (`Future` of it, or `None` at the end)"
+        # The `DataLoader` runs here, in the fit's thread, so its random draws come in the order they do without this
         t = time.perf_counter()
         b = next(it, None)
         if b is None: return None
-        b = self._copy(b)
+        b = self._hand(b)
         if self.waits is not None: self.waits.append(time.perf_counter() - t)
         return b
 
-    def _copy(self, b):
-        "Batch `b`'s copy to the device queued on the side stream"
-        with torch.cuda.stream(self.stream): return apply(_ahead, b, self.device)
+    def _hand(self, b):
+        "Hand batch `b` to the copying thread: the `Future` of its copy"
+        return self.copier.submit(self._copy, b)
 
-    def _ready(self, b, after_batch):
-        "Batch `b` for the step on the current stream: its copy waited for, its memory kept while the step reads it"
-        main = torch.cuda.current_stream(self.device)
-        main.wait_stream(self.stream)
-        apply(_keep, b, main)
+    def _copy(self, b)->tuple:
+        "(batch, its copy's CUDA event): `b`'s copy to the device queued on the side stream, in the copying thread, its memory kept for the step's stream"
+        with torch.cuda.stream(self.stream):
+            b = apply(_ahead, b, self.device)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        apply(_keep, b, self.main) # Marks the memory as the step's stream's too: from any thread, at any time before it is freed
+        return b, done
+
+    def _ready(self, copying, after_batch):
+        "The batch for the step on the fit's stream, which waits for its copy, and nothing else"
+        b, done = copying.result() # Queued long before, as a rule: the thread had the step before's time
+        self.main.wait_event(done)
         return after_batch(b)
 
     def __iter__(self):
@@ -97,6 +109,8 @@ class Prefetch(GetAttr):
         dl, after_batch = self.dl, self.dl.after_batch
         own = 'after_batch' in dl.__dict__ # A `TfmdDL`'s pipeline, else the class's method
         dl.device, dl.after_batch = None, lambda b: b # The loader yields host batches; the copy and `after_batch` are done here
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix='fastxtend_compile-copy')
+        self.main = torch.cuda.current_stream(self.device) # The fit's stream, where the steps run
         try:
             it = iter(dl)
             nxt = self._fetch(it)
@@ -107,6 +121,8 @@ class Prefetch(GetAttr):
                 cur, nxt = nxt, self._fetch(it)
                 yield self._ready(cur, after_batch)
         finally:
+            self.copier.shutdown(wait=True) # A copy queued for a batch not taken ends before the loader is restored
+            self.copier = None
             dl.device = self.device
             if own: dl.after_batch = after_batch
             else: del dl.after_batch

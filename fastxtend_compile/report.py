@@ -566,11 +566,12 @@ def read_marks(self:CompileRecorder,
 )->None:
     "Put the times of the compiled batches whose events the device reached into `batch_times`"
     if wait and self.marks: self.marks[-1][2].synchronize()
-    left = []
+    done = 0
     for i,start,end in self.marks:
-        if wait or end.query(): self.report.batch_times[i] = (start.elapsed_time(end) / 1e3, self.report.batch_times[i][1])
-        else: left.append((i, start, end))
-    self.marks = left
+        if not (wait or end.query()): break # The device reaches the events in the order they were recorded: none after it either
+        self.report.batch_times[i] = (start.elapsed_time(end) / 1e3, self.report.batch_times[i][1])
+        done += 1
+    del self.marks[:done]
 
 # %% ../nbs/01_report.ipynb #c0a1e5d7
 class Note:
