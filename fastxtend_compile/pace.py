@@ -90,11 +90,11 @@ class Prefetch(GetAttr):
         apply(_keep, b, self.main) # Marks the memory as the step's stream's too: from any thread, at any time before it is freed
         return b, done
 
-    def _ready(self, copying, after_batch):
+    def _ready(self, copying):
         "The batch for the step on the fit's stream, which waits for its copy, and nothing else"
         b, done = copying.result() # Queued long before, as a rule: the thread had the step before's time
         self.main.wait_event(done)
-        return after_batch(b)
+        return b
 
     def __iter__(self):
         self.running = self._batches()
@@ -119,7 +119,7 @@ class Prefetch(GetAttr):
                 if self.asked is not None and self.walls is not None: self.walls.append(now - self.asked)
                 self.asked = now
                 cur, nxt = nxt, self._fetch(it)
-                yield self._ready(cur, after_batch)
+                yield after_batch(self._ready(cur)) # The `DataLoader`'s batch transforms, on the device
         finally:
             self.copier.shutdown(wait=True) # A copy queued for a batch not taken ends before the loader is restored
             self.copier = None
