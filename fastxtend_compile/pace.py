@@ -36,17 +36,16 @@ def _pin(o:torch.Tensor)->torch.Tensor:
     "`o`, a tensor on the host, in pinned memory where that saves the host time: a large one"
     return o.pin_memory() if o.nbytes >= PIN_BYTES else o
 
-def _ahead(o, device:torch.device):
-    "`o`'s copy to `device` queued, where it is a tensor on the host, pinned first if large: as its type, with its metadata, as fastai's `to_device` has it"
-    if not isinstance(o, torch.Tensor) or o.device.type != 'cpu': return o
-    # A plain tensor: no `TensorBase` dispatch, twice. On the side stream, a copy from pageable memory waits for no step
-    with subclass_dispatch_off(): res = _pin(o).to(device, non_blocking=True)
+def _ahead(o, device:torch.device, stream):
+    "`o`'s copy to `device` queued where it is a tensor on the host (pinned first if large), its memory kept for `stream`: as its type, with its metadata, as fastai's `to_device` has it"
+    if not isinstance(o, torch.Tensor): return o
+    with subclass_dispatch_off(): # A plain tensor: no `TensorBase` dispatch at each call
+        if o.device.type != 'cpu': return o
+        # On the side stream, a copy from pageable memory waits for no step
+        res = _pin(o).to(device, non_blocking=True)
+        # The copy's memory, made on the side stream, is not reused until `stream` is done with it: the step reads it there
+        if res.is_cuda: res.record_stream(stream)
     return retain_type(res, o, as_copy=True)
-
-def _keep(o, stream):
-    "Keep `o`'s memory, where it is a tensor on a GPU, until the work `stream` has queued so far is done"
-    if isinstance(o, torch.Tensor) and o.is_cuda:
-        with subclass_dispatch_off(): o.record_stream(stream)
 
 # %% ../nbs/19_pace.ipynb #629e7a0b
 class Prefetch(GetAttr):
@@ -82,12 +81,11 @@ class Prefetch(GetAttr):
         return self.copier.submit(self._copy, b)
 
     def _copy(self, b)->tuple:
-        "(batch, its copy's CUDA event): `b`'s copy to the device queued on the side stream, in the copying thread, its memory kept for the step's stream"
+        "(batch, its copy's CUDA event): `b`'s copy to the device queued on the side stream, in the copying thread, its memory kept for the fit's stream"
         with torch.cuda.stream(self.stream):
-            b = apply(_ahead, b, self.device)
+            b = apply(_ahead, b, self.device, self.main)
             done = torch.cuda.Event()
             done.record(self.stream)
-        apply(_keep, b, self.main) # Marks the memory as the step's stream's too: from any thread, at any time before it is freed
         return b, done
 
     def _ready(self, copying):

@@ -151,7 +151,7 @@ def test_the_loader_runs_in_the_fits_thread_and_only_the_copy_beside_it(monkeypa
     loads, copies = [], []
     create, ahead = dl.create_batch, pace._ahead
     monkeypatch.setattr(dl, 'create_batch', lambda b: loads.append(threading.current_thread()) or create(b))
-    monkeypatch.setattr(pace, '_ahead', lambda o, device: copies.append(threading.current_thread()) or ahead(o, device))
+    monkeypatch.setattr(pace, '_ahead', lambda o, *args: copies.append(threading.current_thread()) or ahead(o, *args))
     drawn = dl.rng.getstate() # The loader's own generator, which orders an epoch's batches
     want = [y for _,y in dl]
     loads.clear()
