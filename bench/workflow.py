@@ -419,6 +419,9 @@ def child(spec:dict)->dict:
             epochs.append(r)
     start, end = Start(), End()
     learn.add_cbs([start, end])
+    if spec.get('pin_bytes') is not None: # The size from which the copy ahead pins a tensor
+        import fastxtend_compile.pace as pace
+        pace.PIN_BYTES = spec['pin_bytes']
     if spec.get('copy_inline'): # The batch copied ahead in the fit's thread, as the library did before its copying thread
         from fastxtend_compile.pace import Prefetch
         Prefetch._hand = lambda self, b: _Copied(self._copy(b))
@@ -726,6 +729,7 @@ def main():
                    "host time a batch (`host_work_ms`) without the waits of a host ahead of the GPU, whose queue is full. Not a timing run")
     p.add_argument('--copy-inline', action='store_true', help="copy each training batch ahead in the fit's own thread, not the library's copying thread: "
                    "the host time that thread takes off the fit's")
+    p.add_argument('--pin-bytes', type=int, default=None, help="pin a tensor copied ahead from this size up (the library's `PIN_BYTES` by default)")
     p.add_argument('--child', default=None, help=argparse.SUPPRESS)
     p.add_argument('--result', default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -768,7 +772,7 @@ def main():
             c = configs[w]
             spec = dict(workflow=w, config=c, device=args.device, smoke=args.smoke, backend=args.backend,
                         compile_kwargs=json.loads(args.compile_kwargs), num_workers=num_workers, matmul_precision=args.matmul_precision,
-                        get_preds=args.get_preds, bar=args.bar, drain=args.drain, copy_inline=args.copy_inline)
+                        get_preds=args.get_preds, bar=args.bar, drain=args.drain, copy_inline=args.copy_inline, pin_bytes=args.pin_bytes)
             if w.startswith('vision'):
                 data = Path(args.data_dir)/w if args.data_dir else tmp/f'data-{w}'
                 if not (data/'train').exists():
