@@ -113,13 +113,11 @@ def test_a_batch_not_read_from_the_device_yet_is_left_out_of_the_compiled_step()
 class _NoStreams:
     "Stands in for CUDA's streams, so that `Prefetch`'s iteration runs on the CPU: its copies are then plain `to`s"
     def __init__(self, *args): pass
-    def wait_event(self, event): pass
-    def record(self, stream=None): pass
+    def wait_stream(self, other): pass
 
 def cpu_prefetch(monkeypatch, dl):
     from contextlib import nullcontext
     monkeypatch.setattr(torch.cuda, 'Stream', _NoStreams)
-    monkeypatch.setattr(torch.cuda, 'Event', _NoStreams)
     monkeypatch.setattr(torch.cuda, 'stream', lambda s: nullcontext())
     monkeypatch.setattr(torch.cuda, 'current_stream', lambda device=None: _NoStreams())
     import fastxtend_compile.pace as pace
@@ -143,23 +141,6 @@ def test_prefetch_yields_what_the_loader_yields_and_leaves_it_as_it_was(monkeypa
     assert dl.device is None and dl.after_batch is not after_batch # Mid-epoch: the loader yields host batches to copy
     p.close()
     assert dl.device == device and dl.after_batch is after_batch # Closed: the loader as it was
-
-def test_the_loader_runs_in_the_fits_thread_and_only_the_copy_beside_it(monkeypatch):
-    "The `DataLoader`'s work, its random draws among it, stays in the fit's thread, in its order; the copies run in a thread of their own"
-    import threading, fastxtend_compile.pace as pace
-    dl = digits_dls(bs=32).cpu().train # Shuffled
-    loads, copies = [], []
-    create, ahead = dl.create_batch, pace._ahead
-    monkeypatch.setattr(dl, 'create_batch', lambda b: loads.append(threading.current_thread()) or create(b))
-    monkeypatch.setattr(pace, '_ahead', lambda o, *args: copies.append(threading.current_thread()) or ahead(o, *args))
-    drawn = dl.rng.getstate() # The loader's own generator, which orders an epoch's batches
-    want = [y for _,y in dl]
-    loads.clear()
-    dl.rng.setstate(drawn)
-    got = [y for _,y in cpu_prefetch(monkeypatch, dl)]
-    assert len(got) == len(want) and all(torch.equal(g, w) for g,w in zip(got, want))
-    assert set(loads) == {threading.main_thread()}
-    assert len(copies) == 2*len(want) and threading.main_thread() not in copies
 
 def test_a_batch_is_pinned_only_where_that_saves_the_host_time(monkeypatch):
     "A small tensor (a batch of tokens) is copied from pageable memory, a large one (a batch of images) from pinned memory"
