@@ -7,10 +7,11 @@ command and the end of its output to the suite's `arms.log`, and rewrites its re
 at a time limit keeps what it measured.
 """
 from __future__ import annotations
-import os, platform, signal, subprocess, sys, time
+import os, platform, re, signal, subprocess, sys, time
 from pathlib import Path
 from typing import NamedTuple
 
+CPP_FRAME = re.compile(r'frame #\d+: ') # A line of the stack torch's C++ errors print after their message
 ROOT = Path(__file__).resolve().parents[1] # The checkout: its `fastxtend_compile` is the one measured, installed or not
 
 def arm_env(cache=None, **extra)->dict:
@@ -27,7 +28,9 @@ class Finished(NamedTuple):
     wall: float
     timed_out: bool
 
-    def tail(self, n=60)->str: return '\n'.join((self.out or '').splitlines()[-n:])
+    def tail(self, n=60)->str:
+        "The last `n` lines of the output, C++ stack frames left out: they would push a C++ error's message out of view"
+        return '\n'.join([l for l in (self.out or '').splitlines() if not CPP_FRAME.match(l)][-n:])
 
 def run_process(cmd:list, env:dict, timeout:float, cwd=None, capture=True)->Finished:
     "Run `cmd` in a process group of its own; kill the whole group after `timeout` seconds"
@@ -41,6 +44,11 @@ def run_process(cmd:list, env:dict, timeout:float, cwd=None, capture=True)->Fini
         out, _ = p.communicate()
         timed_out = True
     return Finished(p.returncode, out, time.perf_counter() - t0, timed_out)
+
+def error_line(out:str)->str:
+    "The line of `out` that names its error: the last one with `Error` or `error` in it, else its last line"
+    lines = out.strip().splitlines() or ['']
+    return next((l for l in reversed(lines) if 'rror' in l), lines[-1])
 
 def log_process(log, title:str, cmd:list, fin:Finished, lines=60)->str:
     "Write `cmd` and the end of its output to `log` under `title`; that end of the output"

@@ -70,7 +70,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from procs import ROOT, arm_env, core_share, env_line, git_commit, log_process, run_jobs, run_process, versions
+from procs import ROOT, arm_env, core_share, env_line, error_line, git_commit, log_process, run_jobs, run_process, versions
 
 # A compiled arm is a kind of `learn.compile()` call started one of three ways: `cold`, with a fresh inductor cache;
 # `warm`, a new process on the cold run's cache; `saved`, a fresh cache after `learn.load_compile_cache()` of the file
@@ -531,7 +531,7 @@ def run_job(args, job, spec_base, caches:dict, tmp:Path, log, slot:int|None=None
     if result.exists() and fin.rc == 0: rec = json.loads(result.read_text())
     else:
         rec = dict(workflow=w, arm=arm, repeat=rep, status='timeout' if fin.timed_out else 'error',
-                   reason=f'timed out after {args.timeout:.0f}s' if fin.timed_out else f'exit {fin.rc}: ' + tail.strip().rsplit('\n', 1)[-1][:300],
+                   reason=f'timed out after {args.timeout:.0f}s' if fin.timed_out else f'exit {fin.rc}: ' + error_line(tail)[:300],
                    log_tail=tail[-3000:])
     rec['process_wall_s'] = fin.wall
     return rec

@@ -871,7 +871,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                         'fastxtend_compile.pace.ShownLoss._read': ( 'pace.html#shownloss._read',
                                                                                     'fastxtend_compile/pace.py'),
                                         'fastxtend_compile.pace._ahead': ('pace.html#_ahead', 'fastxtend_compile/pace.py'),
-                                        'fastxtend_compile.pace._keep': ('pace.html#_keep', 'fastxtend_compile/pace.py'),
                                         'fastxtend_compile.pace._on_host': ('pace.html#_on_host', 'fastxtend_compile/pace.py'),
                                         'fastxtend_compile.pace._pin': ('pace.html#_pin', 'fastxtend_compile/pace.py'),
                                         'fastxtend_compile.pace._swap': ('pace.html#_swap', 'fastxtend_compile/pace.py'),

@@ -35,17 +35,16 @@ def _pin(o:torch.Tensor)->torch.Tensor:
     "`o`, a tensor on the host, in pinned memory where that saves the host time: a large one"
     return o.pin_memory() if o.nbytes >= PIN_BYTES else o
 
-def _ahead(o, device:torch.device):
-    "`o`'s copy to `device` queued, where it is a tensor on the host, pinned first if large: as its type, with its metadata, as fastai's `to_device` has it"
+def _ahead(o, device:torch.device, stream):
+    "`o`'s copy to `device` queued on `stream`, where it is a tensor on the host, pinned first if large: as its type, with its metadata, as fastai's `to_device` has it"
     if not isinstance(o, torch.Tensor) or o.device.type != 'cpu': return o
-    # A plain tensor: no `TensorBase` dispatch, twice. On the side stream, a copy from pageable memory waits for no step
-    with subclass_dispatch_off(): res = _pin(o).to(device, non_blocking=True)
+    # A plain tensor: no `TensorBase` dispatch. Its memory is the fit's stream's, so freeing it needs no `record_stream`,
+    # whose cross-stream bookkeeping calls CUDA when a forked `DataLoader` worker collects a batch left in a reference cycle
+    with subclass_dispatch_off():
+        src = _pin(o)
+        res = torch.empty_like(src, device=device)
+        with torch.cuda.stream(stream): res.copy_(src, non_blocking=True) # From pageable memory, it waits for no step either
     return retain_type(res, o, as_copy=True)
-
-def _keep(o, stream):
-    "Keep `o`'s memory, where it is a tensor on a GPU, until the work `stream` has queued so far is done"
-    if isinstance(o, torch.Tensor) and o.is_cuda:
-        with subclass_dispatch_off(): o.record_stream(stream)
 
 # %% ../nbs/19_pace.ipynb #629e7a0b
 class Prefetch(GetAttr):
@@ -74,14 +73,14 @@ class Prefetch(GetAttr):
         return b
 
     def _copy(self, b):
-        "Batch `b`'s copy to the device queued on the side stream"
-        with torch.cuda.stream(self.stream): return apply(_ahead, b, self.device)
+        "Batch `b`'s copy to the device queued on the side stream, into memory of the fit's stream"
+        # That memory may be what the fit's stream freed while steps it queued still read it: the copy starts after them
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return apply(_ahead, b, self.device, self.stream)
 
     def _ready(self, b, after_batch):
-        "Batch `b` for the step on the current stream: its copy waited for, its memory kept while the step reads it"
-        main = torch.cuda.current_stream(self.device)
-        main.wait_stream(self.stream)
-        apply(_keep, b, main)
+        "Batch `b` for the step on the fit's stream, its copy waited for"
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return after_batch(b)
 
     def __iter__(self):
@@ -107,6 +106,8 @@ class Prefetch(GetAttr):
                 cur, nxt = nxt, self._fetch(it)
                 yield self._ready(cur, after_batch)
         finally:
+            # A batch copied ahead and never used: its memory goes back to the fit's stream once its copy is done
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
             dl.device = self.device
             if own: dl.after_batch = after_batch
             else: del dl.after_batch

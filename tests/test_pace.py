@@ -1,6 +1,7 @@
 "A compiled fit at its step's pace: fastai's smooth loss kept on the device, the batches copied ahead, the report's account of a batch"
-import re, time
+import gc, re, time
 import numpy as np, pytest, torch
+from torch import nn
 from fastai.learner import Learner, AvgSmoothLoss
 from fastai.callback.progress import ProgressCallback
 from fastai.torch_core import set_seed
@@ -227,3 +228,33 @@ def test_a_gpu_fit_at_its_steps_pace_trains_and_records_as_without(monkeypatch):
     # cuDNN's deterministic kernels: the same weights each batch; the smooth loss on the GPU rather than the CPU rounds alike
     np.testing.assert_allclose(lp, lu, rtol=1e-6, atol=0)
     np.testing.assert_allclose(np.array(paced.recorder.values), np.array(plain.recorder.values), rtol=1e-6, atol=0)
+
+class _CollectsInWorkers(torch.utils.data.Dataset):
+    "Digits as tensors; the first item a `DataLoader` worker reads runs Python's collector first, in that forked process"
+    def __init__(self, x, y): self.x, self.y, self.collected = x, y, False
+    def __len__(self): return len(self.x)
+    def __getitem__(self, i):
+        if not self.collected: gc.collect(); self.collected = True
+        return self.x[i], self.y[i]
+
+@cuda
+def test_batches_copied_ahead_can_be_collected_in_forked_loader_workers():
+    "Training batches left in reference cycles, then collected in the validation loader's forked workers: the fit ends as it would"
+    from sklearn.datasets import load_digits
+    from fastai.data.core import DataLoaders
+    d = load_digits()
+    x, y = torch.tensor(d.images[:, None] / 16, dtype=torch.float32), torch.tensor(d.target)
+    dls = DataLoaders.from_dsets(_CollectsInWorkers(x[:1024], y[:1024]), _CollectsInWorkers(x[1024:], y[1024:]),
+                                 bs=64, num_workers=2, device='cuda') # No batch transforms: the batch trained on is the one copied
+    class Cycles(ProgressCallback.__base__):
+        "Each training batch in a reference cycle; the collector off in the fit's process, so the workers collect them"
+        def before_fit(self): self.was = gc.isenabled(); gc.disable()
+        def after_batch(self):
+            if self.training: c = [self.learn.xb]; c.append(c)
+        def after_fit(self):
+            if self.was: gc.enable()
+    set_seed(0)
+    learn = Learner(dls, bn_cnn(), loss_func=nn.CrossEntropyLoss(), metrics=accuracy, cbs=Cycles()).compile(background=False, backend='eager')
+    with learn.no_bar(): learn.fit(2, 1e-2)
+    assert len(learn.recorder.values) == 2 and learn.recorder.values[-1][1] < np.log(10), learn.recorder.values # Below chance's loss
+    assert isinstance(learn.compiler.report.pace(), str) # The batches were copied ahead
