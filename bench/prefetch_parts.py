@@ -8,7 +8,7 @@ A text batch (64 sequences of 256 tokens and their labels) and an image batch (6
 
     to_device         fastai's own: `to_device(b, 'cuda')` from pageable memory, on the current stream
     pin+to, dispatch  pinned, then copied on a side stream, through `TensorBase`'s `__torch_function__` (each op)
-    pin+to, plain     the same with that dispatch off, into memory of the step's stream, after its queued work (`Prefetch._copy`)
+    pin+to, plain     the same with that dispatch off, into memory of the step's stream, after its queued work (`Prefetch._copy`, in its thread)
     pinned ring       copied into one of 3 pinned buffers kept for the fit, then to the GPU on the side stream
     ready             the step's stream waits for the side stream (`Prefetch._ready`)
 

@@ -5,7 +5,8 @@ before it is needed"""
 
 # %% ../nbs/19_pace.ipynb #4968332d
 from __future__ import annotations
-import time
+import gc, os, time
+from concurrent.futures import ThreadPoolExecutor
 import torch
 from fastcore.basics import GetAttr, store_attr, patch
 from fastai.torch_core import apply, to_detach, retain_type
@@ -15,7 +16,7 @@ from fastai.callback.progress import ProgressCallback
 from .internals import subclass_dispatch_off
 
 # %% auto #0
-__all__ = ['PIN_BYTES', 'DeviceSmoothLoss', 'Prefetch', 'prefetches', 'Pace', 'ShownLoss']
+__all__ = ['PIN_BYTES', 'DeviceSmoothLoss', 'Prefetch', 'prefetches', 'ForkGuard', 'Pace', 'ShownLoss']
 
 # %% ../nbs/19_pace.ipynb #cc5d091e
 class DeviceSmoothLoss(AvgSmoothLoss):
@@ -27,12 +28,12 @@ class DeviceSmoothLoss(AvgSmoothLoss):
         self.val = torch.lerp(loss, self.val if self.count > 1 else torch.zeros_like(loss), self.beta)
 
 # %% ../nbs/19_pace.ipynb #8433a637
-# Pinning a tensor costs the host more than the copy from pageable memory it saves, for a small one (a batch of tokens);
-# for a large one (a batch of images) it saves most of that copy: bench/results/workflow/archive/tier_moves_h200
-PIN_BYTES = 2**20
+# Every tensor is pinned: a copy from pageable memory may make the host wait for its stream, and the copy's stream waits
+# for the fit's queued steps. Pinning runs in the copying thread, beside the fit's.
+PIN_BYTES = 0
 
 def _pin(o:torch.Tensor)->torch.Tensor:
-    "`o`, a tensor on the host, in pinned memory where that saves the host time: a large one"
+    "`o`, a tensor on the host, in pinned memory from `PIN_BYTES` up"
     return o.pin_memory() if o.nbytes >= PIN_BYTES else o
 
 def _ahead(o, device:torch.device, stream):
@@ -43,12 +44,12 @@ def _ahead(o, device:torch.device, stream):
     with subclass_dispatch_off():
         src = _pin(o)
         res = torch.empty_like(src, device=device)
-        with torch.cuda.stream(stream): res.copy_(src, non_blocking=True) # From pageable memory, it waits for no step either
+        with torch.cuda.stream(stream): res.copy_(src, non_blocking=True)
     return retain_type(res, o, as_copy=True)
 
 # %% ../nbs/19_pace.ipynb #629e7a0b
 class Prefetch(GetAttr):
-    "Iterates a fastai `DataLoader` one batch ahead: each batch copied to its device on a side stream (pinned first where large) while the step before runs"
+    "Iterates a fastai `DataLoader` one batch ahead: each batch copied to its device by a thread of its own, on a side stream (pinned first where large), while the step before runs"
     _default = 'dl'
     def __init__(self,
         dl, # The fastai `DataLoader` whose batches go to its `device`, a CUDA GPU
@@ -58,30 +59,42 @@ class Prefetch(GetAttr):
         store_attr()
         self.device = dl.device # What the `DataLoader` says while its batches are copied here
         self.stream = torch.cuda.Stream(self.device)
+        self.copier = None # The thread that queues the copies, during an iteration
+        self.main = None # The stream the steps run on, during an iteration
         self.asked = None # When the last batch was asked for
         self.running = None # The iteration under way, which `close` ends
 
     def __len__(self): return len(self.dl)
 
     def _fetch(self, it):
-        "The next batch from `it`, its copy to the device queued on the side stream; `None` at the end"
+        "The next batch from `it`, its copy to the device handed to the copying thread: the `Future` of it, or `None` at the end"
+        # The `DataLoader` runs here, in the fit's thread, so its random draws come in the order they do without this
         t = time.perf_counter()
         b = next(it, None)
         if b is None: return None
-        b = self._copy(b)
+        b = self._hand(b)
         if self.waits is not None: self.waits.append(time.perf_counter() - t)
         return b
 
-    def _copy(self, b):
-        "Batch `b`'s copy to the device queued on the side stream, into memory of the fit's stream"
-        # That memory may be what the fit's stream freed while steps it queued still read it: the copy starts after them
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        return apply(_ahead, b, self.device, self.stream)
+    def _hand(self, b):
+        "Hand batch `b` to the copying thread: the `Future` of its copy"
+        return self.copier.submit(self._copy, b)
 
-    def _ready(self, b, after_batch):
-        "Batch `b` for the step on the fit's stream, its copy waited for"
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        return after_batch(b)
+    def _copy(self, b)->tuple:
+        "(batch, its copy's CUDA event): `b`'s copy queued on the side stream by the copying thread, into memory of the fit's stream"
+        with torch.cuda.stream(self.main): # Where the copy's memory is allocated
+            # That memory may be what the fit's stream freed while steps it queued still read it: the copy starts after them
+            self.stream.wait_stream(self.main)
+            b = apply(_ahead, b, self.device, self.stream)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return b, done
+
+    def _ready(self, copying):
+        "The batch for the step on the fit's stream, which waits for its copy and nothing else"
+        b, done = copying.result() # Queued long before, as a rule: the thread had the step before's time
+        self.main.wait_event(done)
+        return b
 
     def __iter__(self):
         self.running = self._batches()
@@ -96,6 +109,8 @@ class Prefetch(GetAttr):
         dl, after_batch = self.dl, self.dl.after_batch
         own = 'after_batch' in dl.__dict__ # A `TfmdDL`'s pipeline, else the class's method
         dl.device, dl.after_batch = None, lambda b: b # The loader yields host batches; the copy and `after_batch` are done here
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix='fastxtend_compile-copy')
+        self.main = torch.cuda.current_stream(self.device) # The fit's stream, where the steps run
         try:
             it = iter(dl)
             nxt = self._fetch(it)
@@ -104,10 +119,12 @@ class Prefetch(GetAttr):
                 if self.asked is not None and self.walls is not None: self.walls.append(now - self.asked)
                 self.asked = now
                 cur, nxt = nxt, self._fetch(it)
-                yield self._ready(cur, after_batch)
+                yield after_batch(self._ready(cur)) # The `DataLoader`'s batch transforms, on the device
         finally:
+            self.copier.shutdown(wait=True) # A copy queued for a batch not taken ends before the loader is restored
+            self.copier = None
             # A batch copied ahead and never used: its memory goes back to the fit's stream once its copy is done
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self.main.wait_stream(self.stream)
             dl.device = self.device
             if own: dl.after_batch = after_batch
             else: del dl.after_batch
@@ -120,6 +137,16 @@ def prefetches(dl)->bool:
     return isinstance(dl, DataLoader) and dev is not None and torch.device(dev).type == 'cuda'
 
 # %% ../nbs/19_pace.ipynb #3aa7dda6
+class ForkGuard:
+    "While a fit on a GPU runs, a process it forks (a `DataLoader` worker) leaves the objects it inherits out of its garbage collections"
+    fits = 0 # The fits on a GPU running now
+    @classmethod
+    def forked(cls):
+        # Collecting an inherited CUDA event, or memory a side stream used, makes a CUDA call, which aborts a forked process
+        if cls.fits: gc.freeze()
+
+if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=ForkGuard.forked)
+
 def _on_host(o): return o.cpu() if isinstance(o, torch.Tensor) and o.device.type != 'cpu' else o
 
 def _swap(recorder, smooth_loss):
@@ -134,8 +161,9 @@ class Pace:
         self.smooth = None # Its own `AvgSmoothLoss`, given back after the fit
         self.report = None # Where the host's waits for batches go
         self.loader = None # The training `Prefetch` of this epoch
+        self.guarded = False # This fit counts in `ForkGuard.fits`
 
-    def __getstate__(self): return {'recorder': None, 'smooth': None, 'report': None, 'loader': None}
+    def __getstate__(self): return {'recorder': None, 'smooth': None, 'report': None, 'loader': None, 'guarded': False}
 
     def start(self,
         learn, # The `Learner` starting a compiled fit
@@ -144,6 +172,7 @@ class Pace:
     ):
         "A compiled fit starts on `device`: where it runs asynchronously, keep the smooth loss on it"
         if device.type not in self.devices: return
+        if not self.guarded: ForkGuard.fits, self.guarded = ForkGuard.fits + 1, True
         self.report = report
         rec = getattr(learn, 'recorder', None)
         if rec is None or type(rec.smooth_loss) is not AvgSmoothLoss: return # A smooth loss of the user's own is left alone
@@ -185,6 +214,7 @@ class Pace:
             own.count, own.val = dev.count, _on_host(dev.val)
             _swap(self.recorder, own)
         self.recorder = self.smooth = self.report = None
+        if self.guarded: ForkGuard.fits, self.guarded = ForkGuard.fits - 1, False
 
 # %% ../nbs/19_pace.ipynb #e3627b65
 class ShownLoss:

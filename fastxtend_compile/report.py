@@ -72,9 +72,9 @@ class CompileEvent:
 # %% ../nbs/01_report.ipynb #72a8973c
 def _ms(s:float)->str: return f"{s*1e3:.1f} ms"
 
-def _event(device:torch.device):
-    "A CUDA event recorded now on `device`'s current stream, to time work there without waiting for it"
-    e = torch.cuda.Event(enable_timing=True)
+def _event(device:torch.device, spare:list):
+    "A CUDA event recorded now on `device`'s current stream, to time work there without waiting for it: one of `spare`, read already, where there is one"
+    e = spare.pop() if spare else torch.cuda.Event(enable_timing=True) # Made once and reused: making one costs the host more than recording it
     e.record(torch.cuda.current_stream(device))
     return e
 def _median(xs:list)->float: return sorted(xs)[len(xs)//2]
@@ -356,12 +356,13 @@ class CompileRecorder:
         self.clock = None # The CUDA device whose events time the compiled training batches, without waiting for it
         self.mark = None # The event this compiled training batch started at, on `clock`
         self.marks = [] # (index in `batch_times`, start, end) of the compiled batches whose events aren't read yet
+        self.spare = [] # CUDA events read already, for the next batches to record again
         self.phase_shapes = {} # Input shapes compiled for, by phase (training or not): TorchDynamo names one guard
         self.compiled_backward = False # Compiled autograd compiles the backwards (`ddp_compiled_autograd`)
         self.part = '' # The part of the training step running: '' (the model's forward), 'backward' or 'step'
         self.compiled_s = 0. # Seconds the model compiled in the fit's path since `take_compiled` (the optimizer step's left out)
 
-    def __getstate__(self): return {**self.__dict__, 'log_handler': None, 'show': None} # Handlers hold locks
+    def __getstate__(self): return {**self.__dict__, 'log_handler': None, 'show': None, 'mark': None, 'marks': [], 'spare': []} # Handlers hold locks; CUDA events stay
 
     def note_freeze_change(self):
         "Note that parameters' `requires_grad` changed: TorchDynamo reports only the newest graph's failed guard"
@@ -395,7 +396,7 @@ def start(self:CompileRecorder,
         r.fit_steps += epochs * len(train)
         r.images = _image_batches(train)
     self.compiling, self.batch_t, self.training, self.sync, self.batch_end = False, time.perf_counter(), None, sync, None
-    self.clock, self.mark, self.marks = clock, None, []
+    self.clock, self.mark, self.marks, self.spare = clock, None, [], []
     self.seen = _by_id(compilation_metrics()) # Those of earlier compiles, which are not this fit's
     self.breaks0 = graph_break_reasons() # Those of earlier compiles, less those of this report's earlier fits
     self.breaks0.subtract(self.report.break_reasons)
@@ -538,7 +539,7 @@ def batch_start(self:CompileRecorder,
     if training and self.batch_end is not None and self.clock is None: self.report.data_waits.append(now - self.batch_end)
     self.batch_t, self.compiling, self.training, self.shapes, self.eager, self.batch_end = now, False, training, _shapes(xb), eager, None
     self.part = ''
-    if training and not eager and self.clock is not None: self.mark = _event(self.clock)
+    if training and not eager and self.clock is not None: self.mark = _event(self.clock, self.spare)
 
 @patch
 def batch_done(self:CompileRecorder)->float|None:
@@ -546,7 +547,7 @@ def batch_done(self:CompileRecorder)->float|None:
     if self.compiling: self.collect(self.during) # Before the batch is counted, so it is named as it ran
     if not self.training: return None
     if self.mark is not None: # A compiled batch on the GPU: timed by its events, read once the device gets there
-        self.marks.append((len(self.report.batch_times), self.mark, _event(self.clock)))
+        self.marks.append((len(self.report.batch_times), self.mark, _event(self.clock, self.spare)))
         self.report.batch_times.append((None, self.compiling))
         self.mark = None
         return self.read_marks()
@@ -566,11 +567,13 @@ def read_marks(self:CompileRecorder,
 )->None:
     "Put the times of the compiled batches whose events the device reached into `batch_times`"
     if wait and self.marks: self.marks[-1][2].synchronize()
-    left = []
+    done = 0
     for i,start,end in self.marks:
-        if wait or end.query(): self.report.batch_times[i] = (start.elapsed_time(end) / 1e3, self.report.batch_times[i][1])
-        else: left.append((i, start, end))
-    self.marks = left
+        if not (wait or end.query()): break # The device reaches the events in the order they were recorded: none after it either
+        self.report.batch_times[i] = (start.elapsed_time(end) / 1e3, self.report.batch_times[i][1])
+        self.spare += (start, end)
+        done += 1
+    del self.marks[:done]
 
 # %% ../nbs/01_report.ipynb #c0a1e5d7
 class Note:
