@@ -269,12 +269,16 @@ def _collected_in_a_forked_child(fits:int)->bytes:
     import fastxtend_compile.pace as pace
     r, w = os.pipe()
     was, pace.ForkGuard.fits = pace.ForkGuard.fits, fits
+    gc.collect() # The process's other garbage, whose finalizers a child should not run
     gc.disable()
     try:
         _Marked(w)
         if (pid := os.fork()) == 0:
             gc.collect(); os._exit(0)
-        os.waitpid(pid, 0)
+        for _ in range(300): # A child that hangs is killed after 30 s
+            if os.waitpid(pid, os.WNOHANG)[0]: break
+            time.sleep(0.1)
+        else: os.kill(pid, 9); os.waitpid(pid, 0)
     finally:
         pace.ForkGuard.fits = was
         gc.enable()
