@@ -390,8 +390,11 @@ def child(spec:dict)->dict:
         def before_train(self): self.t_train = time.perf_counter()
         def before_batch(self):
             if self.training:
-                self.rec['data_wait_s'] += time.perf_counter() - end.mark
+                wait = time.perf_counter() - end.mark
+                if not self.rec['batches']: self.rec['first_wait_s'] = wait # The iterator's start (workers forked) and its first batch
+                self.rec['data_wait_s'] += wait
                 self.rec['batches'] += 1
+            elif 'valid_first_s' not in self.rec: self.rec['valid_first_s'] = time.perf_counter() - self.t_valid # Likewise for validation
         def after_train(self): self.rec['data_wait_s'] += time.perf_counter() - end.mark # The iterator's end (workers stopping)
         def before_validate(self): self.t_valid = time.perf_counter()
     class End(Callback):

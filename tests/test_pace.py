@@ -184,7 +184,7 @@ def test_the_training_loader_is_restored_after_an_epoch_cut_short(monkeypatch):
     class Sees(Callback):
         order = 14
         def before_batch(self):
-            if self.training: seen.append((type(self.learn.dl).__name__, self.epoch))
+            if self.training: seen.append((type(self.learn.dl).__name__, self.epoch, pace.ForkGuard.fits))
     monkeypatch.setattr(Pace, 'devices', ('cuda', 'cpu'))
     import fastxtend_compile.pace as pace
     monkeypatch.setattr(pace, 'prefetches', lambda dl: True)
@@ -194,7 +194,8 @@ def test_the_training_loader_is_restored_after_an_epoch_cut_short(monkeypatch):
     device, after_batch = dls.train.device, dls.train.after_batch
     learn = Learner(dls, bn_cnn(), cbs=[Cut(), Sees()]).compile(backend='eager')
     with learn.no_bar(): learn.fit(2)
-    assert seen[0] == ('Prefetch', 0) and ('Prefetch', 1) in seen # Copied ahead in both epochs, the first cut short
+    fits = pace.ForkGuard.fits
+    assert seen[0] == ('Prefetch', 0, fits+1) and ('Prefetch', 1, fits+1) in seen # Copied ahead in both epochs, the first cut short; forks guarded
     assert len([s for s in seen if s[1] == 1]) == len(dls.train)
     assert dls.train.device == device and dls.train.after_batch is after_batch
     assert len(learn.recorder.losses) == 3 + len(dls.train)
