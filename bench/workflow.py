@@ -88,14 +88,15 @@ KINDS = {
                    'tier where the measured step has one (tried on CUDA alone)', ('cold', 'warm')),
     'unfrozen':   (dict(background=True), "as *tiers*, with Python's collector left unfrozen during the fit (`GCFreeze.on = False`): "
                    "its full collections visit every object", ('cold', 'warm')),
+    'bar':        (dict(background=True), "`learn.compile(background=True)` on *tiers-cold*'s cache, as *tiers-warm*, with fastai's progress bar shown, as users train", ('warm',)),
 }
 EAGER = ('eager', 'eager-fused') # Arms that compile nothing: fastai's `Adam`, and torch's fused AdamW (`fused_adamw`)
 ARMS = (*EAGER, *(f'compile-{s}' for s in KINDS['compile'][2]), 'compile-ro',
         *(f'{k}-{s}' for k,(_,_,starts) in KINDS.items() if k != 'compile' for s in starts))
 ARM_MODE = {a: None if a in EAGER else 'reduce-overhead' if a == 'compile-ro' else 'default' for a in ARMS}
 ARM_KWARGS = {a: {'background': False, **KINDS[a.split('-')[0]][0]} for a in ARMS if a not in EAGER}
-# Arms that start from what a cold run left; *unfrozen-warm* from *tiers-cold*'s, beside *tiers-warm*
-COLD_OF = {a: ('tiers' if a.startswith('unfrozen-') else a.rsplit('-', 1)[0]) + '-cold' for a in ARMS if a.endswith(('-warm', '-saved'))}
+# Arms that start from what a cold run left; *unfrozen-warm* and *bar-warm* from *tiers-cold*'s, beside *tiers-warm*
+COLD_OF = {a: ('tiers' if a.startswith(('unfrozen-', 'bar-')) else a.rsplit('-', 1)[0]) + '-cold' for a in ARMS if a.endswith(('-warm', '-saved'))}
 INDUCTOR_ONLY = ('precompile',) # Kinds left out of a default run with another backend
 
 # Sizes: `gpu` is the default, `smoke` a tiny CPU check of the same code paths. `--config` overrides either.
@@ -443,7 +444,7 @@ def child(spec:dict)->dict:
         warnings.simplefilter('always')
         sync()
         t = time.perf_counter()
-        with (nullcontext() if spec.get('bar') else learn.no_bar()): fit()
+        with (nullcontext() if spec.get('bar') or arm.startswith('bar-') else learn.no_bar()): fit()
         sync()
         total = time.perf_counter() - t
     warns = list(dict.fromkeys(f"{x.category.__name__}: {x.message}" for x in caught
