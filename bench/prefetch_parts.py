@@ -8,9 +8,9 @@ A text batch (64 sequences of 256 tokens and their labels) and an image batch (6
 
     to_device         fastai's own: `to_device(b, 'cuda')` from pageable memory, on the current stream
     pin+to, dispatch  pinned, then copied on a side stream, through `TensorBase`'s `__torch_function__` (each op)
-    pin+to, plain     the same with that dispatch off (`Prefetch._copy` today)
+    pin+to, plain     the same with that dispatch off, into memory of the step's stream, after its queued work (`Prefetch._copy`, in its thread)
     pinned ring       copied into one of 3 pinned buffers kept for the fit, then to the GPU on the side stream
-    ready             the step's stream waits for the side stream, and each tensor's memory kept for it (`Prefetch._ready`)
+    ready             the step's stream waits for the side stream (`Prefetch._ready`)
 
 With `--loader`, the same ways on the batches of `bench/workflow.py`'s text workflow's own training DataLoader, as a fit
 gets them (fastai's default workers, then none), each way a pass of its own over fresh batches.
@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fastai.torch_core import TensorCategory, TensorImage, apply, to_device
 from fastai.text.data import TensorText
-from fastxtend_compile.pace import _ahead, _keep
+from fastxtend_compile.pace import _ahead
 from fastxtend_compile.internals import subclass_dispatch_off
 
 def batches(kind:str, n:int)->list:
@@ -94,12 +94,12 @@ def main():
     def dispatch(b):
         with torch.cuda.stream(side): return apply(lambda o: o.pin_memory().to(dev, non_blocking=True), b)
     def plain(b):
-        with torch.cuda.stream(side): return apply(_ahead, b, dev)
+        side.wait_stream(main_stream)
+        return apply(_ahead, b, dev, side)
     def ringed(b):
         with torch.cuda.stream(side): return ring(b, dev, side)
     def ready(b):
         main_stream.wait_stream(side)
-        apply(_keep, b, main_stream)
     res = {}
     for kind in ('text', 'image'):
         bs = batches(kind, args.n if kind == 'text' else args.n // 4)

@@ -88,14 +88,15 @@ KINDS = {
                    'tier where the measured step has one (tried on CUDA alone)', ('cold', 'warm')),
     'unfrozen':   (dict(background=True), "as *tiers*, with Python's collector left unfrozen during the fit (`GCFreeze.on = False`): "
                    "its full collections visit every object", ('cold', 'warm')),
+    'bar':        (dict(background=True), "`learn.compile(background=True)` on *tiers-cold*'s cache, as *tiers-warm*, with fastai's progress bar shown, as users train", ('warm',)),
 }
 EAGER = ('eager', 'eager-fused') # Arms that compile nothing: fastai's `Adam`, and torch's fused AdamW (`fused_adamw`)
 ARMS = (*EAGER, *(f'compile-{s}' for s in KINDS['compile'][2]), 'compile-ro',
         *(f'{k}-{s}' for k,(_,_,starts) in KINDS.items() if k != 'compile' for s in starts))
 ARM_MODE = {a: None if a in EAGER else 'reduce-overhead' if a == 'compile-ro' else 'default' for a in ARMS}
 ARM_KWARGS = {a: {'background': False, **KINDS[a.split('-')[0]][0]} for a in ARMS if a not in EAGER}
-# Arms that start from what a cold run left; *unfrozen-warm* from *tiers-cold*'s, beside *tiers-warm*
-COLD_OF = {a: ('tiers' if a.startswith('unfrozen-') else a.rsplit('-', 1)[0]) + '-cold' for a in ARMS if a.endswith(('-warm', '-saved'))}
+# Arms that start from what a cold run left; *unfrozen-warm* and *bar-warm* from *tiers-cold*'s, beside *tiers-warm*
+COLD_OF = {a: ('tiers' if a.startswith(('unfrozen-', 'bar-')) else a.rsplit('-', 1)[0]) + '-cold' for a in ARMS if a.endswith(('-warm', '-saved'))}
 INDUCTOR_ONLY = ('precompile',) # Kinds left out of a default run with another backend
 
 # Sizes: `gpu` is the default, `smoke` a tiny CPU check of the same code paths. `--config` overrides either.
@@ -390,8 +391,11 @@ def child(spec:dict)->dict:
         def before_train(self): self.t_train = time.perf_counter()
         def before_batch(self):
             if self.training:
-                self.rec['data_wait_s'] += time.perf_counter() - end.mark
+                wait = time.perf_counter() - end.mark
+                if not self.rec['batches']: self.rec['first_wait_s'] = wait # The iterator's start (workers forked) and its first batch
+                self.rec['data_wait_s'] += wait
                 self.rec['batches'] += 1
+            elif 'valid_first_s' not in self.rec: self.rec['valid_first_s'] = time.perf_counter() - self.t_valid # Likewise for validation
         def after_train(self): self.rec['data_wait_s'] += time.perf_counter() - end.mark # The iterator's end (workers stopping)
         def before_validate(self): self.t_valid = time.perf_counter()
     class End(Callback):
@@ -419,6 +423,12 @@ def child(spec:dict)->dict:
             epochs.append(r)
     start, end = Start(), End()
     learn.add_cbs([start, end])
+    if spec.get('pin_bytes') is not None: # The size from which the copy ahead pins a tensor
+        import fastxtend_compile.pace as pace
+        pace.PIN_BYTES = spec['pin_bytes']
+    if spec.get('copy_inline'): # The batch copied ahead in the fit's thread, as the library did before its copying thread
+        from fastxtend_compile.pace import Prefetch
+        Prefetch._hand = lambda self, b: _Copied(self._copy(b))
     host_work = library_host_work(end, sync if spec.get('drain') else None) if ARM_MODE[arm] is not None else None
     mode = ARM_MODE[arm]
     if mode is not None:
@@ -434,7 +444,7 @@ def child(spec:dict)->dict:
         warnings.simplefilter('always')
         sync()
         t = time.perf_counter()
-        with (nullcontext() if spec.get('bar') else learn.no_bar()): fit()
+        with (nullcontext() if spec.get('bar') or arm.startswith('bar-') else learn.no_bar()): fit()
         sync()
         total = time.perf_counter() - t
     warns = list(dict.fromkeys(f"{x.category.__name__}: {x.message}" for x in caught
@@ -457,6 +467,7 @@ def child(spec:dict)->dict:
     if spec.get('get_preds'): res['get_preds_s'] = get_preds_s
     if host_work: res['host_work_ms'] = host_work_ms(host_work)
     if spec.get('drain'): res['drained'] = True # Synchronized after each training batch: its times are no timing run's
+    if spec.get('copy_inline'): res['copy_inline'] = True
     try: # Inductor's cache hits and misses in this process: a warm compile hits
         from torch._dynamo.utils import counters
         res['inductor_counters'] = {k: v for k,v in counters['inductor'].items() if 'cache' in k}
@@ -547,8 +558,13 @@ def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
 
+class _Copied:
+    "A batch copied in the fit's thread, as the `Future` of the copying thread's copy gives it"
+    def __init__(self, copied): self.copied = copied
+    def result(self): return self.copied
+
 def library_host_work(end, drain=None)->list:
-    "Seconds of the host's time each training batch spends in the library's own code, by part: `CompilerCallback`'s events, copying the batch ahead; `drain()` after each"
+    "Seconds of the fit's thread's time each training batch spends in the library's own code, by part: `CompilerCallback`'s events, the batch copied ahead; `drain()` after each"
     from fastxtend_compile.callback import CompilerCallback
     from fastxtend_compile.pace import Prefetch
     spent, per_batch = collections.Counter(), []
@@ -559,7 +575,8 @@ def library_host_work(end, drain=None)->list:
             finally: spent[part or args[1]] += time.perf_counter() - t # A callback's event, by its name
         return inner
     CompilerCallback.__call__ = timed(CompilerCallback.__call__)
-    Prefetch._copy, Prefetch._ready = timed(Prefetch._copy, 'copy ahead'), timed(Prefetch._ready, 'batch ready')
+    # The fit's thread hands each batch to the copying thread, then has it made ready: the copy itself runs beside it
+    Prefetch._hand, Prefetch._ready = timed(Prefetch._hand, 'copy handed over'), timed(Prefetch._ready, 'batch ready')
     def batch_done():
         per_batch.append(dict(spent)); spent.clear()
         if drain is not None: drain() # The next batch's calls find the GPU's queue empty: none of them waits for room in it
@@ -714,6 +731,9 @@ def main():
     p.add_argument('--bar', action='store_true', help="fit with fastai's progress bar shown, as users train (default: no bar)")
     p.add_argument('--drain', action='store_true', help="wait for the GPU at each training batch's end, after it is timed: the library's "
                    "host time a batch (`host_work_ms`) without the waits of a host ahead of the GPU, whose queue is full. Not a timing run")
+    p.add_argument('--copy-inline', action='store_true', help="copy each training batch ahead in the fit's own thread, not the library's copying thread: "
+                   "the host time that thread takes off the fit's")
+    p.add_argument('--pin-bytes', type=int, default=None, help="pin a tensor copied ahead from this size up (the library's `PIN_BYTES` by default)")
     p.add_argument('--child', default=None, help=argparse.SUPPRESS)
     p.add_argument('--result', default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -756,7 +776,7 @@ def main():
             c = configs[w]
             spec = dict(workflow=w, config=c, device=args.device, smoke=args.smoke, backend=args.backend,
                         compile_kwargs=json.loads(args.compile_kwargs), num_workers=num_workers, matmul_precision=args.matmul_precision,
-                        get_preds=args.get_preds, bar=args.bar, drain=args.drain)
+                        get_preds=args.get_preds, bar=args.bar, drain=args.drain, copy_inline=args.copy_inline, pin_bytes=args.pin_bytes)
             if w.startswith('vision'):
                 data = Path(args.data_dir)/w if args.data_dir else tmp/f'data-{w}'
                 if not (data/'train').exists():

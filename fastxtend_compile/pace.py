@@ -6,6 +6,7 @@ before it is needed"""
 # %% ../nbs/19_pace.ipynb #4968332d
 from __future__ import annotations
 import gc, os, time
+from concurrent.futures import ThreadPoolExecutor
 import torch
 from fastcore.basics import GetAttr, store_attr, patch
 from fastai.torch_core import apply, to_detach, retain_type
@@ -27,29 +28,31 @@ class DeviceSmoothLoss(AvgSmoothLoss):
         self.val = torch.lerp(loss, self.val if self.count > 1 else torch.zeros_like(loss), self.beta)
 
 # %% ../nbs/19_pace.ipynb #8433a637
-# Pinning a tensor costs the host more than the copy from pageable memory it saves, for a small one (a batch of tokens);
-# for a large one (a batch of images) it saves most of that copy: bench/results/workflow/archive/tier_moves_h200
-PIN_BYTES = 2**20
+# Every tensor is pinned: a copy from pageable memory may make the host wait for its stream, and the copy's stream waits
+# for the fit's queued steps. Pinning runs in the copying thread, beside the fit's.
+PIN_BYTES = 0
 
 def _pin(o:torch.Tensor)->torch.Tensor:
-    "`o`, a tensor on the host, in pinned memory where that saves the host time: a large one"
+    "`o`, a tensor on the host, in pinned memory from `PIN_BYTES` up"
     return o.pin_memory() if o.nbytes >= PIN_BYTES else o
 
-def _ahead(o, device:torch.device):
-    "`o`'s copy to `device` queued, where it is a tensor on the host, pinned first if large: as its type, with its metadata, as fastai's `to_device` has it"
+def _ahead(o, device:torch.device, stream):
+    "`o`'s copy to `device` queued on `stream`, where it is a tensor on the host, pinned first if large: as its type, with its metadata, as fastai's `to_device` has it"
     if not isinstance(o, torch.Tensor) or o.device.type != 'cpu': return o
-    # A plain tensor: no `TensorBase` dispatch, twice. On the side stream, a copy from pageable memory waits for no step
-    with subclass_dispatch_off(): res = _pin(o).to(device, non_blocking=True)
+    # A plain tensor: no `TensorBase` dispatch. Its memory is the fit's stream's, so freeing it needs no `record_stream`,
+    # whose cross-stream bookkeeping calls CUDA when a forked `DataLoader` worker collects a batch left in a reference cycle
+    with subclass_dispatch_off():
+        src = _pin(o)
+        res = torch.empty_like(src, device=device) # On the fit's stream, whose freed memory it may be
+        # The copy starts after the work the fit's stream has queued so far, which includes every read of that memory
+        # before it was freed: waited for once it is allocated, since the fit's thread frees memory meanwhile
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream): res.copy_(src, non_blocking=True)
     return retain_type(res, o, as_copy=True)
-
-def _keep(o, stream):
-    "Keep `o`'s memory, where it is a tensor on a GPU, until the work `stream` has queued so far is done"
-    if isinstance(o, torch.Tensor) and o.is_cuda:
-        with subclass_dispatch_off(): o.record_stream(stream)
 
 # %% ../nbs/19_pace.ipynb #629e7a0b
 class Prefetch(GetAttr):
-    "Iterates a fastai `DataLoader` one batch ahead: each batch copied to its device on a side stream (pinned first where large) while the step before runs"
+    "Iterates a fastai `DataLoader` one batch ahead: each batch copied to its device by a thread of its own, on a side stream (pinned first where large), while the step before runs"
     _default = 'dl'
     def __init__(self,
         dl, # The fastai `DataLoader` whose batches go to its `device`, a CUDA GPU
@@ -59,30 +62,39 @@ class Prefetch(GetAttr):
         store_attr()
         self.device = dl.device # What the `DataLoader` says while its batches are copied here
         self.stream = torch.cuda.Stream(self.device)
+        self.copier = None # The thread that queues the copies, during an iteration
+        self.main = None # The stream the steps run on, during an iteration
         self.asked = None # When the last batch was asked for
         self.running = None # The iteration under way, which `close` ends
 
     def __len__(self): return len(self.dl)
 
     def _fetch(self, it):
-        "The next batch from `it`, its copy to the device queued on the side stream; `None` at the end"
+        "The next batch from `it`, its copy to the device handed to the copying thread: the `Future` of it, or `None` at the end"
+        # The `DataLoader` runs here, in the fit's thread, so its random draws come in the order they do without this
         t = time.perf_counter()
         b = next(it, None)
         if b is None: return None
-        b = self._copy(b)
+        b = self._hand(b)
         if self.waits is not None: self.waits.append(time.perf_counter() - t)
         return b
 
-    def _copy(self, b):
-        "Batch `b`'s copy to the device queued on the side stream"
-        with torch.cuda.stream(self.stream): return apply(_ahead, b, self.device)
+    def _hand(self, b):
+        "Hand batch `b` to the copying thread: the `Future` of its copy"
+        return self.copier.submit(self._copy, b)
 
-    def _ready(self, b, after_batch):
-        "Batch `b` for the step on the current stream: its copy waited for, its memory kept while the step reads it"
-        main = torch.cuda.current_stream(self.device)
-        main.wait_stream(self.stream)
-        apply(_keep, b, main)
-        return after_batch(b)
+    def _copy(self, b)->tuple:
+        "(batch, its copy's CUDA event): `b`'s copy queued on the side stream by the copying thread, into memory of the fit's stream"
+        with torch.cuda.stream(self.main): b = apply(_ahead, b, self.device, self.stream) # The copy's memory is the fit's stream's
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return b, done
+
+    def _ready(self, copying):
+        "The batch for the step on the fit's stream, which waits for its copy and nothing else"
+        b, done = copying.result() # Queued long before, as a rule: the thread had the step before's time
+        self.main.wait_event(done)
+        return b
 
     def __iter__(self):
         self.running = self._batches()
@@ -97,6 +109,8 @@ class Prefetch(GetAttr):
         dl, after_batch = self.dl, self.dl.after_batch
         own = 'after_batch' in dl.__dict__ # A `TfmdDL`'s pipeline, else the class's method
         dl.device, dl.after_batch = None, lambda b: b # The loader yields host batches; the copy and `after_batch` are done here
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix='fastxtend_compile-copy')
+        self.main = torch.cuda.current_stream(self.device) # The fit's stream, where the steps run
         try:
             it = iter(dl)
             nxt = self._fetch(it)
@@ -105,8 +119,12 @@ class Prefetch(GetAttr):
                 if self.asked is not None and self.walls is not None: self.walls.append(now - self.asked)
                 self.asked = now
                 cur, nxt = nxt, self._fetch(it)
-                yield self._ready(cur, after_batch)
+                yield after_batch(self._ready(cur)) # The `DataLoader`'s batch transforms, on the device
         finally:
+            self.copier.shutdown(wait=True) # A copy queued for a batch not taken ends before the loader is restored
+            self.copier = None
+            # A batch copied ahead and never used: its memory goes back to the fit's stream once its copy is done
+            self.main.wait_stream(self.stream)
             dl.device = self.device
             if own: dl.after_batch = after_batch
             else: del dl.after_batch

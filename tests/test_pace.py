@@ -115,10 +115,13 @@ class _NoStreams:
     "Stands in for CUDA's streams, so that `Prefetch`'s iteration runs on the CPU: its copies are then plain `to`s"
     def __init__(self, *args): pass
     def wait_stream(self, other): pass
+    def wait_event(self, event): pass
+    def record(self, stream=None): pass
 
 def cpu_prefetch(monkeypatch, dl):
     from contextlib import nullcontext
     monkeypatch.setattr(torch.cuda, 'Stream', _NoStreams)
+    monkeypatch.setattr(torch.cuda, 'Event', _NoStreams)
     monkeypatch.setattr(torch.cuda, 'stream', lambda s: nullcontext())
     monkeypatch.setattr(torch.cuda, 'current_stream', lambda device=None: _NoStreams())
     import fastxtend_compile.pace as pace
@@ -143,14 +146,33 @@ def test_prefetch_yields_what_the_loader_yields_and_leaves_it_as_it_was(monkeypa
     p.close()
     assert dl.device == device and dl.after_batch is after_batch # Closed: the loader as it was
 
-def test_a_batch_is_pinned_only_where_that_saves_the_host_time(monkeypatch):
-    "A small tensor (a batch of tokens) is copied from pageable memory, a large one (a batch of images) from pinned memory"
+def test_the_loader_runs_in_the_fits_thread_and_only_the_copy_beside_it(monkeypatch):
+    "The `DataLoader`'s work, its random draws among it, stays in the fit's thread, in its order; the copies run in a thread of their own"
+    import threading, fastxtend_compile.pace as pace
+    dl = digits_dls(bs=32).cpu().train # Shuffled
+    loads, copies = [], []
+    create, ahead = dl.create_batch, pace._ahead
+    monkeypatch.setattr(dl, 'create_batch', lambda b: loads.append(threading.current_thread()) or create(b))
+    monkeypatch.setattr(pace, '_ahead', lambda o, *args: copies.append(threading.current_thread()) or ahead(o, *args))
+    drawn = dl.rng.getstate() # The loader's own generator, which orders an epoch's batches
+    want = [y for _,y in dl]
+    loads.clear()
+    dl.rng.setstate(drawn)
+    got = [y for _,y in cpu_prefetch(monkeypatch, dl)]
+    assert len(got) == len(want) and all(torch.equal(g, w) for g,w in zip(got, want))
+    assert set(loads) == {threading.main_thread()}
+    assert len(copies) == 2*len(want) and threading.main_thread() not in copies
+
+def test_every_tensor_copied_ahead_is_pinned_by_default(monkeypatch):
+    "A batch of tokens and a batch of images both copied from pinned memory; from `PIN_BYTES` up where that is set"
     import fastxtend_compile.pace as pace
     pinned = []
     monkeypatch.setattr(torch.Tensor, 'pin_memory', lambda self: pinned.append(self.nbytes) or self) # No CUDA needed
     tokens, images = torch.zeros(64, 256, dtype=torch.long), torch.zeros(64, 3, 224, 224, dtype=torch.uint8)
-    assert pace._pin(tokens) is tokens and pinned == []
-    assert pace._pin(images) is images and pinned == [images.nbytes]
+    assert pace._pin(tokens) is tokens and pace._pin(images) is images and pinned == [tokens.nbytes, images.nbytes]
+    monkeypatch.setattr(pace, 'PIN_BYTES', 2**20)
+    pace._pin(tokens); pace._pin(images)
+    assert pinned == [tokens.nbytes, images.nbytes, images.nbytes]
 
 def test_the_training_loader_is_restored_after_an_epoch_cut_short(monkeypatch):
     from fastai.callback.core import Callback, CancelEpochException
