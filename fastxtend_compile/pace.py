@@ -37,7 +37,7 @@ def _pin(o:torch.Tensor)->torch.Tensor:
     return o.pin_memory() if o.nbytes >= PIN_BYTES else o
 
 def _ahead(o, device:torch.device, stream):
-    "`o`'s copy to `device` queued on `stream`, where it is a tensor on the host, pinned first if large: as its type, with its metadata, as fastai's `to_device` has it"
+    "`o`'s copy to `device` queued on `stream`, where it is a tensor on the host, pinned first (`_pin`): as its type, with its metadata, as fastai's `to_device` has it"
     if not isinstance(o, torch.Tensor) or o.device.type != 'cpu': return o
     # A plain tensor: no `TensorBase` dispatch. Its memory is the fit's stream's, so freeing it needs no `record_stream`,
     # whose cross-stream bookkeeping calls CUDA when a forked `DataLoader` worker collects a batch left in a reference cycle
@@ -52,7 +52,7 @@ def _ahead(o, device:torch.device, stream):
 
 # %% ../nbs/19_pace.ipynb #629e7a0b
 class Prefetch(GetAttr):
-    "Iterates a fastai `DataLoader` one batch ahead: each batch copied to its device by a thread of its own, on a side stream (pinned first where large), while the step before runs"
+    "Iterates a fastai `DataLoader` one batch ahead: each batch copied to its device by a thread of its own, on a side stream (pinned first), while the step before runs"
     _default = 'dl'
     def __init__(self,
         dl, # The fastai `DataLoader` whose batches go to its `device`, a CUDA GPU
