@@ -756,7 +756,7 @@ def main():
             args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
     args.backend = args.backend or ('aot_eager' if args.smoke else None)
     if not arms_given and args.backend not in (None, 'inductor'): arms = [a for a in arms if a.split('-')[0] not in INDUCTOR_ONLY]
-    if not arms_given and args.smoke: arms = [a for a in arms if not a.startswith(('tiers-', 'unfrozen-'))]
+    if not arms_given and args.smoke: arms = [a for a in arms if not a.startswith(('tiers-', 'unfrozen-', 'bar-'))]
     args.timeout = args.timeout or (120 if args.smoke else 600)
     num_workers = args.num_workers if args.num_workers is not None else (0 if args.smoke or args.device == 'cpu' else None)
     overrides = json.loads(args.config)
