@@ -163,6 +163,22 @@ def test_the_loader_runs_in_the_fits_thread_and_only_the_copy_beside_it(monkeypa
     assert set(loads) == {threading.main_thread()}
     assert len(copies) == 2*len(want) and threading.main_thread() not in copies
 
+def test_a_copy_waits_for_the_steps_stream_once_its_memory_is_allocated(monkeypatch):
+    "The copy's memory may be memory the fit's thread just freed: the copy waits for the step's queued work after taking it, so every read queued before is done first"
+    from contextlib import nullcontext
+    import fastxtend_compile.pace as pace
+    order = []
+    class Stream:
+        def wait_stream(self, other): order.append('wait')
+    monkeypatch.setattr(torch.cuda, 'current_stream', lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, 'stream', lambda s: nullcontext())
+    monkeypatch.setattr(pace, 'PIN_BYTES', 2**62) # Nothing pinned: no CUDA needed
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, 'empty_like', lambda o, **kw: order.append('allocate') or empty_like(o, **kw))
+    x = torch.arange(6)
+    res = pace._ahead(x, torch.device('cpu'), Stream())
+    assert order == ['allocate', 'wait'] and torch.equal(res, x) and res.data_ptr() != x.data_ptr()
+
 def test_every_tensor_copied_ahead_is_pinned_by_default(monkeypatch):
     "A batch of tokens and a batch of images both copied from pinned memory; from `PIN_BYTES` up where that is set"
     import fastxtend_compile.pace as pace
