@@ -64,7 +64,7 @@ after every arm. Exits with status 1 when an arm failed.
 from __future__ import annotations
 import argparse, collections, datetime, json, os, shutil, statistics, sys, tempfile, time
 from contextlib import nullcontext
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -428,7 +428,7 @@ def child(spec:dict)->dict:
         pace.PIN_BYTES = spec['pin_bytes']
     if spec.get('copy_inline'): # The batch copied ahead in the fit's thread, as the library did before its copying thread
         from fastxtend_compile.pace import Prefetch
-        Prefetch._hand = lambda self, b: _Copied(self._copy(b))
+        Prefetch._hand = lambda self, b: _copied(self._copy(b))
     host_work = library_host_work(end, sync if spec.get('drain') else None) if ARM_MODE[arm] is not None else None
     mode = ARM_MODE[arm]
     if mode is not None:
@@ -558,10 +558,11 @@ def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
 
-class _Copied:
+def _copied(copied)->Future:
     "A batch copied in the fit's thread, as the `Future` of the copying thread's copy gives it"
-    def __init__(self, copied): self.copied = copied
-    def result(self): return self.copied
+    f = Future()
+    f.set_result(copied)
+    return f
 
 def library_host_work(end, drain=None)->list:
     "Seconds of the fit's thread's time each training batch spends in the library's own code, by part: `CompilerCallback`'s events, the batch copied ahead; `drain()` after each"

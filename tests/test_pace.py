@@ -118,14 +118,18 @@ class _NoStreams:
     def wait_event(self, event): pass
     def record(self, stream=None): pass
 
-def cpu_prefetch(monkeypatch, dl):
+def cpu_streams(monkeypatch, streams=_NoStreams):
+    "CUDA's streams and events stood in for by `streams`, and nothing pinned: the copies ahead run on the CPU"
     from contextlib import nullcontext
-    monkeypatch.setattr(torch.cuda, 'Stream', _NoStreams)
-    monkeypatch.setattr(torch.cuda, 'Event', _NoStreams)
+    monkeypatch.setattr(torch.cuda, 'Stream', streams)
+    monkeypatch.setattr(torch.cuda, 'Event', streams)
     monkeypatch.setattr(torch.cuda, 'stream', lambda s: nullcontext())
-    monkeypatch.setattr(torch.cuda, 'current_stream', lambda device=None: _NoStreams())
+    monkeypatch.setattr(torch.cuda, 'current_stream', lambda device=None: streams())
     import fastxtend_compile.pace as pace
     monkeypatch.setattr(pace, '_pin', lambda o: o) # Pinned memory needs CUDA
+
+def cpu_prefetch(monkeypatch, dl):
+    cpu_streams(monkeypatch)
     return Prefetch(dl, waits=[], walls=[])
 
 def test_prefetch_yields_what_the_loader_yields_and_leaves_it_as_it_was(monkeypatch):
@@ -165,18 +169,15 @@ def test_the_loader_runs_in_the_fits_thread_and_only_the_copy_beside_it(monkeypa
 
 def test_a_copy_waits_for_the_steps_stream_once_its_memory_is_allocated(monkeypatch):
     "The copy's memory may be memory the fit's thread just freed: the copy waits for the step's queued work after taking it, so every read queued before is done first"
-    from contextlib import nullcontext
     import fastxtend_compile.pace as pace
     order = []
-    class Stream:
+    class Waits(_NoStreams):
         def wait_stream(self, other): order.append('wait')
-    monkeypatch.setattr(torch.cuda, 'current_stream', lambda device=None: Stream())
-    monkeypatch.setattr(torch.cuda, 'stream', lambda s: nullcontext())
-    monkeypatch.setattr(pace, 'PIN_BYTES', 2**62) # Nothing pinned: no CUDA needed
+    cpu_streams(monkeypatch, Waits)
     empty_like = torch.empty_like
     monkeypatch.setattr(torch, 'empty_like', lambda o, **kw: order.append('allocate') or empty_like(o, **kw))
     x = torch.arange(6)
-    res = pace._ahead(x, torch.device('cpu'), Stream())
+    res = pace._ahead(x, torch.device('cpu'), Waits())
     assert order == ['allocate', 'wait'] and torch.equal(res, x) and res.data_ptr() != x.data_ptr()
 
 def test_every_tensor_copied_ahead_is_pinned_by_default(monkeypatch):
