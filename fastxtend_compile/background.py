@@ -423,7 +423,7 @@ def _warm(aside, st, learn, now, rec:dict, next_batch:bool):
     note = Note('warm', record=record, training=st.key.training, at=position(learn, next_batch), ranks=aside.ranks.together())
     aside.notes.append(note)
     if next_batch: st.handover = 'warm'
-    else: aside.warm_starts.time(st.compiled_record, now, note, learn, _fastest(st))
+    else: aside.warm_starts.time(st.compiled_record, now, note, learn, _step(st))
 
 def _in_path(aside, st, learn, now, next_batch:bool):
     "Compile `st` in the fit's path from this batch (or the next), the faster tier first"
@@ -439,11 +439,11 @@ def _take_over(aside, st, learn, now):
         if aside.show is not None: aside.show(handover_text(at, st.result.took_s))
     # A warm compile the ranks agreed on was noted as they agreed
     note = next(n for n in reversed(aside.notes) if n.kind == ('warm' if how == 'warm' else 'took_over'))
-    aside.warm_starts.time(st.compiled_record, now, note, learn, _fastest(st))
+    aside.warm_starts.time(st.compiled_record, now, note, learn, _step(st))
 
-def _fastest(st:ModelState)->float|None:
-    "The state's fastest eager batch this fit: a busy machine only ever slows a batch down"
-    return st.probe.fastest if st.probe is not None and st.probe.seen else None
+def _step(st:ModelState)->float|None:
+    "The eager step the state's probe timed this fit (`eager_step`), where it did"
+    return st.probe.step_s or None if st.probe is not None else None
 
 # What each of a move's actions does (`advance`): 'run' and 'send' are `act`'s own
 _ACTS = dict(note=_note, probe=_probe, compiling=_compiling, count=_count, release=_release, result=_result, handover=_handover,

@@ -48,7 +48,7 @@ def _judge(stage, f):
     default_first = (('default_first',),) if rec is not None and not first else () # Only the default's code is cached
     # A tier compiled first in the fit's path was found to pay back its compile there, by the tier's own saving
     if rec is None and f.path: return _worth(stage, f, rec, True)
-    cost, saving, left, step_s = f.cold_s if rec is None else warm_cost(rec, f.warm_s), recorded_saving(rec), f.left, f.step_s
+    cost, saving, left, step_s = f.cold_s if rec is None else warm_cost(rec, f.warm_s), recorded_saving(rec, f.first_busy), f.left, f.step_s
     # A cold compile goes to the worker: its code serves only the batches left after its hand-over
     if pays_back(left if rec is not None else worker_rest(left, step_s, f.handover_s), saving*step_s, cost):
         stage, acts = _worth(stage, f, rec, False)
@@ -109,7 +109,7 @@ def _first(f, n):
     if not f.probed or f.picked: return Stage.PROBING, () # Not probed: compiled at once
     # The probe times its batches alone, from a synced device: the GPU held for a measure would count in them
     if f.seen < f.probe_batches: return Stage.PROBING, (('hold', f.measures),)
-    if f.profiled is None: return Stage.PROBING, (('measure', f.fastest, f.first_batches),)
+    if f.profiled is None: return Stage.PROBING, (('measure', f.probe_s, f.first_batches),)
     acts = (('hold', False), ('picked',)) # The default goes first, unless the measure picks a tier
     return Stage.PROBING, acts + (_pick_first(f, *f.profiled) if f.profiled else ())
 

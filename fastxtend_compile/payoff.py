@@ -81,11 +81,13 @@ def warm_cost(
 
 def recorded_saving(
     rec:dict|None, # A state's warm record (`WarmRecords`); `None` where it has none
+    first_busy:float|None=None, # The GPU's measured share of the eager step, where CUDA graphs compile first (`first_tier`)
 )->float:
-    "The share of a step the state's compiled code saves: as a fit last measured it, at least `MARGIN`; else `SAVING`"
+    "The share of a step the state's compiled code saves: as a fit last measured it, at least `MARGIN`; else as its measured eager step says (`first_saving`); else `SAVING`"
     # A measured saving within a step's noise, or a loss, counts as `MARGIN`: a long enough fit still compiles, and measures again
     saving = (rec or {}).get('saving')
-    return SAVING if saving is None else max(saving, MARGIN)
+    if saving is not None: return max(saving, MARGIN)
+    return SAVING if first_busy is None else first_saving(first_busy, 1.)
 
 # %% ../nbs/14_payoff.ipynb #c2606ebc
 def tier_saving(

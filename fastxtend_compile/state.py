@@ -100,10 +100,6 @@ class Probe:
         "The batches timed"
         return len(self.times)
 
-    @property
-    def fastest(self)->float:
-        "The fastest batch timed: a busy machine only ever slows a batch down"
-        return min(self.times, default=float('inf'))
 
     @property
     def step_s(self)->float:

@@ -444,7 +444,7 @@ class _TierFacts:
     # Its eager probe's (`PROBING`)
     probed = property(lambda self: self.st.probe is not None) # Probed: not compiled at once
     picked = property(lambda self: self.run.picked) # The tier to compile first picked, or none
-    seen, fastest = property(lambda self: self.st.probe.seen), property(lambda self: self.st.probe.fastest) # Its batches timed; the fastest
+    seen = property(lambda self: self.st.probe.seen) # Its batches timed
     probe_batches, warm_s = property(lambda self: self.t.aside.probe_batches), property(lambda self: self.t.aside.warm_s)
     measures = property(lambda self: _BusyMeter.measures(self.t.device)) # The device's work can be measured
     first_batches, first_for, first_in_path = (property(lambda self, k=k: getattr(self.t.first, k)) for k in ('batches', 'choose', 'in_path'))

@@ -6,7 +6,7 @@ from fastai.learner import Learner
 from fastai.callback.core import Callback, CancelFitException
 from fastai.torch_core import set_seed
 from fastxtend_compile import *
-from fastxtend_compile.background import BackgroundCompile, WarmRecords
+from fastxtend_compile.background import BackgroundCompile, WarmRecords, _step
 from fastxtend_compile.worker import Worker
 from fastxtend_compile.state import state_key, Stage
 from fastxtend_compile.payoff import MARGIN, SAVING, WARM_SHARE
@@ -360,7 +360,7 @@ def test_a_cold_compile_pays_back_only_with_the_batches_left_after_the_workers_h
         assert st.stage is Stage.SHORT and [n.text for n in aside.notes] == ["trained eagerly: the fit's 1992 training batches left, "
             "about 40s eagerly, are too few to pay back a compile (under 57s; `background=False` compiles in the fit's path)"], aside.notes
 
-def test_the_probe_times_the_fastest_eager_step_for_the_hand_overs_timing(tmp_path, monkeypatch):
+def test_the_probe_times_the_eager_step_once_for_the_verdict_and_the_hand_overs_timing(tmp_path, monkeypatch):
     "A fit's slow first batch (its loader starting) moves neither the probe's median step nor what the hand-over's timing takes off"
     from types import SimpleNamespace
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
@@ -374,11 +374,11 @@ def test_the_probe_times_the_fastest_eager_step_for_the_hand_overs_timing(tmp_pa
         assert aside.probing == (took is not None) # Each of the probe's batches is timed, not the one judged after them
         if took is not None: aside.probed(took)
     assert worth == [False]*8 + [True] # After 8 batches timed, thousands left: a cold compile pays
-    # The step: the median of the batches after the first (`eager_step`); the fastest for the hand-over's timing
-    assert st.probe.step_s == pytest.approx(0.3) and st.probe.fastest == pytest.approx(0.25)
-    aside.warm_starts.time(st.record, 10., 0, SimpleNamespace(epoch=0, iter=9, training=True), st.probe.fastest)
-    # Batch 9 compiled in 2s, then ran in 0.25s: the probe's fastest step, not its median, is taken off
-    assert aside.warm_starts.timed(12.25, SimpleNamespace(epoch=0, iter=10, training=True)) == (0, pytest.approx(2.))
+    # The step: the median of the batches after the first (`eager_step`), for the verdict and the hand-over's timing alike
+    assert st.probe.step_s == pytest.approx(0.3)
+    aside.warm_starts.time(st.record, 10., 0, SimpleNamespace(epoch=0, iter=9, training=True), _step(st))
+    # Batch 9 compiled in 2s, then ran a step: the probe's step is taken off
+    assert aside.warm_starts.timed(12.3, SimpleNamespace(epoch=0, iter=10, training=True)) == (0, pytest.approx(2.))
     assert aside.warm_starts.get(st.record) == {'warm_s': pytest.approx(2.)}
 
 @pytest.mark.parametrize('saving', [None, 0.4, -0.1])
