@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .internals import ddp_comm_hooks, ddp_forward_calls_module, ddp_module_call, copy_into, at_backward_end, tree_flatten
+from .internals import ddp_comm_hooks, ddp_joining, ddp_forward_calls_module, ddp_module_call, copy_into, at_backward_end, tree_flatten
 
 # %% auto #0
 __all__ = ['trained_params', 'by_kind', 'GradBuffer', 'all_reduce_grads', 'why_ddp_syncs', 'GradSync']
@@ -98,6 +98,7 @@ class GradSync:
         self.on = False # Every rank averages this fit's batches here from now on, not with DDP's reducer
         self.device = None # Where DDP moves a forward's inputs (its `device_ids`), once its forward is left out
         self.synced = 0 # Backwards of this fit whose gradients were averaged here
+        self.joined = False # This batch runs under DDP's `join()`, whose reducer averages it
 
     def start(self,
         ddp:DistributedDataParallel, # The fit's model, as DDP wrapped it
@@ -127,9 +128,16 @@ class GradSync:
         # (`agreed`), and stay switched
         self.compiled = self.compiled or compiled
         if not self.agrees and compiled: self._switch_on()
-        self.ddp.require_backward_grad_sync = not self.on # As DDP's `no_sync()` sets it
+        # A DDP that took part in `join()` (uneven inputs) averages: a rank out of inputs mirrors its collectives alone, not this library's
+        self.joined = ddp_joining(self.ddp)
+        self.ddp.require_backward_grad_sync = not self.averages # As DDP's `no_sync()` sets it
         # DDP still broadcasts rank 0's buffers before the forward, as without `no_sync()` (which DDP's forward turns off)
-        if self.on: self.ddp.require_forward_param_sync = True
+        if self.averages: self.ddp.require_forward_param_sync = True
+
+    @property
+    def averages(self)->bool:
+        "Whether this library averages the batch running, not DDP's reducer"
+        return self.on and not self.joined
 
     def view(self, st)->dict:
         "This rank's part of an agreement of the ranks: whether it ran compiled code"
@@ -157,7 +165,7 @@ class GradSync:
 
     def _forward(self, *args, **kwargs):
         "DDP's forward of a batch averaged here: its model's call, unless an input is on another device, which DDP moves"
-        if self.device is None or all(t.device == self.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)):
+        if self.averages and (self.device is None or all(t.device == self.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))):
             return ddp_module_call(self.ddp, *args, **kwargs)
         return DistributedDataParallel.forward(self.ddp, *args, **kwargs)
 
@@ -165,7 +173,7 @@ class GradSync:
         loss:torch.Tensor, # What the backward starts from: `learn.loss_grad`
     ):
         "Once the ranks switched, average the gradients as the backward ends: every callback's `after_backward` sees them averaged, as with DDP"
-        if self.on and getattr(loss, 'requires_grad', False): loss.register_hook(self._at_end)
+        if self.averages and getattr(loss, 'requires_grad', False): loss.register_hook(self._at_end)
 
     def _at_end(self, grad):
         "The backward started from the loss: average the gradients once it is done"
@@ -180,4 +188,4 @@ class GradSync:
         if self.ddp is not None:
             self.ddp.require_backward_grad_sync = True
             self.ddp.__dict__.pop('forward', None) # DDP's own forward again
-        self.ddp, self.groups, self.agrees, self.compiled, self.on, self.device = None, [], False, False, False, None
+        self.ddp, self.groups, self.agrees, self.compiled, self.on, self.device, self.joined = None, [], False, False, False, None, False

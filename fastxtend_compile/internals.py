@@ -23,8 +23,8 @@ __all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'precompile_guard_log
            'frame_compile', 'is_fx_code', 'graph_break_reasons', 'graphs_compiled', 'hook_dicts', 'optimize_ddp',
            'set_optimize_ddp', 'uses_python_reducer', 'python_reducer_settings', 'restore_python_reducer_settings',
            'compiled_autograd', 'aot_autograd_cache', 'set_aot_autograd_cache', 'compiled_autograd_captures',
-           'ddp_comm_hooks', 'ddp_forward_calls_module', 'ddp_module_call', 'copy_into', 'at_backward_end',
-           'without_dynamo_marks', 'fused_kernel_devices', 'fused_adam_kernel', 'tensor_version',
+           'ddp_comm_hooks', 'ddp_joining', 'ddp_forward_calls_module', 'ddp_module_call', 'copy_into',
+           'at_backward_end', 'without_dynamo_marks', 'fused_kernel_devices', 'fused_adam_kernel', 'tensor_version',
            'subclass_dispatch_off', 'dynamo_supported', 'inductor_cxx', 'inductor_options', 'guarded_code', 'explain',
            'explained_break', 'inductor_fallback_random', 'inductor_cache_dir', 'import_inductor', 'cpp_kernel_files',
            'precompile_supported', 'caching_precompile', 'set_caching_precompile', 'precompiled_loads', 'dropped_guard',
@@ -277,6 +277,10 @@ def compiled_autograd_captures()->int:
 def ddp_comm_hooks(ddp:nn.Module)->list:
     "The communication hooks registered with DDP's `register_comm_hook`, as (hook, state): DDP keeps them for its reducer"
     return list(getattr(ddp, '_comm_hooks', []))
+
+def ddp_joining(ddp:nn.Module)->bool:
+    "Whether DDP's forward takes part in a `join()` context (for uneven inputs, a rank out of them mirrors DDP's own collectives alone): set by the context, and left set after it"
+    return bool(getattr(getattr(ddp, '_join_config', None), 'enable', False))
 
 def ddp_forward_calls_module(ddp:nn.Module)->bool:
     "Whether DDP's forward of a batch its reducer skips (as in `no_sync()`) only calls its module: no buffers to broadcast, no join, no Python reducer, no casts"

@@ -519,3 +519,24 @@ def test_grad_sync_takes_compiled_batches_from_ddps_reducer_unless_the_fit_asked
     finally:
         GradSync.replaces = True
         torch.distributed.destroy_process_group()
+
+def test_grad_sync_averages_as_ddps_reducer_with_unused_parameters_accumulation_a_new_freeze_and_uneven_inputs(tmp_path):
+    "Two ranks: each scenario of ddp_gradsync.py trains a copy `GradSync` averages and one DDP's reducer averages, alike"
+    env = {k:v for k,v in os.environ.items() if k not in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE')}
+    env.update(CUDA_VISIBLE_DEVICES='', WORLD_SIZE='2', MASTER_ADDR='127.0.0.1',
+               PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get('PYTHONPATH'), str(Path(__file__).parents[1])])))
+    with launch_lock():
+        port = str(_free_port())
+        procs = [subprocess.Popen([sys.executable, '-W', 'ignore', str(Path(__file__).parent/'ddp_gradsync.py'), str(tmp_path)],
+                                  env={**env, 'RANK': str(r), 'MASTER_PORT': port}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                 for r in range(2)]
+        try: outs = [p.communicate(timeout=120)[0].decode(errors='replace') for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None: p.kill()
+    for p,out in zip(procs, outs): assert p.returncode == 0, out[-3000:]
+    for r in range(2):
+        res = torch.load(tmp_path/f'rank{r}.pt')
+        assert list(res) == ['unused', 'accumulated', 'refrozen', 'joined'], res
+        # The same gradients and weights, within float32's rounding of a sum taken in another order
+        for name, d in res.items(): assert isinstance(d, float) and d <= 1e-6, (r, name, d)

@@ -266,6 +266,18 @@ def test_ddp_comm_hooks_are_read_from_ddp():
         assert ddp_comm_hooks(ddp) == [(allreduce_hook, None)]
     finally: torch.distributed.destroy_process_group()
 
+def test_ddp_joining_is_read_from_ddps_join_context():
+    import socket
+    from torch.nn.parallel import DistributedDataParallel
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+    torch.distributed.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(nn.Linear(2, 2))
+        assert not ddp_joining(ddp)
+        with ddp.join(): assert ddp_joining(ddp) # Uneven inputs: DDP mirrors its collectives on a rank out of them
+        assert not ddp_joining(nn.Linear(2, 2))
+    finally: torch.distributed.destroy_process_group()
+
 def test_ddp_forward_calls_module_where_ddp_has_nothing_else_to_do_and_the_call_is_ddps():
     import socket, warnings
     from torch.nn.parallel import DistributedDataParallel

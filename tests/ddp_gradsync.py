@@ -1,0 +1,109 @@
+"""One rank of a 2-process CPU (gloo) check of `GradSync` against DDP's own reducer: run as `python ddp_gradsync.py OUT` with
+RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. Each scenario trains a copy with `GradSync` averaging its batches and
+a copy DDP's reducer averages, from the same weights on the same inputs, and writes the largest difference found"""
+import os, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from fastxtend_compile.gradsync import GradSync
+
+class Net(nn.Module):
+    "A small model with a branch that a rank may leave unused"
+    def __init__(self):
+        super().__init__()
+        self.body, self.extra, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+    def forward(self, x, extra:bool=True): return self.head(self.body(x).relu() + (self.extra(x) if extra else 0))
+
+def pair(rank:int):
+    "The same model twice, the same weights on every rank: DDP's own (`ref`), and one whose batches `GradSync` averages"
+    torch.manual_seed(0)
+    models = Net(), Net()
+    models[1].load_state_dict(models[0].state_dict())
+    return [DistributedDataParallel(m, find_unused_parameters=True) for m in models]
+
+def batch(rank:int, i:int):
+    g = torch.Generator().manual_seed(100*rank + i)
+    return torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)
+
+def diff(a, b)->float:
+    "The largest difference between the two models' gradients (`None` counted as its own kind) and weights"
+    out = 0.
+    for p,q in zip(a.parameters(), b.parameters()):
+        if (p.grad is None) != (q.grad is None): return float('inf')
+        if p.grad is not None: out = max(out, (p.grad - q.grad).abs().max().item())
+        out = max(out, (p - q).abs().max().item())
+    return out
+
+def step(ddp, x, y, extra=True):
+    loss = nn.functional.mse_loss(ddp(x, extra), y)
+    loss.backward()
+    return loss
+
+def synced(sync, ddp, x, y, extra=True):
+    "A batch `GradSync` averages, as `CompilerCallback` runs it: a compiled batch, its loss's hook set before the backward"
+    sync.before_batch(True)
+    loss = nn.functional.mse_loss(ddp(x, extra), y)
+    sync.before_backward(loss)
+    loss.backward()
+
+def sgd(ddp):
+    with torch.no_grad():
+        for p in ddp.parameters():
+            if p.grad is not None: p -= 0.1*p.grad; p.grad = None
+
+def unused(rank):
+    "Rank 1 leaves a branch unused: its gradient there counts as zeros, as DDP's reducer counts it"
+    ref, mine = pair(rank)
+    sync = GradSync(); sync.start(mine)
+    step(ref, *batch(rank, 0), extra=rank == 0)
+    synced(sync, mine, *batch(rank, 0), extra=rank == 0)
+    sync.stop()
+    return diff(ref, mine)
+
+def accumulated(rank):
+    "Two backwards before a step, the first in the user's `no_sync()`: the same gradients as DDP's, averaged once"
+    ref, mine = pair(rank)
+    sync = GradSync(); sync.start(mine)
+    with ref.no_sync(): step(ref, *batch(rank, 0))
+    step(ref, *batch(rank, 1))
+    with mine.no_sync(): synced(sync, mine, *batch(rank, 0))
+    synced(sync, mine, *batch(rank, 1))
+    sync.stop()
+    return diff(ref, mine)
+
+def refrozen(rank):
+    "A fit, then the body frozen and another fit: the second averages only what trains now"
+    ref, mine = pair(rank)
+    sync = GradSync()
+    for fit in range(2):
+        if fit: 
+            for m in (ref, mine): m.module.body.requires_grad_(False)
+        sync.start(mine)
+        step(ref, *batch(rank, fit)); sgd(ref)
+        synced(sync, mine, *batch(rank, fit)); sgd(mine)
+        sync.stop()
+    return diff(ref, mine)
+
+def joined(rank):
+    "Uneven inputs under DDP's `join()`: rank 0 has a batch more than rank 1, and no rank waits for another forever"
+    ref, mine = pair(rank)
+    n = 3 if rank == 0 else 2
+    with ref.join():
+        for i in range(n): step(ref, *batch(rank, i)); sgd(ref)
+    sync = GradSync(); sync.start(mine)
+    with mine.join():
+        for i in range(n): synced(sync, mine, *batch(rank, i)); sgd(mine)
+    sync.stop()
+    return diff(ref, mine)
+
+if __name__ == '__main__':
+    rank = int(os.environ['RANK'])
+    dist.init_process_group('gloo', rank=rank, world_size=int(os.environ['WORLD_SIZE']), timeout=timedelta(seconds=30))
+    res = {}
+    for f in [globals()[n] for n in sys.argv[2:]] or (unused, accumulated, refrozen, joined):
+        try: res[f.__name__] = f(rank)
+        except Exception as e: res[f.__name__] = f'{type(e).__name__}: {e}'
+        dist.barrier()
+    torch.save(res, os.path.join(sys.argv[1], f'rank{rank}.pt'))
+    dist.destroy_process_group()
