@@ -274,8 +274,10 @@ def test_ddp_joining_is_read_from_ddps_join_context():
     try:
         ddp = DistributedDataParallel(nn.Linear(2, 2))
         assert not ddp_joining(ddp)
-        with ddp.join(): assert ddp_joining(ddp) # Uneven inputs: DDP mirrors its collectives on a rank out of them
-        assert not ddp_joining(nn.Linear(2, 2))
+        # The context for uneven inputs, made (not entered, which would run its collectives): DDP's forward now takes part
+        ddp.join()
+        assert ddp_joining(ddp) and not ddp_joining(nn.Linear(2, 2))
+        del ddp # Its reducer goes while its process group is still there
     finally: torch.distributed.destroy_process_group()
 
 def test_ddp_forward_calls_module_where_ddp_has_nothing_else_to_do_and_the_call_is_ddps():
