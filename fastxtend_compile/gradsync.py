@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from fastcore.basics import patch
 
 from .internals import ddp_comm_hooks, ddp_joining, ddp_forward_calls_module, ddp_module_call, copy_into, at_backward_end, tree_flatten
 
@@ -163,29 +164,35 @@ class GradSync:
             self.device = torch.device(self.ddp.device_type, self.ddp.device_ids[0]) if self.ddp.device_ids else None
             self.ddp.forward = self._forward
 
-    def _forward(self, *args, **kwargs):
-        "DDP's forward of a batch averaged here: its model's call, unless an input is on another device, which DDP moves"
-        if self.averages and (self.device is None or all(t.device == self.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))):
-            return ddp_module_call(self.ddp, *args, **kwargs)
-        return DistributedDataParallel.forward(self.ddp, *args, **kwargs)
+# %% ../nbs/17_gradsync.ipynb #42aa5e21
+@patch
+def _forward(self:GradSync, *args, **kwargs):
+    "DDP's forward of a batch averaged here: its model's call, unless an input is on another device, which DDP moves"
+    if self.averages and (self.device is None or all(t.device == self.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))):
+        return ddp_module_call(self.ddp, *args, **kwargs)
+    return DistributedDataParallel.forward(self.ddp, *args, **kwargs)
 
-    def before_backward(self,
-        loss:torch.Tensor, # What the backward starts from: `learn.loss_grad`
-    ):
-        "Once the ranks switched, average the gradients as the backward ends: every callback's `after_backward` sees them averaged, as with DDP"
-        if self.averages and getattr(loss, 'requires_grad', False): loss.register_hook(self._at_end)
+@patch
+def before_backward(self:GradSync,
+    loss:torch.Tensor, # What the backward starts from: `learn.loss_grad`
+):
+    "Once the ranks switched, average the gradients as the backward ends: every callback's `after_backward` sees them averaged, as with DDP"
+    if self.averages and getattr(loss, 'requires_grad', False): loss.register_hook(self._at_end)
 
-    def _at_end(self, grad):
-        "The backward started from the loss: average the gradients once it is done"
-        at_backward_end(self._average)
+@patch
+def _at_end(self:GradSync, grad):
+    "The backward started from the loss: average the gradients once it is done"
+    at_backward_end(self._average)
 
-    def _average(self):
-        for b in self.groups: b.all_reduce(self.ddp.process_group)
-        self.synced += 1
+@patch
+def _average(self:GradSync):
+    for b in self.groups: b.all_reduce(self.ddp.process_group)
+    self.synced += 1
 
-    def stop(self):
-        "The fit ended: DDP's reducer averages every batch again"
-        if self.ddp is not None:
-            self.ddp.require_backward_grad_sync = True
-            self.ddp.__dict__.pop('forward', None) # DDP's own forward again
-        self.ddp, self.groups, self.agrees, self.compiled, self.on, self.device, self.joined = None, [], False, False, False, None, False
+@patch
+def stop(self:GradSync):
+    "The fit ended: DDP's reducer averages every batch again"
+    if self.ddp is not None:
+        self.ddp.require_backward_grad_sync = True
+        self.ddp.__dict__.pop('forward', None) # DDP's own forward again
+    self.ddp, self.groups, self.agrees, self.compiled, self.on, self.device, self.joined = None, [], False, False, False, None, False
