@@ -22,12 +22,14 @@ p = argparse.ArgumentParser()
 p.add_argument('--workflow', default='text'); p.add_argument('--epochs', type=int, default=3)
 p.add_argument('--arm', default='tiers', choices=['tiers', 'eager-fused', 'ro'])
 p.add_argument('--batches', type=int, default=60); p.add_argument('--smoke', action='store_true')
+p.add_argument('--cprofile', action='store_true', help="profile the fit's thread's Python over the last epoch (training and validation) with cProfile instead of torch.profiler")
+p.add_argument('--num-workers', type=int, default=None, help="DataLoader workers (default: fastai's)")
 args = p.parse_args()
 cuda = torch.cuda.is_available() and not args.smoke
 device = 'cuda' if cuda else 'cpu'
 c = dict(WORKFLOWS[args.workflow]['smoke' if args.smoke else 'gpu'], epochs=args.epochs)
 torch.manual_seed(0)
-learn, fit = BUILDERS[args.workflow](args.workflow, c, None, device, None if cuda else 0)
+learn, fit = BUILDERS[args.workflow](args.workflow, c, None, device, args.num_workers if cuda else 0)
 learn.opt_func = fused_adamw()
 if args.arm == 'tiers': learn.compile(**({} if cuda else dict(backend='aot_eager', background=False)))
 if args.arm == 'ro': learn.compile(mode='reduce-overhead', background=False)
@@ -46,6 +48,7 @@ class Prof(Callback):
     order = 2000
     def __init__(self): self.on, self.p, self.t, self.first = False, None, None, None
     def before_batch(self):
+        if args.cprofile: return
         if self.training and self.epoch == self.n_epoch - 1 and self.iter == self.n_iter // 3:
             if cuda: torch.cuda.synchronize()
             self.p = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
@@ -74,6 +77,22 @@ class Prof(Callback):
             for k, v in sites.most_common(8): print(f"  {v:5d}  {k}")
 prof = Prof()
 learn.add_cb(prof)
+class CProf(Callback):
+    "cProfile over the last epoch, from its training's start to its validation's end: the fit's thread's Python, by function"
+    order = -2000
+    def __init__(self): self.p = None
+    def before_epoch(self):
+        if self.epoch != self.n_epoch - 1: return
+        import cProfile
+        self.p = cProfile.Profile(); self.p.enable()
+    def after_epoch(self):
+        if self.p is None: return
+        self.p.disable()
+        import pstats, io
+        for key, n in (('cumulative', 60), ('tottime', 35)):
+            out = io.StringIO(); pstats.Stats(self.p, stream=out).sort_stats(key).print_stats(n)
+            print(f"\n== cProfile of the last epoch, by {key}\n" + '\n'.join(l[:220] for l in out.getvalue().splitlines()[4:]))
+if args.cprofile: learn.add_cb(CProf())
 class Epochs(Callback):
     "Each epoch's training time, and its time between batches: from this callback's `after_batch` to its next `before_batch`"
     order = 1999 # Last but one at each event: between batches counts the DataLoader and the other callbacks' `before_batch`

@@ -6,7 +6,7 @@ before it is needed"""
 # %% ../nbs/19_pace.ipynb #4968332d
 from __future__ import annotations
 import gc, os, time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from fastcore.basics import GetAttr, store_attr, patch
 from fastai.torch_core import apply, to_detach, retain_type
@@ -56,7 +56,7 @@ class Prefetch(GetAttr):
     _default = 'dl'
     def __init__(self,
         dl, # The fastai `DataLoader` whose batches go to its `device`, a CUDA GPU
-        waits:list|None=None, # Where the host's seconds fetching each batch go
+        waits:list|None=None, # Where the fit's thread's seconds getting each batch go
         walls:list|None=None, # Where the seconds between the batches' requests go, on the host's clock
     ):
         store_attr()
@@ -69,15 +69,19 @@ class Prefetch(GetAttr):
 
     def __len__(self): return len(self.dl)
 
-    def _fetch(self, it):
-        "The next batch from `it`, its copy to the device handed to the copying thread: the `Future` of it, or `None` at the end"
-        # The `DataLoader` runs here, in the fit's thread, so its random draws come in the order they do without this
-        t = time.perf_counter()
+    def _fetch(self, it, here:bool):
+        "The `Future` of the next batch from `it` copied to the device, `None` at the end: `here`, the loader runs in the fit's thread"
+        if not here: return self.copier.submit(self._receive, it)
         b = next(it, None)
-        if b is None: return None
-        b = self._hand(b)
-        if self.waits is not None: self.waits.append(time.perf_counter() - t)
-        return b
+        if b is not None: return self._hand(b)
+        f = Future()
+        f.set_result(None)
+        return f
+
+    def _receive(self, it)->tuple|None:
+        "In the copying thread: the next batch from the loader's worker processes, copied as `_copy` does; `None` at the end"
+        b = next(it, None)
+        return None if b is None else self._copy(b)
 
     def _hand(self, b):
         "Hand batch `b` to the copying thread: the `Future` of its copy"
@@ -91,8 +95,10 @@ class Prefetch(GetAttr):
         return b, done
 
     def _ready(self, copying):
-        "The batch for the step on the fit's stream, which waits for its copy and nothing else"
-        b, done = copying.result() # Queued long before, as a rule: the thread had the step before's time
+        "The batch for the step on the fit's stream, which waits for its copy and nothing else; `None` at the end"
+        copied = copying.result() # Queued long before, as a rule: the thread had the step before's time
+        if copied is None: return None
+        b, done = copied
         self.main.wait_event(done)
         return b
 
@@ -111,15 +117,23 @@ class Prefetch(GetAttr):
         dl.device, dl.after_batch = None, lambda b: b # The loader yields host batches; the copy and `after_batch` are done here
         self.copier = ThreadPoolExecutor(1, thread_name_prefix='fastxtend_compile-copy')
         self.main = torch.cuda.current_stream(self.device) # The fit's stream, where the steps run
+        # Without workers the loader makes each batch in the fit's thread, so its random draws keep their order. With them,
+        # a batch after the first is only received from a worker (seconds an epoch in the fit's thread, for batches of
+        # tensors shared a file descriptor at a time): the copying thread receives it. The first starts the workers
+        # and draws their seeds, in the fit's thread
+        here = _workers(dl) == 0
         try:
             it = iter(dl)
-            nxt = self._fetch(it)
-            while nxt is not None:
+            nxt = self._fetch(it, here=True)
+            while True:
                 now = time.perf_counter()
+                cur, nxt = nxt, self._fetch(it, here)
+                b = self._ready(cur)
+                if b is None: break
                 if self.asked is not None and self.walls is not None: self.walls.append(now - self.asked)
                 self.asked = now
-                cur, nxt = nxt, self._fetch(it)
-                yield after_batch(self._ready(cur)) # The `DataLoader`'s batch transforms, on the device
+                if self.waits is not None: self.waits.append(time.perf_counter() - now)
+                yield after_batch(b) # The `DataLoader`'s batch transforms, on the device
         finally:
             self.copier.shutdown(wait=True) # A copy queued for a batch not taken ends before the loader is restored
             self.copier = None
@@ -128,6 +142,10 @@ class Prefetch(GetAttr):
             dl.device = self.device
             if own: dl.after_batch = after_batch
             else: del dl.after_batch
+
+def _workers(dl)->int:
+    "The worker processes that make a fastai `DataLoader`'s batches"
+    return getattr(getattr(dl, 'fake_l', None), 'num_workers', 0)
 
 # %% ../nbs/19_pace.ipynb #20aa5d3b
 def prefetches(dl)->bool:

@@ -167,6 +167,23 @@ def test_the_loader_runs_in_the_fits_thread_and_only_the_copy_beside_it(monkeypa
     assert set(loads) == {threading.main_thread()}
     assert len(copies) == 2*len(want) and threading.main_thread() not in copies
 
+def test_with_workers_the_copying_thread_receives_every_batch_after_the_first(monkeypatch):
+    "Batches made by worker processes: the fit's thread starts them and takes the first; the copying thread receives the rest, the loader's batches in its order"
+    import threading
+    from fastai.data.load import DataLoader
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter as Workers
+    dl = DataLoader([(torch.full((3,), i), torch.tensor(i)) for i in range(40)], bs=8, shuffle=True, num_workers=2)
+    drawn = dl.rng.getstate() # The loader's own generator, which orders an epoch's batches
+    want = [y for _,y in dl]
+    received, nxt = [], Workers.__next__
+    monkeypatch.setattr(Workers, '__next__', lambda self: received.append(threading.current_thread()) or nxt(self))
+    dl.rng.setstate(drawn)
+    p = cpu_prefetch(monkeypatch, dl)
+    got = [y for _,y in p]
+    assert len(got) == len(want) == 5 and all(torch.equal(g, w) for g,w in zip(got, want)), (got, want)
+    assert received[0] is threading.main_thread() and threading.main_thread() not in received[1:]
+    assert len(received) >= len(want) + 1 and len(p.waits) == len(want) and len(p.walls) == len(want) - 1
+
 def test_a_copy_waits_for_the_steps_stream_once_its_memory_is_allocated(monkeypatch):
     "The copy's memory may be memory the fit's thread just freed: the copy waits for the step's queued work after taking it, so every read queued before is done first"
     import fastxtend_compile.pace as pace
