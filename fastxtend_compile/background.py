@@ -443,7 +443,7 @@ def _take_over(aside, st, learn, now):
 
 def _step(st:ModelState)->float|None:
     "The eager step the state's probe timed this fit (`eager_step`), where it did"
-    return st.probe.step_s or None if st.probe is not None else None
+    return None if st.probe is None else (st.probe.step_s or None)
 
 # What each of a move's actions does (`advance`): 'run' and 'send' are `act`'s own
 _ACTS = dict(note=_note, probe=_probe, compiling=_compiling, count=_count, release=_release, result=_result, handover=_handover,
