@@ -89,14 +89,16 @@ KINDS = {
     'unfrozen':   (dict(background=True), "as *tiers*, with Python's collector left unfrozen during the fit (`GCFreeze.on = False`): "
                    "its full collections visit every object", ('cold', 'warm')),
     'bar':        (dict(background=True), "`learn.compile(background=True)` on *tiers-cold*'s cache, as *tiers-warm*, with fastai's progress bar shown, as users train", ('warm',)),
+    'loader':     (dict(background=True), "as *tiers-warm*, on *tiers-cold*'s cache, with every batch received from the `DataLoader`'s workers in "
+                   "the fit's thread, as the library did before its copying thread received them", ('warm',)),
 }
 EAGER = ('eager', 'eager-fused') # Arms that compile nothing: fastai's `Adam`, and torch's fused AdamW (`fused_adamw`)
 ARMS = (*EAGER, *(f'compile-{s}' for s in KINDS['compile'][2]), 'compile-ro',
         *(f'{k}-{s}' for k,(_,_,starts) in KINDS.items() if k != 'compile' for s in starts))
 ARM_MODE = {a: None if a in EAGER else 'reduce-overhead' if a == 'compile-ro' else 'default' for a in ARMS}
 ARM_KWARGS = {a: {'background': False, **KINDS[a.split('-')[0]][0]} for a in ARMS if a not in EAGER}
-# Arms that start from what a cold run left; *unfrozen-warm* and *bar-warm* from *tiers-cold*'s, beside *tiers-warm*
-COLD_OF = {a: ('tiers' if a.startswith(('unfrozen-', 'bar-')) else a.rsplit('-', 1)[0]) + '-cold' for a in ARMS if a.endswith(('-warm', '-saved'))}
+# Arms that start from what a cold run left; *unfrozen-warm*, *bar-warm* and *loader-warm* from *tiers-cold*'s, beside *tiers-warm*
+COLD_OF = {a: ('tiers' if a.startswith(('unfrozen-', 'bar-', 'loader-')) else a.rsplit('-', 1)[0]) + '-cold' for a in ARMS if a.endswith(('-warm', '-saved'))}
 INDUCTOR_ONLY = ('precompile',) # Kinds left out of a default run with another backend
 
 # Sizes: `gpu` is the default, `smoke` a tiny CPU check of the same code paths. `--config` overrides either.
@@ -429,6 +431,9 @@ def child(spec:dict)->dict:
     if spec.get('copy_inline'): # The batch copied ahead in the fit's thread, as the library did before its copying thread
         from fastxtend_compile.pace import Prefetch
         Prefetch._hand = lambda self, b: _copied(self._copy(b))
+    if arm.startswith('loader-'): # Every batch received from the loader's workers in the fit's thread
+        import fastxtend_compile.pace as pace
+        pace._workers = lambda dl: 0
     host_work = library_host_work(end, sync if spec.get('drain') else None) if ARM_MODE[arm] is not None else None
     mode = ARM_MODE[arm]
     if mode is not None:
