@@ -194,6 +194,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                          'fastxtend_compile.cache.device_name': ('cache.html#device_name', 'fastxtend_compile/cache.py')},
             'fastxtend_compile.callback': { 'fastxtend_compile.callback.CompilerCallback': ( 'callback.html#compilercallback',
                                                                                              'fastxtend_compile/callback.py'),
+                                            'fastxtend_compile.callback.CompilerCallback.__call__': ( 'callback.html#compilercallback.__call__',
+                                                                                                      'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback.CompilerCallback.__getstate__': ( 'callback.html#compilercallback.__getstate__',
                                                                                                           'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback.CompilerCallback.__init__': ( 'callback.html#compilercallback.__init__',

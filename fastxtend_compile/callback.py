@@ -376,6 +376,12 @@ def before_batch(self:CompilerCallback):
     if p.timed: rec.batch_start(self.training, self.learn.xb, p.measuring or p.probing, p.valid_eager)
 
 @patch
+def __call__(self:CompilerCallback, event_name:str):
+    "Run this callback's method for `event_name` as fastai does; an event it has no method for returns at once"
+    # fastai looks a missing method up through the `Learner` and its `AttributeError`: microseconds at every event of every batch
+    return Callback.__call__(self, event_name) if hasattr(type(self), event_name) else None
+
+@patch
 def before_train(self:CompilerCallback):
     if self.active: self.pace.before_train(self.learn)
 

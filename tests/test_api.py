@@ -81,6 +81,18 @@ def test_members_and_strings_accepted():
     assert cb.settings['mode'] == 'max-autotune-no-cudagraphs' and cb.matmul_precision == 'medium'
     assert CompilerCallback(mode='reduce-overhead').settings['mode'] == 'reduce-overhead'
 
+def test_an_event_without_a_method_returns_at_once_and_one_with_runs_as_fastai_runs_it():
+    "fastai would look a missing method up through the `Learner`; this callback answers at once, and runs its own"
+    class Untouchable:
+        def __getattr__(self, k): raise AssertionError(f"asked the Learner for {k!r}")
+    cb = CompilerCallback()
+    cb.learn = Untouchable()
+    assert cb('after_pred') is None and cb('after_loss') is None and cb('after_cancel_batch') is None
+    cb, learn = CompilerCallback(), synth_learner()
+    cb.learn, learn.training = learn, True
+    cb.compile_recorder.part = 'backward'
+    assert cb('after_backward') is None and cb.compile_recorder.part == '' # Its own method ran
+
 def test_compile_chains_and_replaces():
     learn = synth_learner()
     assert learn.compile(backend='eager') is learn
