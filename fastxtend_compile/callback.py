@@ -198,9 +198,12 @@ class _DDPStrategy:
         backward, self.backward = self.backward, None
         backward.__exit__(None, None, None)
 
-    def restore(self):
+    def restore(self,
+        report=None, # The fit's `CompileReport`: the batches DDP's reducer averaged under its `join()`
+    ):
         "Put back what the fit changed"
         self.exit_backward()
+        if report is not None: report.ddp_joined = self.sync.left
         self.in_backward, self.reducer = False, None
         self.sync.stop()
         if self.old is not None: set_optimize_ddp(self.old)
@@ -476,7 +479,7 @@ def restore(self:CompilerCallback):
         self.precision.restore()
         self.precompile.restore()
         self.pace.stop(self.learn)
-    self.ddp.restore() # Set before the fit's callbacks ran, compiled or not
+    self.ddp.restore(self.report) # Set before the fit's callbacks ran, compiled or not
 
 @patch
 def uncompile(self:CompilerCallback):

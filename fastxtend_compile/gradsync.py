@@ -100,6 +100,7 @@ class GradSync:
         self.device = None # Where DDP moves a forward's inputs (its `device_ids`), once its forward is left out
         self.synced = 0 # Backwards of this fit whose gradients were averaged here
         self.joined = False # This batch runs under DDP's `join()`, whose reducer averages it
+        self.left = 0 # Batches of this fit that DDP's reducer averaged under `join()`, where this library would have
 
     def start(self,
         ddp:DistributedDataParallel, # The fit's model, as DDP wrapped it
@@ -131,6 +132,7 @@ class GradSync:
         if not self.agrees and compiled: self._switch_on()
         # A DDP that took part in `join()` (uneven inputs) averages: a rank out of inputs mirrors its collectives alone, not this library's
         self.joined = ddp_joining(self.ddp)
+        self.left += self.on and self.joined
         self.ddp.require_backward_grad_sync = not self.averages # As DDP's `no_sync()` sets it
         # DDP still broadcasts rank 0's buffers before the forward, as without `no_sync()` (which DDP's forward turns off)
         if self.averages: self.ddp.require_forward_param_sync = True
@@ -196,3 +198,4 @@ def stop(self:GradSync):
         self.ddp.require_backward_grad_sync = True
         self.ddp.__dict__.pop('forward', None) # DDP's own forward again
     self.ddp, self.groups, self.agrees, self.compiled, self.on, self.device, self.joined = None, [], False, False, False, None, False
+    self.left = 0

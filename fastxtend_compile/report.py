@@ -110,6 +110,7 @@ class CompileReport:
     ddp:bool = False # The compiled model ran under DistributedDataParallel, as this library sets it up
     ddp_backward_graphs:int|None = None # The backward graphs compiled autograd captured, with `ddp_compiled_autograd`
     ddp_reducer:str|None = None # Why DDP's reducer averaged the compiled batches' gradients; `None` where this library did
+    ddp_joined:int = 0 # Compiled batches whose gradients DDP's reducer averaged under its `join()`, where this library averaged the others
     background:list = field(default_factory=list) # What compiling outside the fit's path did, a line each (`background`)
     gc_pauses:list = field(default_factory=list) # Seconds of each of Python's full garbage collections during the fits (`GCFreeze`)
     @property
@@ -222,6 +223,7 @@ def ddp_strategy(self:CompileReport)->str:
         return (f"DDP: whole graphs, each backward compiled by compiled autograd with DDP's all-reduces in its graph "
                 f"(DDP's Python reducer, `ddp_compiled_autograd=True`): {self.ddp_backward_graphs} backward graph(s)")
     how = "in one all-reduce" if self.ddp_reducer is None else f"by DDP's reducer ({self.ddp_reducer})"
+    if self.ddp_joined and self.ddp_reducer is None: how += f", and by DDP's reducer for the {self.ddp_joined} batch(es) under its `join()` (uneven inputs)"
     return f"DDP: whole graphs, gradients all-reduced after the backward, {how}"
 
 # %% ../nbs/01_report.ipynb #8e61370f

@@ -94,6 +94,7 @@ def joined(rank):
     sync = GradSync(); sync.start(mine)
     with mine.join():
         for i in range(n): synced(sync, mine, *batch(rank, i)); sgd(mine)
+    assert sync.left == n, f"{sync.left} batches left to DDP's reducer under join(), of {n}" # What the report says
     sync.stop()
     return diff(ref, mine)
 

@@ -235,6 +235,9 @@ def test_ddp_strategy_lines():
     rec.start(ddp=True); rec.stop()
     assert report.ddp and report.ddp_strategy() == "DDP: whole graphs, gradients all-reduced after the backward, in one all-reduce"
     assert report.ddp_strategy() in report.summary()
+    joined = CompileReport(ddp=True, ddp_joined=3)
+    assert joined.ddp_strategy() == ("DDP: whole graphs, gradients all-reduced after the backward, in one all-reduce, and by "
+                                     "DDP's reducer for the 3 batch(es) under its `join()` (uneven inputs)")
     hooked = CompileReport(ddp=True, ddp_reducer="a communication hook registered with DDP")
     assert hooked.ddp_strategy() == ("DDP: whole graphs, gradients all-reduced after the backward, by DDP's reducer "
                                      "(a communication hook registered with DDP)")
