@@ -70,7 +70,7 @@ class Prefetch(GetAttr):
     def __len__(self): return len(self.dl)
 
     def _fetch(self, it, here:bool):
-        "The `Future` of the next batch from `it` copied to the device, `None` at the end: `here`, the loader runs in the fit's thread"
+        "The `Future` of the next batch from `it` copied to the device (`None` at the end), taken from the loader `here`, in the fit's thread, or by the copying thread"
         if not here: return self.copier.submit(self._receive, it)
         b = next(it, None)
         if b is not None: return self._hand(b)
@@ -118,9 +118,8 @@ class Prefetch(GetAttr):
         self.copier = ThreadPoolExecutor(1, thread_name_prefix='fastxtend_compile-copy')
         self.main = torch.cuda.current_stream(self.device) # The fit's stream, where the steps run
         # Without workers the loader makes each batch in the fit's thread, so its random draws keep their order. With them,
-        # a batch after the first is only received from a worker (seconds an epoch in the fit's thread, for batches of
-        # tensors shared a file descriptor at a time): the copying thread receives it. The first starts the workers
-        # and draws their seeds, in the fit's thread
+        # a batch after the first is only received from a worker, a file descriptor of shared memory a tensor, which the
+        # copying thread does beside the step. The first starts the workers and draws their seeds, in the fit's thread
         here = _workers(dl) == 0
         try:
             it = iter(dl)
