@@ -23,7 +23,7 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
                   (betas (0.9, 0.99), eps 1e-5, weight decay 0.01, decoupled): what a user picks instead of compiling.
                   Fused on the CPU too, where torch has the kernel for float32
     compile-cold  learn.compile(background=False): compiled in the fit's path, fresh TORCHINDUCTOR_CACHE_DIR
-    compile-warm  learn.compile() in a new process reusing compile-cold's cache dir (inductor's on-disk caches warm)
+    compile-warm  learn.compile() in a new process on a copy of compile-cold's cache dir (inductor's on-disk caches warm)
     compile-saved learn.compile() in a new process with a fresh cache dir, after learn.load_compile_cache() of the file
                   compile-cold saved with learn.save_compile_cache(): a warm start on another machine
     compile-ro    learn.compile(mode='reduce-overhead') (CUDA graphs), fresh cache dir; CUDA only
@@ -33,7 +33,7 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
                   too (its evaluation graph), where learn.compile() runs it eagerly
     background-cold learn.compile(background=True): the fit trains eagerly while a worker process compiles, then the
                   compiled code takes over; fresh cache dir
-    background-warm the same in a new process reusing background-cold's cache dir
+    background-warm the same in a new process on a copy of background-cold's cache dir
                   (both name mode='default', which keeps a fit on the default mode: no faster tier)
     tiers-cold, tiers-warm   learn.compile(background=True) with `mode` unset: once the default mode's code runs, a
                   faster tier (CUDA graphs for a launch-bound step, autotuned kernels for a GPU-bound one) compiles in
@@ -528,10 +528,10 @@ def run_job(args, job, spec_base, caches:dict, tmp:Path, log, slot:int|None=None
         return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason="reduce-overhead (CUDA graphs) needs a GPU")
     if arm in COLD_OF and (w, COLD_OF[arm], rep) not in caches:
         return dict(workflow=w, arm=arm, repeat=rep, status='skipped', reason=f'its {COLD_OF[arm]} run did not run')
-    if arm.endswith('-warm'): cache = caches[(w, COLD_OF[arm], rep)]
-    else:
-        cache = Path(tempfile.mkdtemp(prefix=f'{w}-{arm}-{rep}-', dir=tmp))
-        if arm.endswith('-cold'): caches[(w, arm, rep)] = cache
+    cache = Path(tempfile.mkdtemp(prefix=f'{w}-{arm}-{rep}-', dir=tmp))
+    # Each warm arm starts from a copy of the cache its cold run left: not from what another warm arm added to it
+    if arm.endswith('-warm'): shutil.copytree(caches[(w, COLD_OF[arm], rep)], cache, dirs_exist_ok=True)
+    elif arm.endswith('-cold'): caches[(w, arm, rep)] = cache
     spec = dict(spec_base[w], arm=arm, repeat=rep)
     # A cold arm saves its compile cache as a `.compile` file, which its saved arm loads
     if arm.endswith('-cold'): spec['save_cache'] = str(tmp/f'{w}-{arm}-{rep}')
@@ -720,7 +720,7 @@ def main():
     p.add_argument('--arms', default=None, help=f"comma-separated, of {','.join(ARMS)} (default: all; with --smoke, compile-warm "
                    "on tabular only and no tiers arms; compile-ro is skipped on the CPU, where the tiers arms compile in the background without tiers)")
     p.add_argument('--out', default=None, help='folder for workflow.json, workflow.md, arms.log (default: bench/results/workflow/latest; smoke: fxc-workflow-smoke in the temp folder)')
-    p.add_argument('--repeat', type=int, default=1, help='runs of each arm (compile-warm reuses the same run\'s compile-cold cache)')
+    p.add_argument('--repeat', type=int, default=1, help='runs of each arm (each warm arm starts from a copy of the same run\'s cold cache)')
     p.add_argument('--gpus', type=int, default=1, help='run each arm on this many GPUs at once, one process on each GPU pinned to its '
                    'share of the cores: --repeat 1 --gpus 4 gives 4 runs of each arm, every arm beside three runs of itself')
     p.add_argument('--smoke', action='store_true', help='tiny sizes on the CPU: checks that every workflow and arm runs')
