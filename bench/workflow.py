@@ -42,6 +42,8 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
     unfrozen-cold, unfrozen-warm   as tiers-cold and tiers-warm, with Python's collector left unfrozen during the fit
                   (`GCFreeze.on = False`), so its full collections visit every object the compiles made; unfrozen-warm
                   starts from tiers-cold's cache, as tiers-warm does
+    noprefetch-cold   as tiers-cold, with no training batch copied ahead: the DataLoader copies each in the fit's
+                  thread, as fastai does
     Every other compiled arm passes background=False: it compiles in the fit's path.
     --get-preds   also times learn.get_preds() on the validation set right after the fit, in every arm
     precompile-cold, precompile-warm, precompile-saved   the same with learn.compile(precompile=True): TorchDynamo's traced
@@ -89,6 +91,8 @@ KINDS = {
     'unfrozen':   (dict(background=True), "as *tiers*, with Python's collector left unfrozen during the fit (`GCFreeze.on = False`): "
                    "its full collections visit every object", ('cold', 'warm')),
     'bar':        (dict(background=True), "`learn.compile(background=True)` on *tiers-cold*'s cache, as *tiers-warm*, with fastai's progress bar shown, as users train", ('warm',)),
+    'noprefetch': (dict(background=True), "as *tiers*, with no batch copied ahead: the `DataLoader` copies each in the fit's thread, as "
+                   "fastai does", ('cold',)),
     'loader':     (dict(background=True), "as *tiers-warm*, on *tiers-cold*'s cache, with every batch received from the `DataLoader`'s workers in "
                    "the fit's thread, as the library did before its copying thread received them", ('warm',)),
 }
@@ -431,6 +435,9 @@ def child(spec:dict)->dict:
     if spec.get('copy_inline'): # The batch copied ahead in the fit's thread, as the library did before its copying thread
         from fastxtend_compile.pace import Prefetch
         Prefetch._hand = lambda self, b: _copied(self._copy(b))
+    if arm.startswith('noprefetch-'): # No batch copied ahead
+        import fastxtend_compile.pace as pace
+        pace.prefetches = lambda dl: False
     if arm.startswith('loader-'): # Every batch received from the loader's workers in the fit's thread
         import fastxtend_compile.pace as pace
         pace._workers = lambda dl: 0
