@@ -276,6 +276,14 @@ class BackgroundCompile:
         "Whether `key`'s compiled code runs, its hand-over done"
         return (st := self.states.get(key)) is not None and st.stage.compiled and st.handover is None
 
+    def started(self, key:StateKey)->bool:
+        "Whether `key`'s compile began beside the fit (found worth it, in the worker, or done), or its code runs"
+        return (st := self.states.get(key)) is not None and (st.stage in (Stage.JUDGED, Stage.COMPILING, Stage.DONE) or st.stage.compiled)
+
+    def cold(self, key:StateKey, model:nn.Module)->bool:
+        "Whether the worker would compile `key` cold: inductor's cache holds no code of it"
+        return self.ranks.evaluates and self.warm_starts.cached(self.state(key, model))[0] is None
+
 # %% ../nbs/08_background.ipynb #25110aeb
 @patch
 def runs_eagerly(self:BackgroundCompile,

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #de0ba488
 from __future__ import annotations
-import hashlib, shutil, sys, warnings, weakref
+import hashlib, shutil, sys, time, warnings, weakref
 from collections import Counter
 from contextlib import contextmanager
 from enum import Enum
@@ -17,6 +17,7 @@ from fastcore.meta import delegates
 
 from .internals import *
 from .internals import tree_map_only, tree_flatten, tree_unflatten
+from .payoff import validations_after
 
 # This module imports no fastai: a compile worker's process compiles with it, and starts seconds sooner without fastai
 # and what fastai imports. What it needs of fastai is looked up where fastai is imported, as in a training process
@@ -248,6 +249,7 @@ class EagerPolicy:
         self.measuring = False # This training batch runs eagerly, to measure the eager step
         self.valid_eager = False # This validation batch of a training fit runs eagerly: its batches left in the fit wouldn't pay back its graph
         self.validation = None # How this validation of a training fit runs: 'eager', 'compiled' (its graph exists) or 'compile'
+        self.epoch_t = None # When this epoch's first training batch started (`time.perf_counter`)
         self.waiting = False # This batch runs eagerly while its compiled code is made outside the fit's path
         self.probing = False # This training batch, run eagerly, is timed alone for a new model state's probe: the eager step
         self.evaluating = False # This batch of an evaluation outside a fit or of `lr_find` runs eagerly: its graph wouldn't pay back
@@ -304,14 +306,15 @@ def start_batch(self:EagerPolicy,
     training = learn.training
     self.evaluating = self._unpaid(learn, training)
     self.measuring = training and measure and not whole_backward and not self.evaluating
-    validation = self._validation(learn) if not training and self.trained else None
+    model = _get_model(learn.model) # The model being compiled, not DDP's wrapper
+    if training and getattr(learn, 'iter', None) == 0: self.epoch_t = time.perf_counter()
+    validation = self._validation(learn, key, model) if not training and self.trained else None
     self.valid_eager = validation == 'eager'
     self.one_off = _last_batch(learn) and not (training and whole_backward)
     # The compile outside the fit's path is asked about batches whose graph the fit would compile: not a validation's
     # whose graph exists, nor one run eagerly (an evaluation's last batch, a one-off, runs eagerly in `runs_eagerly`)
     asks = (self.aside is not None and not (self.evaluating or self.measuring or (self.one_off and not training))
             and validation in (None, 'compile'))
-    model = _get_model(learn.model) # The model being compiled, not DDP's wrapper
     self.waiting = asks and self.aside.runs_eagerly(learn, key, model)
     self.probing = self.waiting and training and self.aside.probing
     if self.aside is not None and training: self.aside.agree(learn, key, model) # Under DDP, at every rank's same batches
@@ -408,22 +411,30 @@ def _compiled_already(self:EagerPolicy, training:bool)->bool:
     return any(c.shapes.get((torch.is_grad_enabled(), training)) for c in self.compiled_calls())
 
 @patch
-def _validation(self:EagerPolicy, learn)->str:
+def _validation(self:EagerPolicy, learn, key=None, model:nn.Module|None=None)->str:
     "How this validation of a training fit runs, decided at its first batch: 'compiled', 'compile' or 'eager'"
     # A fit's validation is a few batches an epoch, often waiting for the DataLoader: its graph (a recompile for the
     # evaluation phase, each freeze state) is compiled, as evaluation outside a fit is, only where the report's
-    # measurements say the fit's validation batches left, this epoch's included, pay it back
-    if self.validation is None: self.validation = self._judge_validation(learn)
+    # measurements say the fit's validation batches that would run it, this epoch's included, pay it back
+    if self.validation is None: self.validation = self._judge_validation(learn, key, model)
     return self.validation
 
 @patch
-def _judge_validation(self:EagerPolicy, learn)->str:
-    "'compiled' where its graph exists, 'compile' where `compile_valid` or its batches left pay it back, else 'eager'"
+def _judge_validation(self:EagerPolicy, learn,
+    key=None, # The validation's model state, where a compile outside the fit's path would make its code
+    model:nn.Module|None=None, # The model being compiled (not DDP's wrapper)
+)->str:
+    "'compiled' where its graph exists, 'compile' where `compile_valid`, its compile began, or the batches that would run it pay it back; else 'eager'"
     if self._compiled_already(False): return 'compiled'
     if self.compile_valid: return 'compile'
-    epochs = getattr(learn, 'n_epoch', 1) - getattr(learn, 'epoch', 0) # This epoch's and those after it
-    batches = getattr(learn, 'n_iter', 1) * max(epochs, 1)
-    return 'compile' if self.pays is not None and self.pays(batches) else 'eager'
+    aside = self.aside if key is not None else None
+    if aside is not None and aside.started(key): return 'compile' # Begun beside the fit: its code takes over once ready
+    epochs = max(getattr(learn, 'n_epoch', 1) - getattr(learn, 'epoch', 0), 1) # This epoch's and those after it
+    # Compiled cold by the worker, beside the fit, its code runs the validations after the worker hands it over
+    if aside is not None and aside.cold(key, model):
+        epochs = validations_after(epochs, aside.handover_s, None if self.epoch_t is None else time.perf_counter() - self.epoch_t)
+    batches = getattr(learn, 'n_iter', 1) * epochs
+    return 'compile' if self.pays is not None and batches and self.pays(batches) else 'eager'
 
 # %% ../nbs/00_core.ipynb #f126ba32
 def _shapes(leaves:list)->tuple:

@@ -4,13 +4,14 @@
 
 # %% ../nbs/14_payoff.ipynb #8ee3637b
 from __future__ import annotations
+import math
 from statistics import median
 
 # %% auto #0
 __all__ = ['MARGIN', 'SAVING', 'COLD_S', 'WARM_SHARE', 'WARM_S', 'WORKER_HANDOVER_S', 'WORKER_SLOWDOWN', 'TIER_TRY_S',
-           'TIER_COMPILE_S', 'AUTOTUNE_SAVING', 'batches_left', 'after_wait', 'eager_step', 'pays_back', 'rest_needed',
-           'warm_cost', 'recorded_saving', 'tier_saving', 'pick_tier', 'first_saving', 'first_tier', 'worker_rest',
-           'first_in_path', 'cudagraphs_fit', 'faster']
+           'TIER_COMPILE_S', 'AUTOTUNE_SAVING', 'batches_left', 'after_wait', 'validations_after', 'eager_step',
+           'pays_back', 'rest_needed', 'warm_cost', 'recorded_saving', 'tier_saving', 'pick_tier', 'first_saving',
+           'first_tier', 'worker_rest', 'first_in_path', 'cudagraphs_fit', 'faster']
 
 # %% ../nbs/14_payoff.ipynb #23d4101a
 MARGIN = 0.03 # The share of a step a tier must save in an A/B to be kept, and a compiled step to have paid: less is within a step's noise
@@ -48,6 +49,15 @@ def after_wait(
 )->int:
     "Those of `left` batches that run after `wait_s`"
     return max(left - int(wait_s / step_s), 0) if wait_s else left
+
+def validations_after(
+    epochs:int, # The fit's validations left, this one's included: one an epoch
+    wait_s:float, # Seconds before faster code could run them: a cold worker's hand-over
+    epoch_s:float|None, # Seconds an epoch takes; `None` where not timed
+)->int:
+    "Those of `epochs` validations that run after `wait_s`: this one at once, each other an epoch after the last"
+    if not wait_s: return epochs
+    return max(epochs - math.ceil(wait_s / epoch_s), 0) if epoch_s else 0
 
 def eager_step(
     times:list, # Seconds of a state's eager training batches, each timed alone, in order

@@ -552,3 +552,18 @@ def test_an_unfinished_evaluation_compile_is_reported_as_one():
     aside.stop() # The fit ended
     assert [n.text for n in aside.take_notes()] == [
         "the fit ended before the worker process finished compiling for evaluation, sent at epoch 0, batch 0"]
+
+def test_an_evaluation_state_is_cold_until_inductors_cache_has_its_code_and_started_once_worth_compiling(tmp_path, monkeypatch):
+    "What a fit's validation verdict asks of the background: whether the worker would compile its state cold, and whether its compile began"
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
+    aside, model = BackgroundCompile({'backend': 'eager'}), nn.Linear(2, 2)
+    key = aside.batch_key(model, (torch.randn(1, 2),), False)
+    assert aside.cold(key, model) and not aside.started(key)
+    st = aside.states[key]
+    for stage, started in ((Stage.SHORT, False), (Stage.FAILED, False), (Stage.JUDGED, True), (Stage.COMPILING, True), (Stage.READY, True)):
+        st.stage = stage
+        assert aside.started(key) == started, stage
+    aside.warm_starts.records.put(st.record, cold_s=9.) # A worker compiled it in an earlier fit: inductor's cache has its code
+    assert not aside.cold(key, model)
+    aside.ranks.evaluates = False # Under DDP evaluation runs eagerly: no worker compiles it
+    assert not aside.cold(aside.batch_key(model, (torch.randn(3, 2),), False), model)

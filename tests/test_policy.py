@@ -94,6 +94,41 @@ def test_a_fits_validation_worth_compiling_waits_for_the_compile_outside_the_fit
         aside.ready = True
         assert validation(p) == (eager if runs == eager else [(False, False, True)]*4)
 
+def test_validations_after_a_wait_are_those_an_epoch_apart_from_this_one_on():
+    from fastxtend_compile.payoff import validations_after
+    assert validations_after(6, 0., None) == 6 # Nothing to wait for: all of them
+    assert validations_after(6, 35., 10.) == 2 # This one and the next three come before the hand-over
+    assert validations_after(6, 30., 10.) == 3 # One exactly at the hand-over runs its code
+    assert validations_after(3, 35., 10.) == 0
+    assert validations_after(6, 35., None) == 0 # No epoch timed: none counted
+
+class ColdAside(Aside):
+    "An `Aside` that judges evaluation: a worker would compile a state cold (`cold`), or began to (`started`)"
+    handover_s = 35.
+    def __init__(self, cold=True):
+        super().__init__(evaluation=True)
+        self.is_cold, self.began = cold, False
+    def started(self, key): return self.began
+    def cold(self, key, model): return self.is_cold
+
+def test_a_fits_validation_compiled_by_the_worker_counts_the_batches_after_its_hand_over_and_keeps_a_compile_begun():
+    def first_validation(p, epoch_s):
+        "Epoch 0 of 6, 4 validation batches an epoch: a training batch `epoch_s` before the validation's first batch"
+        p.start_batch(batch(n_epoch=6)); p.end_batch(True)
+        p.epoch_t -= epoch_s
+        p.start_batch(batch(training=False, n_iter=4, n_epoch=6), key='valid')
+        return p.valid_eager
+    # Cold, the worker hands over 35s from now: with 10s epochs, 2 of the 6 validations run its code, 8 batches; warm, all 24
+    for cold, needed, asked, eager in ((True, 8, [8], False), (True, 9, [8], True), (False, 24, [24], False)):
+        p, aside, seen = EagerPolicy(compile_valid=False), ColdAside(cold), []
+        p.start_fit(aside, pays=lambda n: seen.append(n) or n >= needed)
+        assert first_validation(p, 10.) == eager and seen == asked
+        assert aside.asked == [True] + ([] if eager else [False]) # Worth it: the worker is asked about it too
+    p, aside, seen = EagerPolicy(compile_valid=False), ColdAside(), []
+    p.start_fit(aside, pays=lambda n: seen.append(n) or False)
+    aside.began = True # An earlier validation's compile began: this one hands over once its code is ready, whatever is left
+    assert not first_validation(p, 10.) and seen == [] and aside.asked == [True, False]
+
 def test_a_probes_eager_batch_is_timed_and_its_time_goes_to_the_probe():
     "An eager batch the compile outside the fit's path probes is the report's eager step: timed, its seconds handed back"
     p, aside = EagerPolicy(), Aside(probing=True)
