@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The library's host time a compiled training batch, by part, with the batch copied ahead by the library's copying
-# thread (`thread`) against the same copy in the fit's own thread (`inline`): bench/workflow.py's `--drain` runs of a
-# compiled fit (`compile-cold`), the arms alternating, each a process of its own with a fresh inductor cache.
+# The library's host time a compiled training batch, by part, with the loader's worker processes making the batches and
+# the library's copying thread receiving and copying each one ahead (`thread`), against no workers: the fit's own
+# thread makes and copies each batch when it asks for it (`inline`). bench/workflow.py's `--drain` runs of a compiled
+# fit (`compile-cold`), the arms alternating, each a process of its own with a fresh inductor cache.
 #
 #   bash bench/host_time.sh OUT [REPEAT] [workflow.py's options...]
 #   bash bench/host_time.sh /tmp/ht 2 --config '{"text": {"epochs": 2}}'
@@ -11,7 +12,7 @@ out=${1:?usage: host_time.sh OUT [REPEAT] [options...]} repeat=${2:-1}
 export PYTHONUNBUFFERED=1
 for i in $(seq 1 "$repeat"); do
     for how in thread inline; do
-        flag=; [ "$how" = inline ] && flag=--copy-inline
+        flag=; [ "$how" = inline ] && flag="--num-workers 0"
         ${PYTHON:-python3} "$(dirname "$0")/workflow.py" --workflows text --arms compile-cold --drain $flag --out "$out/$how-$i" "${@:3}" \
             | tail -1 || exit 1
     done

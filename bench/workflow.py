@@ -64,9 +64,9 @@ eager-fused where that arm ran) and DIR/arms.log (each process's command and the
 after every arm. Exits with status 1 when an arm failed.
 """
 from __future__ import annotations
-import argparse, collections, datetime, json, os, shutil, statistics, sys, tempfile, time
+import argparse, collections, datetime, json, os, shutil, statistics, sys, tempfile, threading, time
 from contextlib import nullcontext
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -93,8 +93,8 @@ KINDS = {
     'bar':        (dict(background=True), "`learn.compile(background=True)` on *tiers-cold*'s cache, as *tiers-warm*, with fastai's progress bar shown, as users train", ('warm',)),
     'noprefetch': (dict(background=True), "as *tiers*, with no batch copied ahead: the `DataLoader` copies each in the fit's thread, as "
                    "fastai does", ('cold',)),
-    'loader':     (dict(background=True), "as *tiers-warm*, on *tiers-cold*'s cache, with every batch received from the `DataLoader`'s workers in "
-                   "the fit's thread, as the library did before its copying thread received them", ('warm',)),
+    'loader':     (dict(background=True), "as *tiers-warm*, on *tiers-cold*'s cache, with every batch received from the `DataLoader`'s workers "
+                   "and copied in the fit's thread when it asks for it, as the library does for a loader without workers", ('warm',)),
 }
 EAGER = ('eager', 'eager-fused') # Arms that compile nothing: fastai's `Adam`, and torch's fused AdamW (`fused_adamw`)
 ARMS = (*EAGER, *(f'compile-{s}' for s in KINDS['compile'][2]), 'compile-ro',
@@ -432,9 +432,6 @@ def child(spec:dict)->dict:
     if spec.get('pin_bytes') is not None: # The size from which the copy ahead pins a tensor
         import fastxtend_compile.pace as pace
         pace.PIN_BYTES = spec['pin_bytes']
-    if spec.get('copy_inline'): # The batch copied ahead in the fit's thread, as the library did before its copying thread
-        from fastxtend_compile.pace import Prefetch
-        Prefetch._hand = lambda self, b: _copied(self._copy(b))
     if arm.startswith('noprefetch-'): # No batch copied ahead
         import fastxtend_compile.pace as pace
         pace.prefetches = lambda dl: False
@@ -479,7 +476,6 @@ def child(spec:dict)->dict:
     if spec.get('get_preds'): res['get_preds_s'] = get_preds_s
     if host_work: res['host_work_ms'] = host_work_ms(host_work)
     if spec.get('drain'): res['drained'] = True # Synchronized after each training batch: its times are no timing run's
-    if spec.get('copy_inline'): res['copy_inline'] = True
     try: # Inductor's cache hits and misses in this process: a warm compile hits
         from torch._dynamo.utils import counters
         res['inductor_counters'] = {k: v for k,v in counters['inductor'].items() if 'cache' in k}
@@ -570,12 +566,6 @@ def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
 
-def _copied(copied)->Future:
-    "A batch copied in the fit's thread, as the `Future` of the copying thread's copy gives it"
-    f = Future()
-    f.set_result(copied)
-    return f
-
 def library_host_work(end, drain=None)->list:
     "Seconds of the fit's thread's time each training batch spends in the library's own code, by part: `CompilerCallback`'s events, the batch copied ahead; `drain()` after each"
     from fastxtend_compile.callback import CompilerCallback
@@ -588,8 +578,11 @@ def library_host_work(end, drain=None)->list:
             finally: spent[part or args[1]] += time.perf_counter() - t # A callback's event, by its name
         return inner
     CompilerCallback.__call__ = timed(CompilerCallback.__call__)
-    # The fit's thread hands each batch to the copying thread, then has it made ready: the copy itself runs beside it
-    Prefetch._hand, Prefetch._ready = timed(Prefetch._hand, 'copy handed over'), timed(Prefetch._ready, 'batch ready')
+    # The fit's thread has each batch made ready for its step; without the loader's workers it queues each batch's copy
+    # too, where the copying thread queues them beside it with workers
+    copy, copied = Prefetch._copy, timed(Prefetch._copy, 'batch copied')
+    Prefetch._copy = lambda self, b: (copied if threading.current_thread() is threading.main_thread() else copy)(self, b)
+    Prefetch._ready = timed(Prefetch._ready, 'batch ready')
     def batch_done():
         per_batch.append(dict(spent)); spent.clear()
         if drain is not None: drain() # The next batch's calls find the GPU's queue empty: none of them waits for room in it
@@ -744,8 +737,6 @@ def main():
     p.add_argument('--bar', action='store_true', help="fit with fastai's progress bar shown, as users train (default: no bar)")
     p.add_argument('--drain', action='store_true', help="wait for the GPU at each training batch's end, after it is timed: the library's "
                    "host time a batch (`host_work_ms`) without the waits of a host ahead of the GPU, whose queue is full. Not a timing run")
-    p.add_argument('--copy-inline', action='store_true', help="copy each training batch ahead in the fit's own thread, not the library's copying thread: "
-                   "the host time that thread takes off the fit's")
     p.add_argument('--pin-bytes', type=int, default=None, help="pin a tensor copied ahead from this size up (the library's `PIN_BYTES` by default)")
     p.add_argument('--child', default=None, help=argparse.SUPPRESS)
     p.add_argument('--result', default=None, help=argparse.SUPPRESS)
@@ -789,7 +780,7 @@ def main():
             c = configs[w]
             spec = dict(workflow=w, config=c, device=args.device, smoke=args.smoke, backend=args.backend,
                         compile_kwargs=json.loads(args.compile_kwargs), num_workers=num_workers, matmul_precision=args.matmul_precision,
-                        get_preds=args.get_preds, bar=args.bar, drain=args.drain, copy_inline=args.copy_inline, pin_bytes=args.pin_bytes)
+                        get_preds=args.get_preds, bar=args.bar, drain=args.drain, pin_bytes=args.pin_bytes)
             if w.startswith('vision'):
                 data = Path(args.data_dir)/w if args.data_dir else tmp/f'data-{w}'
                 if not (data/'train').exists():

@@ -29,7 +29,8 @@ class DeviceSmoothLoss(AvgSmoothLoss):
 
 # %% ../nbs/19_pace.ipynb #8433a637
 # Every tensor is pinned: a copy from pageable memory may make the host wait for its stream, and the copy's stream waits
-# for the fit's queued steps. Pinning runs in the copying thread, beside the fit's.
+# for the fit's queued steps. Pinning runs where the copy is queued: in the copying thread for batches of the loader's
+# worker processes, else in the fit's thread.
 PIN_BYTES = 0
 
 def _pin(o:torch.Tensor)->torch.Tensor:
@@ -52,7 +53,7 @@ def _ahead(o, device:torch.device, stream):
 
 # %% ../nbs/19_pace.ipynb #629e7a0b
 class Prefetch(GetAttr):
-    "Iterates a fastai `DataLoader` one batch ahead: each batch copied to its device by a thread of its own, on a side stream (pinned first), while the step before runs"
+    "Iterates a fastai `DataLoader` with each batch copied to its device on a side stream (pinned first), without waiting for the steps before; one batch ahead by a thread of its own where worker processes make the batches"
     _default = 'dl'
     def __init__(self,
         dl, # The fastai `DataLoader` whose batches go to its `device`, a CUDA GPU
@@ -62,7 +63,7 @@ class Prefetch(GetAttr):
         store_attr()
         self.device = dl.device # What the `DataLoader` says while its batches are copied here
         self.stream = torch.cuda.Stream(self.device)
-        self.copier = None # The thread that queues the copies, during an iteration
+        self.copier = None # The thread that receives and copies the batches of the loader's workers, during an iteration
         self.main = None # The stream the steps run on, during an iteration
         self.asked = None # When the last batch was asked for
         self.running = None # The iteration under way, which `close` ends
@@ -70,25 +71,19 @@ class Prefetch(GetAttr):
     def __len__(self): return len(self.dl)
 
     def _fetch(self, it, here:bool):
-        "The `Future` of the next batch from `it` copied to the device (`None` at the end), taken from the loader `here`, in the fit's thread, or by the copying thread"
+        "The `Future` of the next batch from `it` copied to the device (`None` at the end): taken and copied `here`, in the fit's thread, or by the copying thread"
         if not here: return self.copier.submit(self._receive, it)
-        b = next(it, None)
-        if b is not None: return self._hand(b)
-        f = Future()
-        f.set_result(None)
-        return f
+        done = Future()
+        done.set_result(self._receive(it))
+        return done
 
     def _receive(self, it)->tuple|None:
-        "In the copying thread: the next batch from the loader's worker processes, copied as `_copy` does; `None` at the end"
+        "The next batch from the loader, copied as `_copy` does; `None` at the end"
         b = next(it, None)
         return None if b is None else self._copy(b)
 
-    def _hand(self, b):
-        "Hand batch `b` to the copying thread: the `Future` of its copy"
-        return self.copier.submit(self._copy, b)
-
     def _copy(self, b)->tuple:
-        "(batch, its copy's CUDA event): `b`'s copy queued on the side stream by the copying thread, into memory of the fit's stream"
+        "(batch, its copy's CUDA event): `b`'s copy queued on the side stream, into memory of the fit's stream"
         with torch.cuda.stream(self.main): b = apply(_ahead, b, self.device, self.stream) # The copy's memory is the fit's stream's
         done = torch.cuda.Event()
         done.record(self.stream)
@@ -115,18 +110,21 @@ class Prefetch(GetAttr):
         dl, after_batch = self.dl, self.dl.after_batch
         own = 'after_batch' in dl.__dict__ # A `TfmdDL`'s pipeline, else the class's method
         dl.device, dl.after_batch = None, lambda b: b # The loader yields host batches; the copy and `after_batch` are done here
-        self.copier = ThreadPoolExecutor(1, thread_name_prefix='fastxtend_compile-copy')
+        # Without workers the loader makes each batch in the fit's thread when the fit asks for it, as fastai's loop does,
+        # so its random draws keep their place among the fit's; the copy queued there waits for no step. A thread beside
+        # would contend with the fit's Python for the interpreter. With workers, a batch after the first is only received
+        # from a worker, a file descriptor of shared memory a tensor, which the copying thread does one batch ahead,
+        # beside the step. The first starts the workers and draws their seeds, in the fit's thread
+        workers = _workers(dl) > 0
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix='fastxtend_compile-copy') if workers else None
         self.main = torch.cuda.current_stream(self.device) # The fit's stream, where the steps run
-        # Without workers the loader makes each batch in the fit's thread, so its random draws keep their order. With them,
-        # a batch after the first is only received from a worker, a file descriptor of shared memory a tensor, which the
-        # copying thread does beside the step. The first starts the workers and draws their seeds, in the fit's thread
-        here = _workers(dl) == 0
         try:
             it = iter(dl)
             nxt = self._fetch(it, here=True)
             while True:
                 now = time.perf_counter()
-                cur, nxt = nxt, self._fetch(it, here)
+                cur = nxt if nxt is not None else self._fetch(it, here=True)
+                nxt = self._fetch(it, here=False) if workers else None
                 b = self._ready(cur)
                 if b is None: break
                 if self.asked is not None and self.walls is not None: self.walls.append(now - self.asked)
@@ -134,7 +132,7 @@ class Prefetch(GetAttr):
                 if self.waits is not None: self.waits.append(time.perf_counter() - now)
                 yield after_batch(b) # The `DataLoader`'s batch transforms, on the device
         finally:
-            self.copier.shutdown(wait=True) # A copy queued for a batch not taken ends before the loader is restored
+            if self.copier is not None: self.copier.shutdown(wait=True) # A batch queued and not taken ends before the loader is restored
             self.copier = None
             # A batch copied ahead and never used: its memory goes back to the fit's stream once its copy is done
             self.main.wait_stream(self.stream)

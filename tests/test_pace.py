@@ -150,22 +150,26 @@ def test_prefetch_yields_what_the_loader_yields_and_leaves_it_as_it_was(monkeypa
     p.close()
     assert dl.device == device and dl.after_batch is after_batch # Closed: the loader as it was
 
-def test_the_loader_runs_in_the_fits_thread_and_only_the_copy_beside_it(monkeypatch):
-    "The `DataLoader`'s work, its random draws among it, stays in the fit's thread, in its order; the copies run in a thread of their own"
+def test_without_workers_the_fits_thread_makes_and_copies_each_batch_when_it_asks_for_it(monkeypatch):
+    "The `DataLoader`'s work, its random draws among it, stays in the fit's thread, in fastai's order: a batch is made and its copy queued after the step before"
     import threading, fastxtend_compile.pace as pace
     dl = digits_dls(bs=32).cpu().train # Shuffled
-    loads, copies = [], []
-    create, ahead = dl.create_batch, pace._ahead
-    monkeypatch.setattr(dl, 'create_batch', lambda b: loads.append(threading.current_thread()) or create(b))
-    monkeypatch.setattr(pace, '_ahead', lambda o, *args: copies.append(threading.current_thread()) or ahead(o, *args))
+    events, create, ahead = [], dl.create_batch, pace._ahead
+    monkeypatch.setattr(dl, 'create_batch', lambda b: events.append(('load', threading.current_thread())) or create(b))
+    monkeypatch.setattr(pace, '_ahead', lambda o, *args: events.append(('copy', threading.current_thread())) or ahead(o, *args))
     drawn = dl.rng.getstate() # The loader's own generator, which orders an epoch's batches
     want = [y for _,y in dl]
-    loads.clear()
+    events.clear()
     dl.rng.setstate(drawn)
-    got = [y for _,y in cpu_prefetch(monkeypatch, dl)]
+    p, got = cpu_prefetch(monkeypatch, dl), []
+    for _,y in p:
+        assert p.copier is None # No thread beside the fit's
+        got.append(y)
+        events.append(('step', threading.current_thread()))
     assert len(got) == len(want) and all(torch.equal(g, w) for g,w in zip(got, want))
-    assert set(loads) == {threading.main_thread()}
-    assert len(copies) == 2*len(want) and threading.main_thread() not in copies
+    assert {t for _,t in events} == {threading.main_thread()}
+    assert [e for e,_ in events] == ['load', 'copy', 'copy', 'step']*len(want) # Each batch's two tensors
+    assert len(p.waits) == len(want) and len(p.walls) == len(want) - 1
 
 def test_with_workers_the_copying_thread_receives_every_batch_after_the_first(monkeypatch):
     "Batches made by worker processes: the fit's thread starts them and takes the first; the copying thread receives the rest, the loader's batches in its order"
