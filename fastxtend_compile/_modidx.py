@@ -403,6 +403,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                         'fastxtend_compile.core._CheckedEnum._missing_': ( 'core.html#_checkedenum._missing_',
                                                                                            'fastxtend_compile/core.py'),
                                         'fastxtend_compile.core._check_options': ('core.html#_check_options', 'fastxtend_compile/core.py'),
+                                        'fastxtend_compile.core._epoch_s': ('core.html#_epoch_s', 'fastxtend_compile/core.py'),
                                         'fastxtend_compile.core._fastai': ('core.html#_fastai', 'fastxtend_compile/core.py'),
                                         'fastxtend_compile.core._get_model': ('core.html#_get_model', 'fastxtend_compile/core.py'),
                                         'fastxtend_compile.core._graph_break_error': ( 'core.html#_graph_break_error',

@@ -249,7 +249,6 @@ class EagerPolicy:
         self.measuring = False # This training batch runs eagerly, to measure the eager step
         self.valid_eager = False # This validation batch of a training fit runs eagerly: its batches left in the fit wouldn't pay back its graph
         self.validation = None # How this validation of a training fit runs: 'eager', 'compiled' (its graph exists) or 'compile'
-        self.epoch_t = None # When this epoch's first training batch started (`time.perf_counter`)
         self.waiting = False # This batch runs eagerly while its compiled code is made outside the fit's path
         self.probing = False # This training batch, run eagerly, is timed alone for a new model state's probe: the eager step
         self.evaluating = False # This batch of an evaluation outside a fit or of `lr_find` runs eagerly: its graph wouldn't pay back
@@ -307,7 +306,6 @@ def start_batch(self:EagerPolicy,
     self.evaluating = self._unpaid(learn, training)
     self.measuring = training and measure and not whole_backward and not self.evaluating
     model = _get_model(learn.model) # The model being compiled, not DDP's wrapper
-    if training and getattr(learn, 'iter', None) == 0: self.epoch_t = time.perf_counter()
     validation = self._validation(learn, key, model) if not training and self.trained else None
     self.valid_eager = validation == 'eager'
     self.one_off = _last_batch(learn) and not (training and whole_backward)
@@ -419,6 +417,11 @@ def _validation(self:EagerPolicy, learn, key=None, model:nn.Module|None=None)->s
     if self.validation is None: self.validation = self._judge_validation(learn, key, model)
     return self.validation
 
+def _epoch_s(learn)->float|None:
+    "Seconds this epoch has run, as fastai's `Recorder` times it (`add_time`); `None` where it doesn't"
+    start = getattr(getattr(learn, 'recorder', None), 'start_epoch', None)
+    return None if start is None else time.time() - start
+
 @patch
 def _judge_validation(self:EagerPolicy, learn,
     key=None, # The validation's model state, where a compile outside the fit's path would make its code
@@ -432,7 +435,7 @@ def _judge_validation(self:EagerPolicy, learn,
     epochs = max(getattr(learn, 'n_epoch', 1) - getattr(learn, 'epoch', 0), 1) # This epoch's and those after it
     # Compiled cold by the worker, beside the fit, its code runs the validations after the worker hands it over
     if aside is not None and aside.cold(key, model):
-        epochs = validations_after(epochs, aside.handover_s, None if self.epoch_t is None else time.perf_counter() - self.epoch_t)
+        epochs = validations_after(epochs, aside.handover_s, _epoch_s(learn))
     batches = getattr(learn, 'n_iter', 1) * epochs
     return 'compile' if self.pays is not None and batches and self.pays(batches) else 'eager'
 

@@ -1,6 +1,6 @@
 "The eager-or-compiled decision: one `EagerPolicy`, told about each batch by `CompilerCallback`, asked by every compiled call"
 from types import SimpleNamespace
-import pickle
+import pickle, time
 import torch
 from torch import nn
 from fastxtend_compile import *
@@ -113,10 +113,11 @@ class ColdAside(Aside):
 
 def test_a_fits_validation_compiled_by_the_worker_counts_the_batches_after_its_hand_over_and_keeps_a_compile_begun():
     def first_validation(p, epoch_s):
-        "Epoch 0 of 6, 4 validation batches an epoch: a training batch `epoch_s` before the validation's first batch"
+        "Epoch 0 of 6, 4 validation batches an epoch, started `epoch_s` before the validation's first batch, as fastai's `Recorder` timed it"
         p.start_batch(batch(n_epoch=6)); p.end_batch(True)
-        p.epoch_t -= epoch_s
-        p.start_batch(batch(training=False, n_iter=4, n_epoch=6), key='valid')
+        learn = batch(training=False, n_iter=4, n_epoch=6)
+        learn.recorder = SimpleNamespace(start_epoch=time.time() - epoch_s)
+        p.start_batch(learn, key='valid')
         return p.valid_eager
     # Cold, the worker hands over 35s from now: with 10s epochs, 2 of the 6 validations run its code, 8 batches; warm, all 24
     for cold, needed, asked, eager in ((True, 8, [8], False), (True, 9, [8], True), (False, 24, [24], False)):
