@@ -231,8 +231,10 @@ class BackgroundCompile:
         settings:dict, # `torch.compile` settings, from `compile_settings`
         regional:bool=False, # Compile only the model's repeated blocks
         show=None, # Where the hand-over is announced (`CompilerCallback._show`)
+        background:bool|None=None, # Compile in a worker process: `None` where the device type is in `default_on`
     ):
-        self.settings, self.regional, self.show = settings, regional, show
+        if background is not None and not isinstance(background, bool): raise TypeError(f"background must be True, False or None, not {background!r}")
+        self.settings, self.regional, self.show, self.background = settings, regional, show, background
         self.warm_starts = WarmStarts(settings, regional) # What compiled into inductor's cache before, in any process
         self.worker = Worker() # Started for the first state worth a cold compile, kept for the fit's others
         self.ranks = Local() # How the fit's processes decide on a state: `DDP` under DDP
@@ -257,6 +259,20 @@ class BackgroundCompile:
         self.ranks = DDP() if ddp else Local()
         self.ranks.start(device)
         self.warm_starts.times_warm = self.ranks.rank == 0
+
+    def starts(self,
+        show, # Where the hand-over is announced
+        device:torch.device, # Where the fit trains
+        ddp:bool, # Under DDP: one worker for each host
+        compiled_backward:bool, # Compiled autograd compiles the backwards: the fit's path compiles them, with DDP's all-reduces
+    )->bool:
+        "Whether this fit compiles in the background (`background`; by default on a CUDA GPU): if so, it starts"
+        on = device.type in self.default_on if self.background is None else self.background
+        if on and ddp and compiled_backward:
+            self.notes.append(Note('ddp_compiled_autograd'))
+            return False
+        if on: self.start(show, device, ddp)
+        return on
 
     def batch_key(self,
         model:nn.Module, # The model being compiled (not DDP's wrapper)

@@ -15,14 +15,13 @@ from torch.nn.parallel import DistributedDataParallel
 from fastcore.basics import store_attr, patch
 from fastcore.meta import delegates
 from fastai.callback.core import Callback
-from fastai.torch_core import get_model, rank_distrib, num_distrib, default_device
+from fastai.torch_core import get_model, num_distrib, default_device
 from fastai.learner import Learner
-from fastai.imports import noop # What `Learner.no_logging` sets `learn.logger` to
 
 from .core import *
 from .core import compile_settings, cannot_compile_reason, uses_cudagraphs, inner_model, model_device, EagerPolicy
 from .report import *
-from .report import CompileRecorder, Note
+from .report import CompileRecorder, show_message
 from .internals import (
     optimize_ddp, set_optimize_ddp, uses_python_reducer, python_reducer_settings, restore_python_reducer_settings,
     compiled_autograd, compiled_autograd_captures, aot_autograd_cache, set_aot_autograd_cache,
@@ -236,9 +235,7 @@ class CompilerCallback(Callback):
         store_attr('recompile,verbose,regional,compile_opt')
         self.ddp = _DDPStrategy(ddp_compiled_autograd, self.settings) # Under DDP, how graphs meet DDP's all-reduce
         self.precompile = _Precompile(precompile, self.settings['backend'], ddp_compiled_autograd) # Precompiled code for the cache
-        if background is not None and not isinstance(background, bool): raise TypeError(f"background must be True, False or None, not {background!r}")
-        self.background = background
-        self.aside = BackgroundCompile(self.settings, regional) # Compiles each new model state in a worker process, with `background`
+        self.aside = BackgroundCompile(self.settings, regional, background=background) # Compiles each new model state in a worker process
         self.policy = EagerPolicy(compile_valid) # Decides which calls of the model run eagerly, each batch
         self.tiers = Tiers(self.settings, regional, self.policy) # With `background` and no `mode`: a faster tier where the measured step has one
         self.report = CompileReport()
@@ -292,14 +289,14 @@ def _start_parts(self:CompilerCallback, device:torch.device):
     model, rec = self.learn.model, self.compile_recorder
     self.collector.start()
     rec.model_name, rec.show = type(inner_model(model)).__name__, self._show
-    ddp = self.ddp.set(model)
+    ddp, wrapped = self.ddp.set(model), isinstance(model, DistributedDataParallel)
     cuda = device.type == 'cuda'
     rec.start(partial(torch.cuda.synchronize, device) if cuda else None, ddp=ddp, compiled_backward=self.ddp.in_backward,
               train=self.learn.dls.train, epochs=getattr(self.learn, 'n_epoch', 1), clock=device if cuda else None)
     self.pace.start(self.learn, device, rec.report)
     self.precision.set(device)
-    self.precompile.set(inner_model(model), ddp=isinstance(model, DistributedDataParallel))
-    aside = self.aside if self._compiles_in_background(device, model) else None
+    self.precompile.set(inner_model(model), ddp=wrapped)
+    aside = self.aside if self.aside.starts(self._show, device, wrapped, self.ddp.in_backward) else None
     self.tiers.start(aside, device)
     self.policy.start_fit(aside, self.report.pays_back, self.tiers) # Each batch's one decision: eager or compiled, which tier
     self.ddp.start_sync(model, self.policy.aside) # After the background compile started: the ranks switch at its agreements
@@ -314,17 +311,6 @@ def _compile_optimizer(self:CompilerCallback,
     # Parameter shapes never change, and CUDA graphs don't suit a step that updates its inputs in place
     compile_optimizer(self.learn.opt, fused_only=fused_only, **{**self.settings, 'dynamic': False, 'mode': None, 'fullgraph': False})
 
-@patch
-def _compiles_in_background(self:CompilerCallback, device:torch.device, model:nn.Module)->bool:
-    "Whether this fit compiles in a worker process: `background`, on a CUDA GPU by default; under DDP, one for each host"
-    on = device.type in BackgroundCompile.default_on if self.background is None else self.background
-    ddp = isinstance(model, DistributedDataParallel)
-    if on and ddp and self.ddp.in_backward:
-        self.compile_recorder.note_background(Note('ddp_compiled_autograd'))
-        return False
-    if on: self.aside.start(self._show, device, ddp)
-    return on
-
 # %% ../nbs/02_callback.ipynb #05b56e62
 @patch
 def _stands_aside(self:CompilerCallback)->bool:
@@ -332,12 +318,10 @@ def _stands_aside(self:CompilerCallback)->bool:
     return compiler_of(self.learn) is not self
 
 @patch
-def _frozen(self:CompilerCallback): return self.learn.opt is not None and self.learn.opt.frozen_idx > 0
-
-@patch
 def _frozen_runs_eagerly(self:CompilerCallback)->bool:
     "`fine_tune(compile_frozen=False)`: the frozen epochs run eagerly"
-    return self.frozen_eager and self._frozen() and not is_compiled(inner_model(self.learn.model))
+    opt = self.learn.opt
+    return self.frozen_eager and opt is not None and opt.frozen_idx > 0 and not is_compiled(inner_model(self.learn.model))
 
 @patch
 @contextmanager
@@ -437,12 +421,7 @@ def after_fit(self:CompilerCallback):
     if self.verbose and trained: self._show(self.report.summary())
 
 @patch
-def _show(self:CompilerCallback, msg:str):
-    "Print `msg` as fastai prints a fit's results: above the progress bar, on rank 0, not under `learn.no_logging()`"
-    if self.learn is None or self.learn.logger is noop or rank_distrib(): return
-    mbar = getattr(getattr(self.learn, 'progress', None), 'mbar', None)
-    if mbar is not None: mbar.write(msg)
-    else: print(msg)
+def _show(self:CompilerCallback, msg:str): show_message(self.learn, msg)
 
 @patch
 def _compile(self:CompilerCallback):

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch, fastai
 from fastai.data.transforms import IntToFloatTensor
+from fastai.torch_core import rank_distrib
+from fastai.imports import noop # What `Learner.no_logging` sets `learn.logger` to
 from fastcore.basics import store_attr, groupby, patch
 
 from .core import graph_break_reason, frame_name, hook_owner
@@ -338,6 +340,16 @@ def _by_id(metrics:list)->dict:
     return {id(m): m for m in metrics}
 
 # %% ../nbs/01_report.ipynb #00d9a4a8
+def show_message(
+    learn, # The `Learner` whose fit the message is about
+    msg:str, # The message
+):
+    "Print `msg` as fastai prints a fit's results: above the progress bar, on rank 0, not under `learn.no_logging()`"
+    if learn is None or learn.logger is noop or rank_distrib(): return
+    mbar = getattr(getattr(learn, 'progress', None), 'mbar', None)
+    if mbar is not None: mbar.write(msg)
+    else: print(msg)
+
 class CompileRecorder:
     "Fill a `CompileReport` while a fit runs, its one writer: TorchDynamo's compiles, the batches' times, what ran eagerly"
     eager_batches = 3 # Training batches run eagerly once, after the first compiled one, to measure what compiling gains
