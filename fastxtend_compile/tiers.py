@@ -466,7 +466,9 @@ class _TierFacts:
 
 # %% ../nbs/09_tiers.ipynb #2d2418ad
 @patch
-def facts(self:Tiers, st, learn, model:nn.Module, **given)->_TierFacts: return _TierFacts(self, st, learn, model, **given)
+def facts(self:Tiers, st, learn, model:nn.Module, **given)->_TierFacts:
+    "What a tier move of `st` may need to know, read where it asks; `given`: what its event brings"
+    return _TierFacts(self, st, learn, model, **given)
 
 @patch
 def act(self:Tiers,
