@@ -80,8 +80,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                         'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background.BackgroundCompile.started': ( 'background.html#backgroundcompile.started',
                                                                                                           'fastxtend_compile/background.py'),
-                                              'fastxtend_compile.background.BackgroundCompile.starts': ( 'background.html#backgroundcompile.starts',
-                                                                                                         'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background.BackgroundCompile.state': ( 'background.html#backgroundcompile.state',
                                                                                                         'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background.BackgroundCompile.stop': ( 'background.html#backgroundcompile.stop',

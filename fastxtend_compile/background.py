@@ -250,29 +250,21 @@ class BackgroundCompile:
                 'show': None, 'params': None}
 
     def start(self,
-        show=None, # Where the hand-over is announced (`CompilerCallback._show`)
-        device:torch.device|None=None, # Where the fit trains
-        ddp:bool=False, # Under DDP: on every rank
-    ):
-        "A fit starts that compiles in the background"
-        self.show = show
-        self.ranks = DDP() if ddp else Local()
-        self.ranks.start(device)
-        self.warm_starts.times_warm = self.ranks.rank == 0
-
-    def starts(self,
-        show, # Where the hand-over is announced
+        show, # Where the hand-over is announced (`CompilerCallback._show`)
         device:torch.device, # Where the fit trains
-        ddp:bool, # Under DDP: one worker for each host
-        compiled_backward:bool, # Compiled autograd compiles the backwards: the fit's path compiles them, with DDP's all-reduces
+        ddp:bool=False, # Under DDP: one worker for each host
+        compiled_backward:bool=False, # Compiled autograd compiles DDP's backwards with its all-reduces, which only the fit's path can
     )->bool:
-        "Whether this fit compiles in the background (`background`; by default on a CUDA GPU): if so, it starts"
+        "A fit starts: whether it compiles in the background (`background`; by default on a CUDA GPU), its ranks set up if so"
         on = device.type in self.default_on if self.background is None else self.background
         if on and ddp and compiled_backward:
             self.notes.append(Note('ddp_compiled_autograd'))
             return False
-        if on: self.start(show, device, ddp)
-        return on
+        if not on: return False
+        self.show, self.ranks = show, DDP() if ddp else Local()
+        self.ranks.start(device)
+        self.warm_starts.times_warm = self.ranks.rank == 0
+        return True
 
     def batch_key(self,
         model:nn.Module, # The model being compiled (not DDP's wrapper)

@@ -296,7 +296,7 @@ def _start_parts(self:CompilerCallback, device:torch.device):
     self.pace.start(self.learn, device, rec.report)
     self.precision.set(device)
     self.precompile.set(inner_model(model), ddp=wrapped)
-    aside = self.aside if self.aside.starts(self._show, device, wrapped, self.ddp.in_backward) else None
+    aside = self.aside if self.aside.start(self._show, device, wrapped, self.ddp.in_backward) else None
     self.tiers.start(aside, device)
     self.policy.start_fit(aside, self.report.pays_back, self.tiers) # Each batch's one decision: eager or compiled, which tier
     self.ddp.start_sync(model, self.policy.aside) # After the background compile started: the ranks switch at its agreements

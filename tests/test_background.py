@@ -570,10 +570,10 @@ def test_an_evaluation_state_is_cold_until_inductors_cache_has_its_code_and_star
 
 def test_a_fit_compiles_in_the_background_on_a_cuda_gpu_by_default_or_as_asked_and_not_where_compiled_autograd_compiles_ddps_backwards():
     cpu = torch.device('cpu')
-    assert not BackgroundCompile({'backend': 'eager'}).starts(None, cpu, ddp=False, compiled_backward=False) # Not off a CUDA GPU by default
+    assert not BackgroundCompile({'backend': 'eager'}).start(None, cpu, ddp=False, compiled_backward=False) # Not off a CUDA GPU by default
     aside = BackgroundCompile({'backend': 'eager'}, background=True)
-    assert not aside.starts(None, cpu, ddp=True, compiled_backward=True) # Each backward compiles with DDP's all-reduces, in the fit's path
+    assert not aside.start(None, cpu, ddp=True, compiled_backward=True) # Each backward compiles with DDP's all-reduces, in the fit's path
     assert [n.text for n in aside.take_notes()] == ["compiled in the fit's path: with `ddp_compiled_autograd=True` each backward "
                                                     "compiles with DDP's all-reduces, which a worker process can't run"]
     shown = []
-    assert aside.starts(shown.append, cpu, ddp=False, compiled_backward=False) and aside.show == shown.append and aside.ranks.rank == 0
+    assert aside.start(shown.append, cpu, ddp=False, compiled_backward=False) and aside.show == shown.append and aside.ranks.rank == 0
