@@ -10,6 +10,10 @@ warm GPU, an arm after another in a new order each round, so a drift of the host
                    compile; on the CPU `background=True` does the same
     compile-added  the same, with every backward adding into the gradients fastai's `zero_grad` zeroed, as an eager
                    fastai `Optimizer` does (`ZeroedGrads.on = False`), where `compile` lets it write them
+    compile-noprefetch  `compile` with no training batch copied ahead (`pace.prefetches` off): fastai's loop copies each
+                   batch in the fit's thread, from pageable memory
+    compile-nopace `compile` with none of `Pace` (`Pace.devices` empty): fastai's smooth loss, copied to the host each
+                   batch, and no batch copied ahead
 
     python bench/eager_overhead.py --workflows vision,tabular --rounds 3 --out DIR
     python bench/eager_overhead.py --smoke --out /tmp/eo            # tiny, on the CPU
@@ -32,8 +36,9 @@ from procs import git_commit, versions
 from fastai.torch_core import set_seed
 import fastxtend_compile # noqa: F401 (learn.compile)
 from fastxtend_compile.optimizer import ZeroedGrads
+import fastxtend_compile.pace as pace
 
-ARMS = ('eager-fused', 'eager', 'compile', 'compile-added')
+ARMS = ('eager-fused', 'eager', 'compile', 'compile-added', 'compile-noprefetch', 'compile-nopace')
 
 def one_fit(w:str, c:dict, data, device:str, arm:str)->dict:
     "Build a new Learner of workflow `w`, train it as `arm` does, and time its fit"
@@ -42,13 +47,17 @@ def one_fit(w:str, c:dict, data, device:str, arm:str)->dict:
     if arm == 'eager-fused': learn.opt_func = fused_adamw()
     if arm.startswith('compile'): learn.compile(**({} if device == 'cuda' else dict(background=True)))
     ZeroedGrads.on = arm != 'compile-added'
+    prefetches, devices = pace.prefetches, pace.Pace.devices
+    if arm == 'compile-noprefetch': pace.prefetches = lambda dl: False
+    if arm == 'compile-nopace': pace.Pace.devices = ()
     sync = torch.cuda.synchronize if device == 'cuda' else (lambda: None)
     sync()
     t = time.perf_counter()
-    with learn.no_bar(), learn.no_logging(): fit()
-    sync()
+    try:
+        with learn.no_bar(), learn.no_logging(): fit()
+        sync()
+    finally: ZeroedGrads.on, pace.prefetches, pace.Pace.devices = True, prefetches, devices
     took = time.perf_counter() - t
-    ZeroedGrads.on = True
     said = [l.strip() for l in str(learn.compiler.report).splitlines() if 'eagerly' in l] if arm.startswith('compile') else []
     return dict(workflow=w, arm=arm, fit_s=took, loss=float(learn.recorder.losses[-1]), report=said)
 
