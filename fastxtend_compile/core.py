@@ -285,7 +285,7 @@ class EagerPolicy:
 @patch
 def start_fit(self:EagerPolicy,
     aside=None, # A compile outside the fit's path (`runs_eagerly`, `agree`, `probing`, `probed`, as `BackgroundCompile`); `None` compiles in it
-    pays:Callable|None=None, # `pays(batches)`: whether that many batches pay back compiling their graph; `None`: never judged to
+    pays:Callable|None=None, # `pays(batches, warm)`: whether that many batches pay back compiling their graph (`warm`: only a warm compile in the fit's path); `None`: never judged to
     tiers=None, # The fit's faster tiers (`Tiers`), which choose a training batch's tier once its compiled code runs
 ):
     "A fit starts: it has trained no batch yet"
@@ -433,11 +433,12 @@ def _judge_validation(self:EagerPolicy, learn,
     aside = self.aside if key is not None else None
     if aside is not None and aside.started(key): return 'compile' # Begun beside the fit: its code takes over once ready
     epochs = max(getattr(learn, 'n_epoch', 1) - getattr(learn, 'epoch', 0), 1) # This epoch's and those after it
-    # Compiled cold by the worker, beside the fit, its code runs the validations after the worker hands it over
-    if aside is not None and aside.cold(key, model):
-        epochs = validations_after(epochs, aside.handover_s, _epoch_s(learn))
+    # Compiled cold by the worker, beside the fit, its code runs the validations after the worker hands it over, and the
+    # fit's path pays only the hand-over's warm compile
+    worker = aside is not None and aside.cold(key, model)
+    if worker: epochs = validations_after(epochs, aside.handover_s, _epoch_s(learn))
     batches = getattr(learn, 'n_iter', 1) * epochs
-    return 'compile' if self.pays is not None and batches and self.pays(batches) else 'eager'
+    return 'compile' if self.pays is not None and batches and self.pays(batches, warm=worker) else 'eager'
 
 # %% ../nbs/00_core.ipynb #f126ba32
 def _shapes(leaves:list)->tuple:

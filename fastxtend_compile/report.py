@@ -18,7 +18,7 @@ from fastcore.basics import store_attr, groupby, patch
 
 from .core import graph_break_reason, frame_name, hook_owner
 from .internals import *
-from .payoff import pays_back, eager_step as _eager_step, MARGIN
+from .payoff import pays_back, eager_step as _eager_step, MARGIN, WARM_SHARE
 
 # %% auto #0
 __all__ = ['CompileEvent', 'CompileReport']
@@ -134,12 +134,13 @@ class CompileReport:
 
     def pays_back(self,
         batches:int, # Batches a graph not compiled yet would run
+        warm:bool=False, # The fit's path compiles it warm: a worker compiles it cold beside the fit, then hands it over
     )->bool:
         "Whether `batches` batches are expected to pay back compiling their graph, from the steps and compiles measured so far"
         # An evaluation batch runs the forward alone: about a third of a training step, and of its compile alike, so one
         # ratio judges evaluation and training. Nothing measured yet (a first `lr_find`, `get_preds` before any fit): no
         saving, cost = self.step_saving, self.compile_spike
-        return None not in (saving, cost) and pays_back(batches, saving, cost)
+        return None not in (saving, cost) and pays_back(batches, saving, cost * (WARM_SHARE if warm else 1.))
 
     def __repr__(self): return self.summary()
 

@@ -47,7 +47,7 @@ def test_training_batches_run_eagerly_only_to_measure_the_eager_step():
 
 def test_a_fits_validation_compiles_where_the_fits_validation_batches_left_pay_back():
     p, asked = EagerPolicy(compile_valid=False), []
-    p.start_fit(pays=lambda n: asked.append(n) or n >= 12)
+    p.start_fit(pays=lambda n, warm=False: asked.append(n) or n >= 12)
     # 4 validation batches an epoch of 4: 16, 12, 8 and 4 left. Judged at each validation's first batch, for all of it
     runs = [validation(p, epoch=e, n_epoch=4) for e in range(4)]
     assert asked == [16, 12, 8, 4]
@@ -58,14 +58,14 @@ def test_a_fits_validation_compiles_where_the_fits_validation_batches_left_pay_b
     assert validation(p) == eager
     p.stop()
     p.compile_valid, asked[:] = True, [] # Always compiled, whatever its batches pay
-    p.start_fit(pays=lambda n: asked.append(n) or False)
+    p.start_fit(pays=lambda n, warm=False: asked.append(n) or False)
     assert validation(p, epoch=3, n_epoch=4) == compiled and asked == []
 
 def test_a_fits_validation_runs_its_graph_where_it_is_compiled_already():
     torch.manual_seed(0)
     model, p = nn.Linear(4, 2), EagerPolicy(compile_valid=False)
     p.watch(compile_model(model, policy=p, backend='aot_eager'))
-    p.start_fit(pays=lambda n: False)
+    p.start_fit(pays=lambda n, warm=False: False)
     p.start_batch(batch(model=model)); p.end_batch(True)
     g, x = graphs_compiled(), torch.randn(8, 4)
     model.eval()
@@ -78,7 +78,7 @@ def test_a_fits_validation_runs_its_graph_where_it_is_compiled_already():
     with torch.no_grad(): model(x) # Its graph, compiled outside the fit
     assert graphs_compiled() == g + 1
     aside, asked = Aside(evaluation=True), []
-    p.start_fit(aside, pays=lambda n: asked.append(n) or False)
+    p.start_fit(aside, pays=lambda n, warm=False: asked.append(n) or False)
     assert validation(p, model=model) == [(False, False, True)]*4 # Compiled, whatever its batches pay...
     assert asked == [] and aside.asked == [True] # ...with no compile outside the fit's path to wait for
 
@@ -88,7 +88,7 @@ def test_a_fits_validation_worth_compiling_waits_for_the_compile_outside_the_fit
     for compile_valid, pays, asked, runs in ((False, True, [True] + [False]*3, waits), (True, False, [True] + [False]*3, waits),
                                              (False, False, [True], eager)):
         p, aside = EagerPolicy(compile_valid=compile_valid), Aside(evaluation=True)
-        p.start_fit(aside, pays=lambda n: pays)
+        p.start_fit(aside, pays=lambda n, warm=False: pays)
         # Worth compiling: each batch asks the worker, and waits eagerly, untimed, until its code is ready; else it runs eagerly
         assert validation(p) == runs and aside.asked == asked
         aside.ready = True
@@ -119,14 +119,15 @@ def test_a_fits_validation_compiled_by_the_worker_counts_the_batches_after_its_h
         learn.recorder = SimpleNamespace(start_epoch=time.time() - epoch_s)
         p.start_batch(learn, key='valid')
         return p.valid_eager
-    # Cold, the worker hands over 35s from now: with 10s epochs, 2 of the 6 validations run its code, 8 batches; warm, all 24
-    for cold, needed, asked, eager in ((True, 8, [8], False), (True, 9, [8], True), (False, 24, [24], False)):
+    # Cold, the worker hands over 35s from now: with 10s epochs, 2 of the 6 validations run its code, 8 batches, and the
+    # fit's path pays its warm compile alone; in inductor's cache already, all 24, compiled in the fit's path
+    for cold, needed, asked, eager in ((True, 8, [(8, True)], False), (True, 9, [(8, True)], True), (False, 24, [(24, False)], False)):
         p, aside, seen = EagerPolicy(compile_valid=False), ColdAside(cold), []
-        p.start_fit(aside, pays=lambda n: seen.append(n) or n >= needed)
+        p.start_fit(aside, pays=lambda n, warm=False: seen.append((n, warm)) or n >= needed)
         assert first_validation(p, 10.) == eager and seen == asked
         assert aside.asked == [True] + ([] if eager else [False]) # Worth it: the worker is asked about it too
     p, aside, seen = EagerPolicy(compile_valid=False), ColdAside(), []
-    p.start_fit(aside, pays=lambda n: seen.append(n) or False)
+    p.start_fit(aside, pays=lambda n, warm=False: seen.append(n) or False)
     aside.began = True # An earlier validation's compile began: this one hands over once its code is ready, whatever is left
     assert not first_validation(p, 10.) and seen == [] and aside.asked == [True, False]
 
@@ -203,7 +204,7 @@ def test_lr_find_runs_eagerly_unless_its_graph_is_compiled_or_its_batches_pay_ba
     finder, asked = LRFinder(num_it=50), []
     lr_batch = lambda i=0: SimpleNamespace(training=True, iter=i, n_iter=10, model=model, xb=(), cbs=[finder])
     for enough, eager in ((50, False), (51, True)):
-        p.start_fit(pays=lambda n: asked.append(n) or n >= enough)
+        p.start_fit(pays=lambda n, warm=False: asked.append(n) or n >= enough)
         for i in range(2):
             p.start_batch(lr_batch(i), measure=True)
             assert p.evaluating == eager and p.eager and p.measuring == (not eager) and p.timed == (not eager)
@@ -211,13 +212,13 @@ def test_lr_find_runs_eagerly_unless_its_graph_is_compiled_or_its_batches_pay_ba
         assert p.eager_lr_find == 2*eager and not p.eager_eval
         p.stop()
     assert asked == [50, 50]
-    p.start_fit(pays=lambda n: False) # A fit of its own trains compiled
+    p.start_fit(pays=lambda n, warm=False: False) # A fit of its own trains compiled
     p.start_batch(batch(model=model))
     assert not p.eager
     p.stop()
     model.train() # Its training graph compiled: `lr_find` runs it
     model(torch.randn(8, 4))
-    p.start_fit(pays=lambda n: False)
+    p.start_fit(pays=lambda n, warm=False: False)
     p.start_batch(lr_batch())
     assert not p.evaluating and not p.eager
 
