@@ -10,17 +10,18 @@ from fastxtend_compile.background import BackgroundCompile, WarmRecords, _step
 from fastxtend_compile.worker import Worker
 from fastxtend_compile.state import state_key, Stage
 from fastxtend_compile.payoff import MARGIN, SAVING, WARM_SHARE
-from conftest import two_conv_cnn, digits_dls, EAGER_PRECISION, assert_fit_close
+from conftest import two_conv_cnn, digits_dls, EAGER_PRECISION, assert_fit_close, assert_close_to, FIT_TOL
 
 def _leftovers()->list: return glob.glob(os.path.join(tempfile.gettempdir(), 'fxc-background-*'))
 
 class WaitForWorker(Callback):
-    "At each training batch of `at` in the first epoch, wait for the worker's job to end, so the hand-over comes at the next batch"
+    "At each batch of `at` in the first epoch (training, or with `training=False` validation), wait for the worker's job to end, so the hand-over comes at the next batch"
     order = 20 # After `CompilerCallback`
-    def __init__(self, at=2): self.at, self.worker_seen, self.pids = (at,) if isinstance(at, int) else at, False, []
+    def __init__(self, at=2, training=True):
+        self.at, self.phase, self.worker_seen, self.pids = (at,) if isinstance(at, int) else at, training, False, []
     def after_batch(self):
         aside = self.learn.compiler.aside
-        if not self.training or self.epoch or self.iter not in self.at or aside.compiling is None: return
+        if self.training != self.phase or self.epoch or self.iter not in self.at or aside.compiling is None: return
         self.worker_seen = True
         self.pids.append(aside.worker.proc.pid)
         deadline = time.time() + 600
@@ -95,6 +96,23 @@ def test_compiled_code_takes_over_from_the_worker_and_trains_like_eager(cold_cac
     # The state compiled, how long it took, and the share of a step its code saved, as the report measured
     assert len(records) == 1 and set(records[0]) == {'cold_s', 'warm_s', 'saving', 'compiled_s', 'eager_s'}, records
     assert records[0]['saving'] == pytest.approx(1 - cb.report.compiled_step / cb.report.eager_step)
+    assert_fit_close(eager.model, comp.model)
+
+@pytest.mark.slow
+def test_a_validation_worth_its_hand_overs_warm_compile_compiles_in_the_worker_and_runs_its_code_from_the_hand_over(no_records, monkeypatch):
+    "Judged on the warm compile its hand-over costs the fit's path alone, the fit's validation compiles cold in the worker beside the fit"
+    asked = []
+    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, batches, warm=False: asked.append(warm) or warm)
+    monkeypatch.setattr(BackgroundCompile, 'handover_s', 0.) # Every validation counts, in a fit this short
+    eager = _fit(False)
+    comp = _fit(True, cbs=[WaitForWorker(at=2), WaitForWorker(at=0, training=False)])
+    r, valid = comp.compiler.report, len(comp.dls.valid)
+    assert asked == [True] # Judged once, at the first validation: cold, so the worker compiles it; begun, the next waits for it
+    evaluation = [n for n in r.background if 'compiled for evaluation in a worker process' in n]
+    assert len(evaluation) == 1 and "the compiled code took over at epoch 0, batch 1" in evaluation[0], r.background
+    assert sum(e.during.startswith('validation') for e in r.events) == 1 # Its graph, compiled warm at the hand-over
+    assert r.eager_valid == 0 # Waiting for the worker is not "too few to pay back"
+    for a, b in zip(eager.recorder.values, comp.recorder.values): assert_close_to(torch.tensor(b[:2]), torch.tensor(a[:2]), FIT_TOL, 'losses')
     assert_fit_close(eager.model, comp.model)
 
 def test_a_failed_worker_keeps_the_fit_eager_with_one_warning(no_records, monkeypatch):
