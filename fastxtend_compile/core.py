@@ -253,7 +253,7 @@ class EagerPolicy:
         self.probing = False # This training batch, run eagerly, is timed alone for a new model state's probe: the eager step
         self.evaluating = False # This batch of an evaluation outside a fit or of `lr_find` runs eagerly: its graph wouldn't pay back
         self.one_off = False # This batch is a one-off, not worth a graph of its own: the last, often smaller, one
-        self.pays = None # `pays(batches)`: whether that many batches are expected to pay back a graph's compile (the report's)
+        self.pays = None # `pays(batches, warm)`: whether that many batches are expected to pay back a graph's compile, cold or warm (the report's)
         self.unpaid = None # Whether this evaluation outside a fit, or `lr_find`, runs eagerly: decided at its first batch
         self.eager_eval = 0 # Batches of this evaluation outside a fit run eagerly, their graph not compiled and not worth it
         self.eager_lr_find = 0 # Batches of this `lr_find` run eagerly, alike
