@@ -1,7 +1,7 @@
 """One rank of a 2-process CPU (gloo) check of `GradSync` against DDP's own reducer: run as `python ddp_gradsync.py OUT` with
 RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. Each scenario trains a copy with `GradSync` averaging its batches and
 a copy DDP's reducer averages, from the same weights on the same inputs, and writes the largest difference found"""
-import os, sys
+import gc, os, sys
 from datetime import timedelta
 import torch, torch.distributed as dist
 from torch import nn
@@ -107,4 +107,9 @@ if __name__ == '__main__':
         except Exception as e: res[f.__name__] = f'{type(e).__name__}: {e}'
         dist.barrier()
     torch.save(res, os.path.join(sys.argv[1], f'rank{rank}.pt'))
+    gc.collect() # The scenarios' DDP models, and the reducers that hold the group, go while the interpreter is whole
     dist.destroy_process_group()
+    # Gloo's threads, torn down while the interpreter finalizes, can abort a process whose work is done: the results
+    # are written, so the process ends here
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)
