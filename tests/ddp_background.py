@@ -25,7 +25,7 @@ import ddp_worker as learner_module
 from ddp_worker import learner, model as _model, dls, nn, Learner, SGD, ProgressCallback # Its `DistributedDL` patch for `gloo` too
 
 BackgroundCompile.cold_cost_s = 0 # A worker for a fit of any length
-CompileReport.pays_back = lambda self, batches, warm=False: False # Validation runs eagerly, whatever the timings
+CompileReport.pays_back = lambda self, *a, **k: False # Validation runs eagerly, whatever the timings
 
 class Batches(Callback):
     "Which training batches ran eagerly while their code compiled elsewhere, and, at `wait`, wait for the worker to finish"
