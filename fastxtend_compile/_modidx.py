@@ -1034,6 +1034,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                       'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report.Note.add': ('report.html#note.add', 'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report.Note.text': ('report.html#note.text', 'fastxtend_compile/report.py'),
+                                          'fastxtend_compile.report._about': ('report.html#_about', 'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report._against': ('report.html#_against', 'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report._at': ('report.html#_at', 'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report._by_id': ('report.html#_by_id', 'fastxtend_compile/report.py'),

@@ -642,12 +642,14 @@ def profile_text(res)->str:
     start = f"its start-up took {res.start_s:.1f}s" + (f" ({parts})" if parts else '') + f", {waited}"
     return f"{start}; loading the job {res.load_s:.1f}s, compiling the forward {res.forward_s:.1f}s and the backward {res.backward_s:.1f}s"
 
+def _about(seconds:float)->str: return f"{seconds:.0f}" if seconds >= 10 else f"{seconds:.2g}" # 40s, 4s, 0.54s
+
 def _too_short(left:int, rest_s:float, warm_s:float|None, needed_s:float, first_busy:float|None=None)->str:
     first = '' if first_busy is None else f"; the eager step's measure had picked CUDA graphs to compile first (the GPU ran work {first_busy:.0%} of it)"
     if warm_s is None:
-        return (f"trained eagerly: the fit's {left} training batches left, about {rest_s:.0f}s eagerly, are too few to pay back a "
+        return (f"trained eagerly: the fit's {left} training batches left, about {_about(rest_s)}s eagerly, are too few to pay back a "
                 f"compile (under {needed_s:.0f}s; `background=False` compiles in the fit's path){first}")
-    return (f"trained eagerly: the fit's {left} training batches left, about {rest_s:.0f}s eagerly, are too few to pay back even "
+    return (f"trained eagerly: the fit's {left} training batches left, about {_about(rest_s)}s eagerly, are too few to pay back even "
             f"a warm compile of {warm_s:.1f}s (under {needed_s:.0f}s)")
 
 def _shapes_change(changes:int, batches:int)->str:

@@ -88,6 +88,8 @@ def test_the_verdicts_notes_say_what_it_weighed():
     _, actions = advance(P, 'batch', facts(cached=WARM, left=40))
     assert note(actions).text == ("trained eagerly: the fit's 40 training batches left, about 4s eagerly, are too few to pay "
                                           "back even a warm compile of 1.0s (under 5s)")
+    _, actions = advance(P, 'batch', facts(left=84, step_s=0.0065)) # Under a second of steps: not rounded to none
+    assert note(actions).text.startswith("trained eagerly: the fit's 84 training batches left, about 0.55s eagerly, are too few")
     _, actions = advance(P, 'batch', facts(left=2000, step_s=0.02, first_busy=0.82)) # CUDA graphs were picked to go first, in the worker
     assert note(actions).text.endswith("compiles in the fit's path); the eager step's measure had picked CUDA graphs to compile first (the GPU ran work 82% of it)")
     _, actions = advance(C, 'done', facts(res=BAD, fallback=True))
