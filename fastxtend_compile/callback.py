@@ -178,9 +178,10 @@ class _DDPStrategy:
         "The parameters that train changed during the fit"
         self.sync.params_changed()
 
-    def backward_graphs(self)->int|None:
-        "The backward graphs compiled autograd captured in this fit; `None` when it does not run the backwards"
-        return compiled_autograd_captures() - self.captures if self.in_backward else None
+    def averaged(self)->dict:
+        "How the fit's compiled batches' gradients were averaged, for the report (`CompileRecorder.stop`)"
+        graphs = compiled_autograd_captures() - self.captures if self.in_backward else None # In compiled autograd's backward graphs
+        return dict(ddp_backward_graphs=graphs, ddp_reducer=self.reducer, ddp_joined=self.sync.left)
 
     def enter_backward(self,
         loss:torch.Tensor, # What the backward starts from: `learn.loss_grad`
@@ -197,12 +198,9 @@ class _DDPStrategy:
         backward, self.backward = self.backward, None
         backward.__exit__(None, None, None)
 
-    def restore(self,
-        report=None, # The fit's `CompileReport`: the batches DDP's reducer averaged under its `join()`
-    ):
+    def restore(self):
         "Put back what the fit changed"
         self.exit_backward()
-        if report is not None: report.ddp_joined = self.sync.left
         self.in_backward, self.reducer = False, None
         self.sync.stop()
         if self.old is not None: set_optimize_ddp(self.old)
@@ -300,7 +298,6 @@ def _start_parts(self:CompilerCallback, device:torch.device):
     self.tiers.start(aside, device)
     self.policy.start_fit(aside, self.report.pays_back, self.tiers) # Each batch's one decision: eager or compiled, which tier
     self.ddp.start_sync(model, self.policy.aside) # After the background compile started: the ranks switch at its agreements
-    rec.report.ddp_reducer = self.ddp.reducer
 
 @patch
 def _compile_optimizer(self:CompilerCallback,
@@ -452,13 +449,14 @@ def restore(self:CompilerCallback):
         self.aside.stop() # A worker still compiling, and its files
         self.compile_recorder.note_background(*self.aside.take_notes(), *self.tiers.take_notes())
         p = self.policy
-        self.compile_recorder.stop(p.compiled_calls(), self.ddp.backward_graphs(), p.eager_eval, p.eager_lr_find, self.collector.stop())
+        self.compile_recorder.stop(p.compiled_calls(), eager_eval=p.eager_eval, eager_lr_find=p.eager_lr_find,
+                                   gc_pauses=self.collector.stop(), **self.ddp.averaged())
         self.aside.warm_starts.measured(self.report.compiled_step, self.report.eager_step)
         self.policy.stop()
         self.precision.restore()
         self.precompile.restore()
         self.pace.stop(self.learn)
-    self.ddp.restore(self.report) # Set before the fit's callbacks ran, compiled or not
+    self.ddp.restore() # Set before the fit's callbacks ran, compiled or not
 
 @patch
 def uncompile(self:CompilerCallback):

@@ -427,6 +427,8 @@ def start(self:CompileRecorder,
 def stop(self:CompileRecorder,
     calls:list=(), # The model's `CompiledCall`s: their calls run eagerly for a shape seen once, and while whose hooks
     ddp_backward_graphs:int|None=None, # The backward graphs compiled autograd captured in the fit, if it ran the backwards
+    ddp_reducer:str|None=None, # Why DDP's reducer averaged the fit's compiled batches' gradients; `None` where this library did
+    ddp_joined:int=0, # Compiled batches whose gradients DDP's reducer averaged under its `join()`, where this library averaged the others
     eager_eval:int=0, # Batches of an evaluation outside a fit run eagerly, too few to pay back their graph
     eager_lr_find:int=0, # Batches of an `lr_find` run eagerly, alike
     gc_pauses:list=(), # Seconds of each full garbage collection during the fit
@@ -436,7 +438,7 @@ def stop(self:CompileRecorder,
     r.gc_pauses += gc_pauses
     r.eager_eval += eager_eval
     r.eager_lr_find += eager_lr_find
-    r.ddp_backward_graphs = ddp_backward_graphs
+    r.ddp_backward_graphs, r.ddp_reducer, r.ddp_joined = ddp_backward_graphs, ddp_reducer, ddp_joined
     for c in calls: # What ran eagerly rather than compile a graph for a shape seen once (twin blocks see alike)
         for k,n in c.eager_calls.items(): r.eager_calls[k] = max(r.eager_calls.get(k, 0), n)
         for phase in c.dims: r.dynamic[phase, type(c.module).__name__] = c.dynamic_shapes(phase)

@@ -194,6 +194,7 @@ def test_ddp_strategy_leaves_a_users_python_reducer_alone():
             assert optimize_ddp() == ('no_optimization' if ours else mode) # Whole graphs, unless the user's reducer is left alone
             strategy.start_sync(ddp)
             assert (strategy.sync.ddp is not None) is ours and strategy.reducer is None # The library averages whole graphs' gradients
+            assert strategy.averaged() == dict(ddp_backward_graphs=None, ddp_reducer=None, ddp_joined=0) # What the report is given
             strategy.restore()
             assert strategy.sync.ddp is None
             assert optimize_ddp() == mode
@@ -213,6 +214,7 @@ def test_ddp_compiled_autograd_chooses_the_python_reducer_for_the_fit_only(monke
     assert optimize_ddp() == 'python_reducer' # What DDP reads as it wraps the model
     assert strategy.set(_ddp(True)) is True and strategy.in_backward
     assert not aot_autograd_cache() # Compiled autograd cannot trace a backward loaded from it (torch 2.11)
+    assert strategy.averaged()['ddp_backward_graphs'] == 0 # None captured yet: the report counts this fit's alone
     strategy.restore()
     assert (optimize_ddp(), python_reducer_settings(), aot_autograd_cache()) == before and not strategy.in_backward
     strategy.before_wrap() # DDP wrapped the model before the fit, with its bucketed reducer: said, and graphs stay whole

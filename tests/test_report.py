@@ -235,10 +235,14 @@ def test_ddp_strategy_lines():
     rec.start(ddp=True); rec.stop()
     assert report.ddp and report.ddp_strategy() == "DDP: whole graphs, gradients all-reduced after the backward, in one all-reduce"
     assert report.ddp_strategy() in report.summary()
-    joined = CompileReport(ddp=True, ddp_joined=3)
+    def recorded(**ddp): # As the fit's end gives the recorder the DDP strategy's facts (`_DDPStrategy.averaged`)
+        rec = CompileRecorder(CompileReport())
+        rec.start(ddp=True); rec.stop(**ddp)
+        return rec.report
+    joined = recorded(ddp_joined=3)
     assert joined.ddp_strategy() == ("DDP: whole graphs, gradients all-reduced after the backward, in one all-reduce, and by "
                                      "DDP's reducer for the 3 batch(es) under its `join()` (uneven inputs)")
-    hooked = CompileReport(ddp=True, ddp_reducer="a communication hook registered with DDP")
+    hooked = recorded(ddp_reducer="a communication hook registered with DDP")
     assert hooked.ddp_strategy() == ("DDP: whole graphs, gradients all-reduced after the backward, by DDP's reducer "
                                      "(a communication hook registered with DDP)")
     assert 'DDP:' not in CompileReport().summary()
