@@ -230,15 +230,13 @@ def test_explain_and_debug_compile_see_a_regional_model_eager_and_leave_it_compi
     assert [compiled_call(b) for b in blocks] == calls
 
 def test_ddp_strategy_lines():
-    report, rec = CompileReport(), None
-    rec = CompileRecorder(report)
-    rec.start(ddp=True); rec.stop()
-    assert report.ddp and report.ddp_strategy() == "DDP: whole graphs, gradients all-reduced after the backward, in one all-reduce"
-    assert report.ddp_strategy() in report.summary()
     def recorded(**ddp): # As the fit's end gives the recorder the DDP strategy's facts (`_DDPStrategy.averaged`)
         rec = CompileRecorder(CompileReport())
         rec.start(ddp=True); rec.stop(**ddp)
         return rec.report
+    report = recorded()
+    assert report.ddp and report.ddp_strategy() == "DDP: whole graphs, gradients all-reduced after the backward, in one all-reduce"
+    assert report.ddp_strategy() in report.summary()
     joined = recorded(ddp_joined=3)
     assert joined.ddp_strategy() == ("DDP: whole graphs, gradients all-reduced after the backward, in one all-reduce, and by "
                                      "DDP's reducer for the 3 batch(es) under its `join()` (uneven inputs)")
