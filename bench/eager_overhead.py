@@ -10,6 +10,8 @@ warm GPU, an arm after another in a new order each round, so a drift of the host
                    compile; on the CPU `background=True` does the same
     compile-added  the same, with every backward adding into the gradients fastai's `zero_grad` zeroed, as an eager
                    fastai `Optimizer` does (`ZeroedGrads.on = False`), where `compile` lets it write them
+    compile-pinned `compile` with every training batch copied ahead from pinned memory on a side stream, as a compiled
+                   batch's is, where `compile` copies an eager batch from the memory it is in
     compile-noprefetch  `compile` with no training batch copied ahead (`pace.prefetches` off): fastai's loop copies each
                    batch in the fit's thread, from pageable memory
     compile-nopace `compile` with none of `Pace` (`Pace.devices` empty): fastai's smooth loss, copied to the host each
@@ -17,6 +19,10 @@ warm GPU, an arm after another in a new order each round, so a drift of the host
 
     python bench/eager_overhead.py --workflows vision,tabular --rounds 3 --out DIR
     python bench/eager_overhead.py --smoke --out /tmp/eo            # tiny, on the CPU
+
+Each fit also times its training batches on the host's clock, from one batch's start to the next within an epoch: the
+median of those is the fit's pace, steadier than its whole time, which epochs' starts, validation and the host's
+hiccups move by 10% and more on a GPU machine.
 
 A warm-up fit of the first arm runs first and is not counted. Prints each fit's seconds and each arm's median, and
 what `learn.compile()`'s report said of its fits; writes DIR/eager_overhead.json (every fit) and DIR/eager_overhead.md.
@@ -34,11 +40,23 @@ import torch._dynamo # noqa: F401 (imported before any fit is timed, as learn.co
 from workflow import BUILDERS, WORKFLOWS, fused_adamw, write_images
 from procs import git_commit, versions
 from fastai.torch_core import set_seed
+from fastai.callback.core import Callback
 import fastxtend_compile # noqa: F401 (learn.compile)
 from fastxtend_compile.optimizer import ZeroedGrads
 import fastxtend_compile.pace as pace
 
-ARMS = ('eager-fused', 'eager', 'compile', 'compile-added', 'compile-noprefetch', 'compile-nopace')
+ARMS = ('eager-fused', 'eager', 'compile', 'compile-added', 'compile-pinned', 'compile-noprefetch', 'compile-nopace')
+
+class BatchClock(Callback):
+    "The host's seconds from each training batch's start to the next's, within an epoch"
+    order = -100 # Before every other callback's `before_batch`
+    def __init__(self): self.gaps, self.last = [], None
+    def before_train(self): self.last = None
+    def before_batch(self):
+        if not self.training: return
+        now = time.perf_counter()
+        if self.last is not None: self.gaps.append(now - self.last)
+        self.last = now
 
 def one_fit(w:str, c:dict, data, device:str, arm:str)->dict:
     "Build a new Learner of workflow `w`, train it as `arm` does, and time its fit"
@@ -47,19 +65,22 @@ def one_fit(w:str, c:dict, data, device:str, arm:str)->dict:
     if arm == 'eager-fused': learn.opt_func = fused_adamw()
     if arm.startswith('compile'): learn.compile(**({} if device == 'cuda' else dict(background=True)))
     ZeroedGrads.on = arm != 'compile-added'
-    prefetches, devices = pace.prefetches, pace.Pace.devices
+    prefetches, devices, after_batch = pace.prefetches, pace.Pace.devices, pace.Pace.after_batch
+    if arm == 'compile-pinned': pace.Pace.after_batch = lambda self, eager: None
     if arm == 'compile-noprefetch': pace.prefetches = lambda dl: False
     if arm == 'compile-nopace': pace.Pace.devices = ()
+    clock = BatchClock()
+    learn.add_cb(clock)
     sync = torch.cuda.synchronize if device == 'cuda' else (lambda: None)
     sync()
     t = time.perf_counter()
     try:
         with learn.no_bar(), learn.no_logging(): fit()
         sync()
-    finally: ZeroedGrads.on, pace.prefetches, pace.Pace.devices = True, prefetches, devices
+    finally: ZeroedGrads.on, pace.prefetches, pace.Pace.devices, pace.Pace.after_batch = True, prefetches, devices, after_batch
     took = time.perf_counter() - t
     said = [l.strip() for l in str(learn.compiler.report).splitlines() if 'eagerly' in l] if arm.startswith('compile') else []
-    return dict(workflow=w, arm=arm, fit_s=took, loss=float(learn.recorder.losses[-1]), report=said)
+    return dict(workflow=w, arm=arm, fit_s=took, batch_ms=1e3*statistics.median(clock.gaps), loss=float(learn.recorder.losses[-1]), report=said)
 
 def main():
     p = argparse.ArgumentParser()
@@ -85,16 +106,19 @@ def main():
             for arm in arms[r % len(arms):] + arms[:r % len(arms)]: # Each round starts one arm later
                 f = one_fit(w, c, data, device, arm)
                 fits.append(dict(f, round=r))
-                print(f"{w:<8} round {r} {arm:<14} {f['fit_s']:7.2f}s  loss {f['loss']:.4f}  {' | '.join(f['report'])}", flush=True)
+                print(f"{w:<8} round {r} {arm:<18} {f['fit_s']:7.2f}s  {f['batch_ms']:7.3f} ms a batch  loss {f['loss']:.4f}  {' | '.join(f['report'])}", flush=True)
         (out/'eager_overhead.json').write_text(json.dumps(dict(meta=meta, fits=fits), indent=1))
     L = [f"# What learn.compile() costs a fit it trains eagerly ({meta['env'].get('device', device)}, torch {meta['env'].get('torch')}, "
-         f"library at {meta['commit']})", "", "| workflow | arm | fits (s) | median | × eager-fused |", "|---|---|---|---:|---:|"]
+         f"library at {meta['commit']})", "", "| workflow | arm | fits (s) | median | × eager-fused | a training batch, median (ms) | × eager-fused |",
+         "|---|---|---|---:|---:|---:|---:|"]
     for w in a.workflows.split(','):
         med = {arm: statistics.median([f['fit_s'] for f in fits if f['workflow'] == w and f['arm'] == arm]) for arm in arms}
+        pace_ms = {arm: statistics.median([f['batch_ms'] for f in fits if f['workflow'] == w and f['arm'] == arm]) for arm in arms}
         for arm in arms:
             runs = ', '.join(f"{f['fit_s']:.2f}" for f in fits if f['workflow'] == w and f['arm'] == arm)
             ratio = f"{med[arm]/med['eager-fused']:.3f}" if 'eager-fused' in med else ''
-            L.append(f"| {w} | {arm} | {runs} | {med[arm]:.2f} | {ratio} |")
+            paced = f"{pace_ms[arm]/pace_ms['eager-fused']:.3f}" if 'eager-fused' in pace_ms else ''
+            L.append(f"| {w} | {arm} | {runs} | {med[arm]:.2f} | {ratio} | {pace_ms[arm]:.3f} | {paced} |")
     (out/'eager_overhead.md').write_text('\n'.join(L) + '\n')
     print('\n'.join(L))
 

@@ -67,6 +67,7 @@ class Prefetch(GetAttr):
         self.main = None # The stream the steps run on, during an iteration
         self.asked = None # When the last batch was asked for
         self.running = None # The iteration under way, which `close` ends
+        self.eager = False # The fit's batches run eagerly: without workers, each is copied as `_plain` does
 
     def __len__(self): return len(self.dl)
 
@@ -78,9 +79,17 @@ class Prefetch(GetAttr):
         return done
 
     def _receive(self, it)->tuple|None:
-        "The next batch from the loader, copied as `_copy` does; `None` at the end"
+        "The next batch from the loader, copied as `_plain` or `_copy` does; `None` at the end"
         b = next(it, None)
-        return None if b is None else self._copy(b)
+        if b is None: return None
+        return self._plain(b) if self.eager and self.copier is None else self._copy(b)
+
+    def _plain(self, b)->tuple:
+        "(batch, `None`): `b`'s copy queued on the fit's stream from the memory it is in, without waiting for the device"
+        # For an eager batch the host, not the device, sets the pace: pinning and a side stream would cost it more than
+        # they save. A non-blocking copy from pageable memory returns once the data is staged, so the step's work
+        # queued before is not waited for, as it would be by fastai's blocking copy
+        return apply(lambda o: o.to(self.device, non_blocking=True) if isinstance(o, torch.Tensor) else o, b), None
 
     def _copy(self, b)->tuple:
         "(batch, its copy's CUDA event): `b`'s copy queued on the side stream, into memory of the fit's stream"
@@ -94,7 +103,7 @@ class Prefetch(GetAttr):
         copied = copying.result() # Queued long before, as a rule: the thread had the step before's time
         if copied is None: return None
         b, done = copied
-        self.main.wait_event(done)
+        if done is not None: self.main.wait_event(done)
         return b
 
     def __iter__(self):
@@ -177,8 +186,9 @@ class Pace:
         self.report = None # Where the host's waits for batches go
         self.loader = None # The training `Prefetch` of this epoch
         self.guarded = False # This fit counts in `ForkGuard.fits`
+        self.eager = False # The last training batch ran eagerly, so the next is likely to
 
-    def __getstate__(self): return {'recorder': None, 'smooth': None, 'report': None, 'loader': None, 'guarded': False}
+    def __getstate__(self): return {'recorder': None, 'smooth': None, 'report': None, 'loader': None, 'guarded': False, 'eager': False}
 
     def start(self,
         learn, # The `Learner` starting a compiled fit
@@ -204,6 +214,14 @@ class Pace:
         self._close(learn) # An epoch cut short (`CancelEpochException`) skips `after_train`
         if self.report is None or not prefetches(learn.dl): return
         self.loader = learn.dl = Prefetch(learn.dl, self.report.data_waits, self.report.batch_walls)
+        self.loader.eager = self.eager
+
+    def after_batch(self,
+        eager:bool, # The training batch that ended ran eagerly
+    ):
+        "A training batch ended: the next batch is copied for a step that runs as this one did"
+        self.eager = eager
+        if self.loader is not None: self.loader.eager = eager
 
     def after_train(self, learn):
         "An epoch's training ended: its smoothed losses to the host, one copy for all"
@@ -229,6 +247,7 @@ class Pace:
             own.count, own.val = dev.count, _on_host(dev.val)
             _swap(self.recorder, own)
         self.recorder = self.smooth = self.report = None
+        self.eager = False
         if self.guarded: ForkGuard.fits, self.guarded = ForkGuard.fits - 1, False
 
 # %% ../nbs/19_pace.ipynb #e3627b65

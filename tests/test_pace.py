@@ -238,6 +238,25 @@ def test_the_training_loader_is_restored_after_an_epoch_cut_short(monkeypatch):
     assert dls.train.device == device and dls.train.after_batch is after_batch
     assert len(learn.recorder.losses) == 3 + len(dls.train)
 
+def test_once_batches_run_eagerly_a_loader_without_workers_is_copied_from_the_memory_its_batches_are_in(monkeypatch):
+    "A fit too short to pay back a compile trains eagerly: after its first batch, each is copied without pinning or a side stream, the same batches as without any copy ahead"
+    import fastxtend_compile.pace as pace
+    monkeypatch.setattr(Pace, 'devices', ('cuda', 'cpu'))
+    cpu_streams(monkeypatch)
+    how, plain, pinned = [], Prefetch._plain, Prefetch._copy
+    monkeypatch.setattr(Prefetch, '_plain', lambda self, b: how.append('plain') or plain(self, b))
+    monkeypatch.setattr(Prefetch, '_copy', lambda self, b: how.append('pinned') or pinned(self, b))
+    def eager_fit(ahead:bool):
+        monkeypatch.setattr(pace, 'prefetches', lambda dl: ahead)
+        set_seed(0, reproducible=True)
+        learn = Learner(digits_dls(bs=32).cpu(), bn_cnn()).compile(background=True)
+        with learn.no_bar(): learn.fit(2, 1e-2)
+        assert 'trained eagerly' in str(learn.compiler.report)
+        return learn
+    want, got = eager_fit(False), eager_fit(True)
+    assert how == ['pinned'] + ['plain']*(2*len(got.dls.train) - 1) # The first batch's copy precedes the first eager batch
+    assert [l.item() for l in got.recorder.losses] == [l.item() for l in want.recorder.losses]
+
 # On a CUDA GPU
 
 def gpu_digits(): return digits_dls(bs=32).cuda()
