@@ -864,8 +864,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                         'fastxtend_compile.pace.Prefetch._copy': ('pace.html#prefetch._copy', 'fastxtend_compile/pace.py'),
                                         'fastxtend_compile.pace.Prefetch._fetch': ( 'pace.html#prefetch._fetch',
                                                                                     'fastxtend_compile/pace.py'),
-                                        'fastxtend_compile.pace.Prefetch._plain': ( 'pace.html#prefetch._plain',
-                                                                                    'fastxtend_compile/pace.py'),
                                         'fastxtend_compile.pace.Prefetch._ready': ( 'pace.html#prefetch._ready',
                                                                                     'fastxtend_compile/pace.py'),
                                         'fastxtend_compile.pace.Prefetch._receive': ( 'pace.html#prefetch._receive',

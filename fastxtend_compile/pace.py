@@ -9,7 +9,7 @@ import gc, os, time
 from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from fastcore.basics import GetAttr, store_attr, patch
-from fastai.torch_core import apply, to_detach, retain_type
+from fastai.torch_core import apply, to_detach, to_device, retain_type
 from fastai.learner import AvgSmoothLoss
 from fastai.callback.progress import ProgressCallback
 
@@ -67,7 +67,7 @@ class Prefetch(GetAttr):
         self.main = None # The stream the steps run on, during an iteration
         self.asked = None # When the last batch was asked for
         self.running = None # The iteration under way, which `close` ends
-        self.eager = False # The fit's batches run eagerly: without workers, each is copied as `_plain` does
+        self.eager = False # The fit's batches run eagerly: without workers, each is copied as fastai copies it
 
     def __len__(self): return len(self.dl)
 
@@ -79,17 +79,12 @@ class Prefetch(GetAttr):
         return done
 
     def _receive(self, it)->tuple|None:
-        "The next batch from the loader, copied as `_plain` or `_copy` does; `None` at the end"
+        "The next batch from the loader, copied as `_copy` does, or (batch, `None`) left on the host; `None` at the end"
         b = next(it, None)
         if b is None: return None
-        return self._plain(b) if self.eager and self.copier is None else self._copy(b)
-
-    def _plain(self, b)->tuple:
-        "(batch, `None`): `b`'s copy queued on the fit's stream from the memory it is in, without waiting for the device"
-        # For an eager batch the host, not the device, sets the pace: pinning and a side stream would cost it more than
-        # they save. A non-blocking copy from pageable memory returns once the data is staged, so the step's work
-        # queued before is not waited for, as it would be by fastai's blocking copy
-        return apply(lambda o: o.to(self.device, non_blocking=True) if isinstance(o, torch.Tensor) else o, b), None
+        # An eager batch's pace is the host's: a copy ahead, pinned or not, adds to the host's work and saves the device
+        # nothing. Made in the fit's thread, it is left for fastai's own copy
+        return (b, None) if self.eager and self.copier is None else self._copy(b)
 
     def _copy(self, b)->tuple:
         "(batch, its copy's CUDA event): `b`'s copy queued on the side stream, into memory of the fit's stream"
@@ -99,12 +94,10 @@ class Prefetch(GetAttr):
         return b, done
 
     def _ready(self, copying):
-        "The batch for the step on the fit's stream, which waits for its copy and nothing else; `None` at the end"
+        "(batch, its copy's event) for the step on the fit's stream, which waits for its copy and nothing else; `None` at the end"
         copied = copying.result() # Queued long before, as a rule: the thread had the step before's time
-        if copied is None: return None
-        b, done = copied
-        if done is not None: self.main.wait_event(done)
-        return b
+        if copied is not None and copied[1] is not None: self.main.wait_event(copied[1])
+        return copied
 
     def __iter__(self):
         self.running = self._batches()
@@ -134,12 +127,13 @@ class Prefetch(GetAttr):
                 now = time.perf_counter()
                 cur = nxt if nxt is not None else self._fetch(it, here=True)
                 nxt = self._fetch(it, here=False) if workers else None
-                b = self._ready(cur)
-                if b is None: break
+                got = self._ready(cur)
+                if got is None: break
                 if self.asked is not None and self.walls is not None: self.walls.append(now - self.asked)
                 self.asked = now
                 if self.waits is not None: self.waits.append(time.perf_counter() - now)
-                yield after_batch(b) # The `DataLoader`'s batch transforms, on the device
+                b, copied = got # A batch left on the host is copied as fastai copies it, outside its wait for the loader
+                yield after_batch(b if copied is not None else to_device(b, self.device)) # The batch transforms, on the device
         finally:
             if self.copier is not None: self.copier.shutdown(wait=True) # A batch queued and not taken ends before the loader is restored
             self.copier = None

@@ -238,13 +238,13 @@ def test_the_training_loader_is_restored_after_an_epoch_cut_short(monkeypatch):
     assert dls.train.device == device and dls.train.after_batch is after_batch
     assert len(learn.recorder.losses) == 3 + len(dls.train)
 
-def test_once_batches_run_eagerly_a_loader_without_workers_is_copied_from_the_memory_its_batches_are_in(monkeypatch):
-    "A fit too short to pay back a compile trains eagerly: after its first batch, each is copied without pinning or a side stream, the same batches as without any copy ahead"
+def test_once_batches_run_eagerly_a_loader_without_workers_copies_them_as_fastai_does(monkeypatch):
+    "A fit too short to pay back a compile trains eagerly: after its first batch, each is copied as fastai copies it, the same batches as without any copy ahead"
     import fastxtend_compile.pace as pace
     monkeypatch.setattr(Pace, 'devices', ('cuda', 'cpu'))
     cpu_streams(monkeypatch)
-    how, plain, pinned = [], Prefetch._plain, Prefetch._copy
-    monkeypatch.setattr(Prefetch, '_plain', lambda self, b: how.append('plain') or plain(self, b))
+    how, plain, pinned = [], pace.to_device, Prefetch._copy
+    monkeypatch.setattr(pace, 'to_device', lambda b, device: how.append('plain') or plain(b, device))
     monkeypatch.setattr(Prefetch, '_copy', lambda self, b: how.append('pinned') or pinned(self, b))
     def eager_fit(ahead:bool):
         monkeypatch.setattr(pace, 'prefetches', lambda dl: ahead)
@@ -256,6 +256,16 @@ def test_once_batches_run_eagerly_a_loader_without_workers_is_copied_from_the_me
     want, got = eager_fit(False), eager_fit(True)
     assert how == ['pinned'] + ['plain']*(2*len(got.dls.train) - 1) # The first batch's copy precedes the first eager batch
     assert [l.item() for l in got.recorder.losses] == [l.item() for l in want.recorder.losses]
+
+def test_an_eager_batchs_wait_for_the_loader_leaves_out_its_copy(monkeypatch):
+    "fastai's copy of a batch that runs eagerly may wait for the device: the report's wait for the loader doesn't count it"
+    import fastxtend_compile.pace as pace
+    copied = []
+    monkeypatch.setattr(pace, 'to_device', lambda b, device: time.sleep(0.1) or copied.append(device) or b) # A device far behind
+    p = cpu_prefetch(monkeypatch, digits_dls(bs=128).cpu().valid)
+    p.eager = True
+    n = sum(1 for _ in p)
+    assert n == len(copied) == len(p.waits) == len(p) and max(p.waits) < 0.1
 
 # On a CUDA GPU
 
