@@ -53,7 +53,7 @@ def _ahead(o, device:torch.device, stream):
 
 # %% ../nbs/19_pace.ipynb #629e7a0b
 class Prefetch(GetAttr):
-    "Iterates a fastai `DataLoader` with each batch copied to its device on a side stream (pinned first), without waiting for the steps before; one batch ahead by a thread of its own where worker processes make the batches"
+    "Iterates a fastai `DataLoader` with each batch copied to its device on a side stream (pinned first), without waiting for the steps before; one batch ahead by a thread of its own where worker processes make the batches; as fastai copies it where no workers do and the batches run eagerly"
     _default = 'dl'
     def __init__(self,
         dl, # The fastai `DataLoader` whose batches go to its `device`, a CUDA GPU
