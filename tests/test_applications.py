@@ -11,7 +11,7 @@ from fastxtend_compile import *
 from fastxtend_compile.internals import compiled_call
 from fastai.layers import ToTensorBase
 from fastai.vision.all import unet_learner, resnet18
-from conftest import two_conv_cnn, digits_dls, cancer_dls, text_dls, ragged_text_dls, segmentation_dls, assert_fit_close, EAGER_PRECISION
+from conftest import two_conv_cnn, digits_dls, cancer_dls, text_dls, ragged_text_dls, segmentation_dls, assert_fit_close, EAGER_PRECISION, payoff_says
 
 def compile_counts(learn):
     r = learn.compiler.report
@@ -25,7 +25,7 @@ class MLP(nn.Module):
 @pytest.mark.slow
 @pytest.mark.parametrize('model', [two_conv_cnn, MLP], ids=['cnn', 'mlp'])
 def test_vision_no_graph_breaks(model, monkeypatch):
-    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, *a, **k: False) # Whatever this machine's timings say
+    payoff_says(monkeypatch, False)
     dls = digits_dls()
     learn = Learner(dls, model(), metrics=accuracy).compile(backend='aot_eager')
     learn.fit(2)

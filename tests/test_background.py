@@ -10,7 +10,7 @@ from fastxtend_compile.background import BackgroundCompile, WarmRecords, _step
 from fastxtend_compile.worker import Worker
 from fastxtend_compile.state import state_key, Stage
 from fastxtend_compile.payoff import MARGIN, SAVING, WARM_SHARE
-from conftest import two_conv_cnn, digits_dls, EAGER_PRECISION, assert_fit_close, assert_close_to, FIT_TOL
+from conftest import two_conv_cnn, digits_dls, EAGER_PRECISION, assert_fit_close, assert_close_to, FIT_TOL, payoff_says
 
 def _leftovers()->list: return glob.glob(os.path.join(tempfile.gettempdir(), 'fxc-background-*'))
 
@@ -37,7 +37,7 @@ def _fit(compiled, cbs=(), epochs=2, **kw):
 def _first_run(tmp_path, monkeypatch):
     "No warm record, as on a first run; a worker for a fit of any length, and a temporary folder of its own"
     monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 0)
-    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, *a, **k: False) # Validation runs eagerly, whatever the timings
+    payoff_says(monkeypatch, False) # Validation runs eagerly
     (tmp_path/'tmp').mkdir()
     monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path/'tmp')) # Other processes' workers never show up in this test's check
 

@@ -19,7 +19,7 @@ import fastai.callback.schedule
 from fastxtend_compile import *
 from fastxtend_compile.core import repeated_blocks
 from fastxtend_compile.report import plain_reason
-from conftest import two_conv_cnn, digits_dls
+from conftest import two_conv_cnn, digits_dls, payoff_says
 
 def image_folder(path, n=200, size=40, seed=0):
     "Two classes of JPEG files, one brighter than the other"
@@ -41,7 +41,7 @@ def image_learner(path, **kwargs):
 @pytest.mark.slow
 @pytest.mark.parametrize('compile_frozen,compile_valid', [(False, False), (True, False), (True, True)])
 def test_fine_tune_compiles_a_graph_per_phase_and_freeze_state(images, compile_frozen, compile_valid, monkeypatch):
-    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, *a, **k: False) # Whatever this machine's timings say
+    payoff_says(monkeypatch, False)
     learn = image_learner(images, compile_valid=compile_valid)
     n_valid, bs = len(learn.dls.valid_ds), learn.dls.valid.bs
     assert n_valid % bs # The last validation batch is smaller
@@ -64,7 +64,7 @@ def test_fine_tune_compiles_a_graph_per_phase_and_freeze_state(images, compile_f
 @pytest.mark.slow
 def test_regional_compiles_a_vision_learners_residual_blocks_once_per_shape_and_phase(images, monkeypatch):
     "vision_learner's model is `Sequential(body, head)`: `regional=True` compiles ResNet-18's residual blocks, not the two halves"
-    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, *a, **k: False) # Whatever this machine's timings say
+    payoff_says(monkeypatch, False)
     learn = image_learner(images, regional=True)
     blocks = [m for m in learn.model.modules() if isinstance(m, BasicBlock)]
     assert repeated_blocks(learn.model) == blocks
@@ -88,7 +88,7 @@ def test_regional_compiles_a_vision_learners_residual_blocks_once_per_shape_and_
 
 @pytest.mark.slow
 def test_a_one_off_shape_runs_eagerly_and_compiles_when_seen_again(images, monkeypatch):
-    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, *a, **k: False) # Whatever this machine's timings say
+    payoff_says(monkeypatch, False)
     learn = image_learner(images)
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
     graphs = lambda: counters['stats']['unique_graphs']
@@ -182,12 +182,12 @@ def test_lr_find_and_evaluation_outside_a_fit_run_eagerly_until_their_graph_woul
     n = r.eager_lr_find
     assert graphs() == g and n == len(learn.recorder.lrs) > 0 and not r.batch_times and not r.eager_times
     # Where batches wouldn't pay back a graph, whatever a loaded machine's timings: the fit's validation runs eagerly...
-    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, *a, **k: False)
+    payoff_says(monkeypatch, False)
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
     assert graphs() == g + 1 and r.compiled_step is not None # The training graph
     with learn.no_bar(): learn.validate()
     assert graphs() == g + 1 and r.eager_eval == len(learn.dls.valid) # ...`validate` runs eagerly
-    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, *a, **k: True) # Where they would...
+    payoff_says(monkeypatch, True) # Where they would...
     with learn.no_bar(): learn.validate()
     assert graphs() == g + 2 and r.eager_eval == len(learn.dls.valid) # ...the evaluation graph compiles
     with learn.no_bar(), learn.no_logging(): learn.lr_find(num_it=5, show_plot=False) # Its training graph is compiled already
