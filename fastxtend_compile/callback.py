@@ -15,21 +15,19 @@ from torch.nn.parallel import DistributedDataParallel
 from fastcore.basics import store_attr, patch
 from fastcore.meta import delegates
 from fastai.callback.core import Callback
-from fastai.torch_core import get_model, num_distrib, default_device
+from fastai.torch_core import get_model, default_device
 from fastai.learner import Learner
 
 from .core import *
-from .core import compile_settings, cannot_compile_reason, uses_cudagraphs, inner_model, model_device, EagerPolicy
+from .core import compile_settings, cannot_compile_reason, inner_model, model_device, EagerPolicy
 from .report import *
 from .report import CompileRecorder, show_message
 from .internals import (
-    optimize_ddp, set_optimize_ddp, uses_python_reducer, python_reducer_settings, restore_python_reducer_settings,
-    compiled_autograd, compiled_autograd_captures, aot_autograd_cache, set_aot_autograd_cache,
     precompile_supported, caching_precompile, set_caching_precompile, precompile_guard_logger, dropped_guard)
 from .optimizer import compile_optimizer, uncompile_optimizer, zeroed_grads
 from .background import BackgroundCompile
-from .tiers import Tiers, own_grads
-from .gradsync import GradSync
+from .tiers import Tiers
+from .ddp import DDPStrategy
 from .gcfreeze import GCFreeze
 from .pace import Pace
 
@@ -117,97 +115,6 @@ class _Precompile:
         finally:
             if not during_fit: self.restore()
 
-# %% ../nbs/02_callback.ipynb #5d1f0c3a
-class _DDPStrategy:
-    "Under DDP, how compiled graphs meet DDP's all-reduce for a fit: whole graphs, or in compiled autograd's backward"
-    def __init__(self,
-        compiled_autograd:bool, # DDP's Python reducer: its all-reduces traced into each backward graph by compiled autograd
-        settings:dict, # The `torch.compile` settings the model compiles with (`compile_settings`): the backwards compile alike
-    ):
-        if not isinstance(compiled_autograd, bool): raise TypeError(f"ddp_compiled_autograd must be True or False, not {compiled_autograd!r}")
-        if compiled_autograd and uses_cudagraphs(settings):
-            raise ValueError(f"ddp_compiled_autograd=True does not run with CUDA graphs (mode={settings['mode']!r}): choose one")
-        self.compiled_autograd = compiled_autograd
-        self.compiler = partial(torch.compile, **{k: settings[k] for k in ('backend', 'mode', 'options')}) # Of the backward graphs
-        self.old, self.old_reducer, self.old_cache = None, None, None # What the fit changed, to restore
-        self.in_backward = False # This fit's backwards run through compiled autograd, with DDP's all-reduces in their graphs
-        self.captures = 0 # Backward graphs compiled autograd had captured in this process when the fit began
-        self.backward = None # The compiled autograd context of the backward running
-        self.sync = GradSync() # With whole graphs, the gradients averaged in one all-reduce once compiled code ran
-        self.reducer = None # Why DDP's reducer averages the compiled batches' gradients instead (`why_ddp_syncs`)
-
-    def before_wrap(self):
-        "Before DDP wraps the model: with `compiled_autograd`, choose DDP's Python reducer (DDP reads the setting as it wraps)"
-        if not self.compiled_autograd or num_distrib() < 2 or optimize_ddp() == 'python_reducer': return
-        self.old, self.old_reducer = optimize_ddp(), python_reducer_settings()
-        set_optimize_ddp('python_reducer')
-
-    def set(self, model:torch.nn.Module)->bool:
-        "Choose the strategy if DDP runs `model`: whether it is this library's (not without DDP, nor a user's Python reducer)"
-        if not isinstance(model, DistributedDataParallel): return False
-        if uses_python_reducer(model): # Graphs stay whole: the all-reduces are in compiled autograd's backward graphs
-            if not self.compiled_autograd: return False # The user's own compiled autograd set-up
-            self.in_backward, self.captures = True, compiled_autograd_captures()
-            # A backward loaded from AOTAutograd's cache fails compiled autograd's trace ("Expected a value of type 'Tensor'
-            # ... found type 'Proxy'", torch 2.11): compile the forward afresh in this fit (inductor's cache still serves)
-            self.old_cache = aot_autograd_cache()
-            set_aot_autograd_cache(False)
-            return True
-        if self.compiled_autograd:
-            warnings.warn("ddp_compiled_autograd=True, but DDP wrapped the model before the fit, with its bucketed reducer: "
-                          "the graphs stay whole and the gradients are all-reduced after the backward")
-        if self.old is None: self.old = optimize_ddp()
-        set_optimize_ddp('no_optimization') # Whole graphs: splitting them at DDP's buckets was slower in every launch measured
-        return True
-
-    def start_sync(self,
-        model:nn.Module, # The fit's model: DDP's, where this strategy is this library's
-        aside=None, # The fit's background compile, if it compiles in the background: the ranks switch at its agreements
-    ):
-        "With whole graphs, `GradSync` averages the gradients once compiled code runs; `reducer` says why DDP's reducer does instead"
-        if self.in_backward or not isinstance(model, DistributedDataParallel) or uses_python_reducer(model): return
-        self.reducer = self.sync.start(model, None if aside is None else aside.ranks)
-
-    def before_batch(self,
-        compiled:bool, # This training batch runs compiled code
-    ):
-        "A training batch starts: once the ranks ran compiled code, `GradSync` averages the gradients, all ready at once"
-        self.sync.before_batch(compiled)
-
-    def params_changed(self):
-        "The parameters that train changed during the fit"
-        self.sync.params_changed()
-
-    def averaged(self)->dict:
-        "How the fit's compiled batches' gradients were averaged, for the report (`CompileRecorder.stop`)"
-        graphs = compiled_autograd_captures() - self.captures if self.in_backward else None # In compiled autograd's backward graphs
-        return dict(ddp_backward_graphs=graphs, ddp_reducer=self.reducer, ddp_joined=self.sync.left)
-
-    def enter_backward(self,
-        loss:torch.Tensor, # What the backward starts from: `learn.loss_grad`
-    ):
-        "Run this backward through compiled autograd, where it runs the fit's backwards; or average its gradients as it ends"
-        self.sync.before_backward(loss)
-        if not self.in_backward: return
-        self.backward = compiled_autograd(self.compiler)
-        self.backward.__enter__()
-
-    def exit_backward(self):
-        "The backward is done: leave compiled autograd"
-        if self.backward is None: return
-        backward, self.backward = self.backward, None
-        backward.__exit__(None, None, None)
-
-    def restore(self):
-        "Put back what the fit changed"
-        self.exit_backward()
-        self.in_backward, self.reducer = False, None
-        self.sync.stop()
-        if self.old is not None: set_optimize_ddp(self.old)
-        if self.old_reducer is not None: restore_python_reducer_settings(self.old_reducer)
-        if self.old_cache is not None: set_aot_autograd_cache(self.old_cache)
-        self.old, self.old_reducer, self.old_cache = None, None, None
-
 # %% ../nbs/02_callback.ipynb #d5da3f59
 class CompilerCallback(Callback):
     "A callback for using `torch.compile` with fastai"
@@ -231,7 +138,7 @@ class CompilerCallback(Callback):
         self.settings = compile_settings(fullgraph, dynamic, backend, mode, options)
         self.precision = _MatMulPrecision(MatMulPrecision(matmul_precision).value)
         store_attr('recompile,verbose,regional,compile_opt')
-        self.ddp = _DDPStrategy(ddp_compiled_autograd, self.settings) # Under DDP, how graphs meet DDP's all-reduce
+        self.ddp = DDPStrategy(ddp_compiled_autograd, self.settings) # Under DDP, how graphs meet DDP's all-reduce
         self.precompile = _Precompile(precompile, self.settings['backend'], ddp_compiled_autograd) # Precompiled code for the cache
         self.aside = BackgroundCompile(self.settings, regional, background=background) # Compiles each new model state in a worker process
         self.policy = EagerPolicy(compile_valid) # Decides which calls of the model run eagerly, each batch
@@ -242,10 +149,8 @@ class CompilerCallback(Callback):
         self.compile_recorder = CompileRecorder(self.report)
         self.compiled_model = None # Weak reference to the model this callback compiled
         self.freeze_changed = True # Parameters were frozen or unfrozen since the last compile (`recompile=True`)
-        self.frozen_eager = False # Fits of the frozen model run eagerly: `fine_tune(compile_frozen=False)`, in `eager_while_frozen`
         self.fits = 0 # Fits running: fastai runs `before_fit` again for a `validate` or `get_preds` inside a fit
         self.active = False # Compiling during this fit; `restore` undoes the fit's changes while set
-        self.cudagraph_grads = False # Gradients must be memory of their own, not the output of a CUDA graph
 
     def __getstate__(self): return {**self.__dict__, 'compiled_model': None} # A copy compiles its model afresh
 
@@ -267,7 +172,7 @@ class CompilerCallback(Callback):
 def before_fit(self:CompilerCallback):
     self.fits += 1
     if self.fits > 1 or self._stands_aside(): return # A `validate` or `get_preds` inside the fit compiles as the fit does
-    if self._frozen_runs_eagerly():
+    if self.policy.frozen_fit(self.learn):
         self._compile_optimizer(fused_only=True) # Nothing compiles in this fit, yet fastai's `Adam` runs as one fused kernel
         return self.compile_recorder.note_eager_frozen()
     device = model_device(self.learn.model)
@@ -276,8 +181,7 @@ def before_fit(self:CompilerCallback):
     self.active = True # From here on `restore` undoes what changes, after the fit or when it raises
     self._start_parts(device)
     self._compile_optimizer()
-    self.cudagraph_grads = device.type == 'cuda' and uses_cudagraphs(self.settings)
-    self._own_grads()
+    self.tiers.own_gradients(self.learn.opt) # With the model's own CUDA graphs
     if self.recompile and self.freeze_changed: self._compile()
     self.freeze_changed = False
 
@@ -315,28 +219,12 @@ def _stands_aside(self:CompilerCallback)->bool:
     return compiler_of(self.learn) is not self
 
 @patch
-def _frozen_runs_eagerly(self:CompilerCallback)->bool:
-    "`fine_tune(compile_frozen=False)`: the frozen epochs run eagerly"
-    opt = self.learn.opt
-    return self.frozen_eager and opt is not None and opt.frozen_idx > 0 and not is_compiled(inner_model(self.learn.model))
-
-@patch
-@contextmanager
-def eager_while_frozen(self:CompilerCallback,
-    on:bool=True, # Run fits of the frozen model eagerly, unless it is compiled already
-):
-    "A context in which fits of the frozen model run eagerly: `fine_tune(compile_frozen=False)`'s frozen epochs"
-    old, self.frozen_eager = self.frozen_eager, on
-    try: yield
-    finally: self.frozen_eager = old
-
-@patch
 def before_ddp_wraps(self:CompilerCallback):
     "Called by `Learner.fit` before any callback: what DDP reads as it wraps the model for the fit"
     if not self.ddp.compiled_autograd: return
     # Not for a fit that will run eagerly: DDP's Python reducer would all-reduce each gradient of an eager backward alone
     device = getattr(self.learn.dls, 'device', default_device()) # Where fastai's `TrainEvalCallback` puts the model
-    if self._frozen_runs_eagerly() or cannot_compile_reason(self.settings['backend'], device): return
+    if self.policy.frozen_fit(self.learn) or cannot_compile_reason(self.settings['backend'], device): return
     self.ddp.before_wrap()
 
 @patch
@@ -344,7 +232,7 @@ def after_freeze(self:CompilerCallback):
     "Called by `Learner.freeze_to` when parameters' `requires_grad` changed"
     self.freeze_changed = True
     self.compile_recorder.note_freeze_change()
-    if self.active: self._own_grads() # Parameters unfrozen during the fit
+    if self.active: self.tiers.own_gradients(self.learn.opt) # Parameters unfrozen during the fit
     self.ddp.params_changed()
 
 # %% ../nbs/02_callback.ipynb #60be4119
@@ -373,14 +261,9 @@ def before_train(self:CompilerCallback):
 def after_train(self:CompilerCallback): self.pace.after_train(self.learn)
 
 @patch
-def _own_grads(self:CompilerCallback):
-    "With CUDA graphs, give each parameter that trains a zero gradient of its own if it has none"
-    if self.cudagraph_grads: own_grads(self.learn.opt)
-
-@patch
 def _writes_grads(self:CompilerCallback)->bool:
     "Whether this batch's backward may write the gradients `zero_grad` zeroed: not where CUDA graphs make them (their next replay overwrites them), nor through compiled autograd (it traces the backward's hooks)"
-    return not (self.cudagraph_grads or self.tiers.graphs_now() or self.ddp.in_backward)
+    return not (self.tiers.graphs_now() or self.ddp.in_backward)
 
 @patch
 def before_backward(self:CompilerCallback):

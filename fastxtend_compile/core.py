@@ -260,6 +260,7 @@ class EagerPolicy:
         self.graph_step = None # In a batch, whether its CUDA graphs' step began; `None` outside one: each call begins one
         self.tier = None # (name, settings over the model's) of the faster tier this training batch's calls run (`Tiers`); `None`: the model's own
         self.tier_error = None # (name, error) of a tier that raised in the fit's path, until `Tiers` drops it
+        self.while_frozen = False # Fits of the frozen model run eagerly, unless it is compiled already (`eager_while_frozen`)
 
     def __getstate__(self): return {**self.__dict__, 'calls': (), 'aside': None, 'tiers': None} # A copy decides for the calls it compiles
 
@@ -280,6 +281,20 @@ class EagerPolicy:
         self.calls = () if model is None else tuple(weakref.ref(c) for m in model.modules() if isinstance(c := compiled_call(m), CompiledCall))
 
     def compiled_calls(self)->list: return [c for r in self.calls if (c := r()) is not None]
+
+    def frozen_fit(self, learn)->bool:
+        "Whether the fit starting runs eagerly as a fit of the frozen model: `fine_tune(compile_frozen=False)`'s frozen epochs"
+        opt = learn.opt
+        return self.while_frozen and opt is not None and opt.frozen_idx > 0 and not is_compiled(inner_model(learn.model))
+
+    @contextmanager
+    def eager_while_frozen(self,
+        on:bool=True, # Run fits of the frozen model eagerly, unless it is compiled already
+    ):
+        "A context in which fits of the frozen model run eagerly"
+        old, self.while_frozen = self.while_frozen, on
+        try: yield
+        finally: self.while_frozen = old
 
 # %% ../nbs/00_core.ipynb #15fcd710
 @patch

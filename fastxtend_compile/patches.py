@@ -159,5 +159,5 @@ def fine_tune(self:Learner,
     "Fine tune with `Learner.freeze` for `freeze_epochs`, then with `Learner.unfreeze` for `epochs`, using discriminative LR."
     with ExitStack() as stack: # The Learner's `CompilerCallback`s, and those passed to its fits
         for cb in [cb for cb in self.cbs + L(kwargs.get('cbs')) if isinstance(cb, CompilerCallback)]:
-            stack.enter_context(cb.eager_while_frozen(not compile_frozen))
+            stack.enter_context(cb.policy.eager_while_frozen(not compile_frozen))
         _fastai_fine_tune(self, epochs, base_lr, freeze_epochs, lr_mult, pct_start, div, **kwargs)

@@ -125,10 +125,6 @@ class ModelState:
         self.held = False # Its probe's verdict waits: the faster tier's choice measures the eager step's GPU work first
         self.fallback = None # The default's `Job` where a faster tier compiles first (for the A/B): held until the tier runs
 
-    def to(self, stage:Stage):
-        "Move on to `stage`"
-        self.stage = stage
-
     def default_first(self):
         "The default's code runs first, its faster tier tried once it runs (`Tiers`): none compiled first"
         self.first, self.path = None, False

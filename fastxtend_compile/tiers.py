@@ -138,7 +138,6 @@ class TierRun:
         self.job, self.res = None, None # Its `Job` in the worker, and the worker's `JobResult`
         self.profile = None # The `_Profile` of its step, eager or compiled
         self.warm = 0. # Seconds its compile took in the fit's path
-        self.grads = False # Its parameters' gradients are memory of their own, for CUDA graphs, in this fit
         self.kept = kept is not None # The A/B kept the tier: it runs this state's training batches
         self.first = False # The tier was compiled first, before the default's code
         self.picked = False # The eager step's GPU work was measured, and a tier to compile first picked or not (`FirstTier`)
@@ -164,7 +163,7 @@ class TierRun:
         if not (self.first and stage in (Stage.WARMUP, Stage.CHECK, Stage.WAIT)): return None, Stage.READY
         # The default's code, which the A/B needs, is compiled in the worker as the fit starts
         self._restart()
-        self.grads, self.batches, self.since = False, 0, None
+        self.batches, self.since = 0, None
         return self, Stage.WAIT
 
 # %% ../nbs/09_tiers.ipynb #5e0c4a7d
@@ -211,6 +210,8 @@ class Tiers:
         self.together = False # The fit's ranks decide together (DDP): what a rank measures waits for their agreement
         self.raised = None # (name, error) of a tier that raised in this rank's path, for the other ranks to drop at the next agreement
         self.dropped = set() # The tiers dropped in this fit, having raised
+        self.mode_graphs = False # The model's own mode runs CUDA graphs on the fit's device, every compiled batch
+        self.owned = False # This fit gave each parameter that trains a gradient of its own, as CUDA graphs need (`own_gradients`)
 
     def __getstate__(self): return {**self.__dict__, 'aside': None, 'timer': _StepTimer(), 'measuring': None, 'raised': None, 'dropped': set()}
 
@@ -219,7 +220,8 @@ class Tiers:
         device:torch.device, # Where the fit trains
     ):
         "A fit starts: it tries tiers where it compiles in the background on a device that has them, with the default mode"
-        self.aside, self.device, self.timer.device, self.together = None, device, device, False
+        self.aside, self.device, self.timer.device, self.together, self.owned = None, device, device, False, False
+        self.mode_graphs = device.type == 'cuda' and uses_cudagraphs(self.settings)
         if aside is None or device.type not in self.default_on: return
         if (why := why_no_tiers(self.settings)) is not None:
             if why: self.notes.append(why)
@@ -276,8 +278,19 @@ def graphs(self:Tiers, name:str)->bool:
 
 @patch
 def graphs_now(self:Tiers)->bool:
-    "Whether this batch runs a tier with CUDA graphs"
-    return self.policy.tier is not None and self.graphs(self.policy.tier[0])
+    "Whether this batch's compiled calls may run CUDA graphs: the model's own mode's, or a faster tier's"
+    return self.mode_graphs or (self.policy.tier is not None and self.graphs(self.policy.tier[0]))
+
+@patch
+def own_gradients(self:Tiers,
+    opt, # The fit's fastai `Optimizer`
+    tier:str|None=None, # A tier this batch runs: its first CUDA graphs in the fit give the gradients; `None`: the fit starts, or parameters unfroze
+):
+    "Where CUDA graphs run in this fit, each parameter that trains gets a gradient of its own (`own_grads`): the one place that gives them"
+    if tier is not None and (self.owned or not self.graphs(tier)): return
+    if tier is None and not (self.mode_graphs or self.owned): return
+    own_grads(opt)
+    self.owned = True # fastai's `zero_grad` zeroes gradients in place: they stay the parameters' own
 
 @patch
 def record(self:Tiers, model:nn.Module, st, name:str)->str:
@@ -288,8 +301,7 @@ def record(self:Tiers, model:nn.Module, st, name:str)->str:
 def run_tier(self:Tiers, learn, run:TierRun, counted:bool=False):
     "This batch runs the tier's compiled code; `counted` among the batches it runs once kept"
     self.policy.run_tier(run.tier, TIERS[run.tier])
-    if not run.grads and self.graphs(run.tier): own_grads(learn.opt)
-    run.grads = True # fastai's `zero_grad` zeroes gradients in place: they stay the parameters' own
+    self.own_gradients(learn.opt, run.tier)
     if counted: run.batches, run.since = run.batches + 1, run.since or position(learn)
 
 # %% ../nbs/09_tiers.ipynb #4f0e5566

@@ -173,7 +173,7 @@ def test_explain_runs_on_rank0_and_cancels_every_rank(runs):
     # Both ranks then met at a barrier and wrote their results, so none hung
 
 def _ddp(python_reducer:bool):
-    "A DDP model as `_DDPStrategy` sees it: its type, and the reducer DDP chose as it wrapped the model"
+    "A DDP model as `DDPStrategy` sees it: its type, and the reducer DDP chose as it wrapped the model"
     from torch.nn.parallel import DistributedDataParallel
     ddp = object.__new__(DistributedDataParallel)
     object.__setattr__(ddp, '_use_python_reducer', python_reducer)
@@ -181,14 +181,14 @@ def _ddp(python_reducer:bool):
     return ddp
 
 def test_ddp_strategy_leaves_a_users_python_reducer_alone():
-    from fastxtend_compile.callback import _DDPStrategy
+    from fastxtend_compile.ddp import DDPStrategy
     from fastxtend_compile.core import compile_settings
     from fastxtend_compile.internals import optimize_ddp, set_optimize_ddp
     old = optimize_ddp()
     try:
         for reducer, mode, ours in ((True, 'python_reducer', False), (False, 'ddp_optimizer', True), (False, True, True)):
             set_optimize_ddp(mode)
-            strategy = _DDPStrategy(False, compile_settings(backend='aot_eager'))
+            strategy = DDPStrategy(False, compile_settings(backend='aot_eager'))
             ddp = _ddp(reducer)
             assert strategy.set(ddp) is ours
             assert optimize_ddp() == ('no_optimization' if ours else mode) # Whole graphs, unless the user's reducer is left alone
@@ -198,15 +198,15 @@ def test_ddp_strategy_leaves_a_users_python_reducer_alone():
             strategy.restore()
             assert strategy.sync.ddp is None
             assert optimize_ddp() == mode
-        assert _DDPStrategy(False, compile_settings()).set(torch.nn.Linear(1, 1)) is False # No DDP: nothing set
+        assert DDPStrategy(False, compile_settings()).set(torch.nn.Linear(1, 1)) is False # No DDP: nothing set
     finally: set_optimize_ddp(old)
 
 def test_ddp_compiled_autograd_chooses_the_python_reducer_for_the_fit_only(monkeypatch):
-    from fastxtend_compile.callback import _DDPStrategy
+    from fastxtend_compile.ddp import DDPStrategy
     from fastxtend_compile.core import compile_settings
     from fastxtend_compile.internals import optimize_ddp, python_reducer_settings, aot_autograd_cache
     before = (optimize_ddp(), python_reducer_settings(), aot_autograd_cache())
-    strategy = _DDPStrategy(True, compile_settings(backend='aot_eager'))
+    strategy = DDPStrategy(True, compile_settings(backend='aot_eager'))
     strategy.before_wrap() # One process: no DDP to wrap the model
     assert optimize_ddp() == before[0]
     monkeypatch.setenv('WORLD_SIZE', '2')

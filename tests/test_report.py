@@ -230,7 +230,7 @@ def test_explain_and_debug_compile_see_a_regional_model_eager_and_leave_it_compi
     assert [compiled_call(b) for b in blocks] == calls
 
 def test_ddp_strategy_lines():
-    def recorded(**ddp): # As the fit's end gives the recorder the DDP strategy's facts (`_DDPStrategy.averaged`)
+    def recorded(**ddp): # As the fit's end gives the recorder the DDP strategy's facts (`DDPStrategy.averaged`)
         rec = CompileRecorder(CompileReport())
         rec.start(ddp=True); rec.stop(**ddp)
         return rec.report
