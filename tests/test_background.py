@@ -510,7 +510,7 @@ def test_a_new_model_where_a_freed_one_lived_is_a_new_state():
     x = torch.randn(1, 2)
     aside, a = BackgroundCompile({'backend': 'eager'}), nn.Linear(2, 2)
     old, key = id(a), state_key(a, (x,), True)
-    aside.state(key, a).to(Stage.READY)
+    aside.state(key, a).stage = Stage.READY
     assert aside.ready(key)
     del a; gc.collect()
     b = next((m for m in (nn.Linear(2, 2) for _ in range(10_000)) if id(m) == old), None)
