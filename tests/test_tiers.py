@@ -341,3 +341,33 @@ def test_under_ddp_a_tier_compiled_first_runs_on_every_rank_only_where_its_cuda_
         "no tier compiled first: CUDA graphs (reduce-overhead), about 2.0 GB a step, don't fit with room to spare in the 2.5 GB "
         "free on the fullest rank's GPU; the default's code goes first")
     assert st.first is None and not st.path and not st.tier.first and st.stage is Stage.PROBING and t.first.offer(st) is None
+
+def test_gradients_of_their_own_are_given_where_cuda_graphs_run_and_again_after_an_unfreeze():
+    "One part gives the parameters gradients of their own, for CUDA graphs: never off them, once a fit, again where parameters unfroze"
+    from fastxtend_compile.core import compile_settings
+    from fastai.test_utils import synth_learner
+    learn = synth_learner()
+    learn.create_opt()
+    ps = list(learn.model.parameters())
+    ps[1].requires_grad_(False)
+    cuda = torch.device('cuda') # Only the device's type is read: nothing runs on it
+    t = Tiers(compile_settings())
+    t.start(None, cuda)
+    t.own_gradients(learn.opt) # The model's own mode records no CUDA graphs
+    t.own_gradients(learn.opt, 'max-autotune-no-cudagraphs')
+    assert all(p.grad is None for p in ps) and not t.graphs_now()
+    t.own_gradients(learn.opt, 'reduce-overhead') # A tier's first CUDA graphs
+    assert [p.grad is not None for p in ps] == [True, False] and not ps[0].grad.any()
+    ps[1].requires_grad_(True) # Unfrozen during the fit
+    t.own_gradients(learn.opt)
+    assert ps[1].grad is not None and not ps[1].grad.any()
+    for p in ps: p.grad = None
+    t.start(None, cuda) # The next fit: given afresh at its first CUDA graphs
+    t.own_gradients(learn.opt)
+    assert all(p.grad is None for p in ps)
+    graphs = Tiers(compile_settings(mode='reduce-overhead'))
+    graphs.start(None, cuda) # The model's own mode records CUDA graphs: from the fit's start, every batch
+    graphs.own_gradients(learn.opt)
+    assert all(p.grad is not None for p in ps) and graphs.graphs_now()
+    graphs.start(None, torch.device('cpu')) # No CUDA graphs off a GPU
+    assert not graphs.graphs_now()
