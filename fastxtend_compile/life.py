@@ -109,8 +109,10 @@ def _first(f, n):
     if not f.probed or f.picked: return Stage.PROBING, () # Not probed: compiled at once
     # The probe times its batches alone, from a synced device: the GPU held for a measure would count in them
     if f.seen < f.probe_batches: return Stage.PROBING, (('hold', f.measures),)
-    if f.profiled is None: return Stage.PROBING, (('measure', f.probe_s, f.first_batches),)
     acts = (('hold', False), ('picked',)) # The default goes first, unless the measure picks a tier
+    # CUDA graphs save at most the whole eager step: where the fit's rest of such steps can't pay back trying them, no measure would pick them
+    if not pays_back(f.left(0., 1.), f.probe_s, f.try_cost_s): return Stage.PROBING, acts
+    if f.profiled is None: return Stage.PROBING, (('measure', f.probe_s, f.first_batches),)
     return Stage.PROBING, acts + (_pick_first(f, *f.profiled) if f.profiled else ())
 
 def _pick_first(f, gpu_s:float|None, step_bytes:int):

@@ -139,6 +139,7 @@ TIER_MOVES = [ # (what, stage, event, facts, the stage it moves to, its actions'
     ('not probed: compiled at once', P, 'tier', dict(probed=False), P, []),
     ('its probe under way: the verdict held', P, 'tier', dict(seen=3), P, ['hold']),
     ("the eager step's GPU work measured", P, 'tier', {}, P, ['measure']),
+    ('too few batches left for any tier first: not measured', P, 'tier', dict(left=lambda wait_s, step_s: 99), P, ['hold', 'picked']),
     ('unmeasurable: the default first', P, 'tier', dict(profiled=False), P, ['hold', 'picked']),
     ('launch-bound: CUDA graphs first', P, 'tier', dict(profiled=(0.006, 2**30), **EAGER_20MS), P, ['hold', 'picked', 'first']),
     ('GPU-bound: the default first, and why', P, 'tier', dict(profiled=(0.02, 0), **EAGER_20MS), P, ['hold', 'picked', 'note']),
@@ -217,12 +218,13 @@ def test_an_eager_step_measured_says_which_tier_goes_first_and_why():
     first = next(a for a in acts(profiled=(0.006, 2**30)) if a[0] == 'first')
     assert first[1:3] == ('reduce-overhead', True) and first[4] == 2**30 and first[3]['busy'] == pytest.approx(0.3)
     assert next(a for a in acts(profiled=(0.006, 2**30), cached=lambda name: True) if a[0] == 'first')[2] is False # Cached: warm, from the worker
-    few = dict(left=lambda wait_s, step_s: 90, try_cost_s=6.)
+    few = dict(left=lambda wait_s, step_s: 400, try_cost_s=6.) # 8s of eager steps: CUDA graphs could pay back 6s, had the GPU idled
     assert [note(acts(profiled=(0.02, 0), **few)).text, note(acts(profiled=(0.01, 0), **few)).text] == [
         "no tier compiled first: the GPU ran work 100% of the eager 20.0 ms step, so CUDA graphs would save too little of it; the "
         "default's code goes first",
-        "no tier compiled first: the GPU ran work 50% of the eager 20.0 ms step, so CUDA graphs would save about 12.0 ms of it, 1.1s "
-        "over the 90 training batches left, under the 6s trying them costs the fit; the default's code goes first"]
+        "no tier compiled first: the GPU ran work 50% of the eager 20.0 ms step, so CUDA graphs would save about 12.0 ms of it, 4.8s "
+        "over the 400 training batches left, under the 6s trying them costs the fit; the default's code goes first"]
+    assert [a[0] for a in acts(left=lambda wait_s, step_s: 290, try_cost_s=6.)] == ['hold', 'picked'] # 5.8s: not measured
 
 def test_a_tier_picked_first_is_a_fact_of_the_verdict():
     "The probe's verdict knows the GPU's share of the eager step where CUDA graphs were picked to compile first, and only there"
