@@ -110,8 +110,8 @@ def _first(f, n):
     # The probe times its batches alone, from a synced device: the GPU held for a measure would count in them
     if f.seen < f.probe_batches: return Stage.PROBING, (('hold', f.measures),)
     acts = (('hold', False), ('picked',)) # The default goes first, unless the measure picks a tier
-    # CUDA graphs save at most the whole eager step: where the fit's rest of such steps can't pay back trying them, no measure would pick them
-    if not pays_back(f.left(0., 1.), f.probe_s, f.try_cost_s): return Stage.PROBING, acts
+    # Not measured where the policy would pick no tier even for a GPU idle through the whole step: no measure could change that
+    if f.first_for(0., f.probe_s, f.left(0., 1.), f.try_cost_s) is None: return Stage.PROBING, acts
     if f.profiled is None: return Stage.PROBING, (('measure', f.probe_s, f.first_batches),)
     return Stage.PROBING, acts + (_pick_first(f, *f.profiled) if f.profiled else ())
 
