@@ -21,7 +21,7 @@ EAGER, COMPILED = ('run', 'eager'), ('run', 'compiled') # A batch move's last ac
 
 def advance(
     stage:Stage, # Where the model state is
-    event:str, # What happened: 'batch', 'tier' (a training batch of its faster tiers), 'sent', 'unsent', 'done' or 'agreed'
+    event:str, # What happened: 'batch', 'tier' (a training batch of its faster tiers), 'sent', 'unsent', 'done', 'agreed' or 'offered'
     f, # What is known, each fact read where the move needs it (`BackgroundCompile.facts`, `Tiers.facts`)
 )->tuple:
     "(stage, actions): where the state moves on `event`, and what the fit's parts do about it"
@@ -131,6 +131,13 @@ def _pick_first(f, gpu_s:float|None, step_bytes:int):
     # Cold, in the fit's path where the fit's rest pays back standing still for it, and a worker would cost more
     path = f.first_in_path(busy, f.compile_guess_s, f.warm_s) and pays_back(left, saving, f.compile_guess_s) and not f.cached(name)
     return (('first', name, path, why, step_bytes if graphs else None),)
+
+def _offered(stage, f):
+    "Under DDP, on every rank: rank 0's tier compiled first (`f.offer`) goes first where its CUDA graphs fit the fullest rank's GPU (`f.frees`); else the default's code, on every rank"
+    name, step_bytes = f.offer['tier'], f.offer['step_bytes']
+    if step_bytes is not None and f.frees and not cudagraphs_fit(min(f.frees), step_bytes): # Its tiers tried once the default's code runs
+        return stage, (('default_first',), ('fresh',), ('note', Note('no_room_first', name=name, step_bytes=step_bytes, free=min(f.frees))))
+    return stage, () if f.offering else (('first', name, f.offer['path'], f.offer['why'], step_bytes),)
 
 def _ready(f, n):
     "Its code runs: a tier compiled first takes over, compiled warm at this batch; else the default goes first"
@@ -267,5 +274,5 @@ def _settled(f, n): return Stage.SETTLED, (('run_tier', True),) if f.kept else (
 
 _TIER = {Stage.PROBING: _first, Stage.READY: _ready, Stage.SETTLE: _settling, Stage.TIME: _time, Stage.PROFILE: _profile, Stage.TIER_COMPILING: _tier_compiling,
          Stage.WARMUP: _warmup, Stage.CHECK: _check, Stage.WAIT: _wait, Stage.AB: _ab, Stage.AGREE: _agree, Stage.SETTLED: _settled}
-_MOVES = dict(batch=_batch, tier=_tier, sent=_sent, unsent=_unsent, done=_done, agreed=_agreed)
+_MOVES = dict(batch=_batch, tier=_tier, sent=_sent, unsent=_unsent, done=_done, agreed=_agreed, offered=_offered)
 

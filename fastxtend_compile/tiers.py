@@ -331,9 +331,10 @@ def agreed(self:Tiers, st, views:list, learn, model:nn.Module, decision:str|None
         if raised[0] not in self.dropped: self._drop_raised(raised[0], model, Note('tier_raised', name=raised[0], error=raised[1], elsewhere=True))
     if st.tier is not None and st.tier.vote is not None and (decided := decide_tier(views)) is not None:
         st.tier.vote, st.tier.agreed = None, decided
-    # Rank 0 compiles a tier first: every rank does, where its memory fits every rank's GPU; the state starts at the next agreement
+    # Rank 0 compiles a tier first: every rank does, where its memory fits every rank's GPU (`advance`); the state starts at the next agreement
     if (offer := views[0]['first']) is not None and any(v['first'] is None for v in views) and st.stage in (Stage.PROBING, Stage.JUDGED):
-        if why := self.first.adopt(st, model, offer, [v['free'] for v in views if v['free'] is not None]): self.notes.append(why)
+        if st.tier is None: st.tier = TierRun()
+        self.act(st, 'offered', learn, model, offer=offer, frees=[v['free'] for v in views if v['free'] is not None])
 
 # %% ../nbs/09_tiers.ipynb #03c8df60
 def _calls(model:nn.Module)->list:
@@ -405,25 +406,11 @@ class FirstTier:
 # %% ../nbs/09_tiers.ipynb #0b9246a4
 @patch
 def offer(self:FirstTier, st)->dict|None:
-    "The tier this rank compiles first for `st`, for the other ranks to adopt (`adopt`); `None` where it compiles none"
+    "The tier this rank compiles first for `st`, for the other ranks to adopt (an 'offered' move of `advance`); `None` where it compiles none"
     run = st.tier
     if run is None or not run.first or st.first is None: return None
     if st.stage not in (Stage.PROBING, Stage.JUDGED): return None # Settled: compiled, or too short to pay
     return dict(tier=run.tier, path=st.path, why=run.why, step_bytes=run.step_bytes)
-
-@patch
-def adopt(self:FirstTier,
-    st, # The state rank 0 judged, on this rank
-    model:nn.Module, # The model being compiled (not DDP's wrapper)
-    offer:dict, # Rank 0's `offer`
-    free:list, # Bytes each rank's GPU has free, where measured
-)->Note|None:
-    "Under DDP, on every rank: compile rank 0's tier first, where its CUDA graphs fit every rank's GPU; else why not (rank 0 drops it)"
-    if offer['step_bytes'] is not None and free and not cudagraphs_fit(min(free), offer['step_bytes']):
-        st.default_first()
-        st.tier = TierRun() # Tried once the default's code runs
-        return Note('no_room_first', name=offer['tier'], step_bytes=offer['step_bytes'], free=min(free))
-    if self.offer(st) is None: self._set(st.tier or TierRun(), st, model, offer['tier'], offer['path'], offer['why'], offer['step_bytes'])
 
 # %% ../nbs/09_tiers.ipynb #27bdc29b
 class _TierFacts:
@@ -461,6 +448,7 @@ class _TierFacts:
     measures = property(lambda self: _BusyMeter.measures(self.t.device)) # The device's work can be measured
     first_batches, first_for, first_in_path = (property(lambda self, k=k: getattr(self.t.first, k)) for k in ('batches', 'choose', 'in_path'))
     compile_guess_s = property(lambda self: self.t.compile_guess_s)
+    offering = property(lambda self: self.t.first.offer(self.st) is not None) # This rank offers the ranks its tier compiled first
 
     def cached(self, name:str)->bool: return self.t.aside.warm_starts.get(self.t.record(self.model, self.st, name)) is not None
     def left(self, wait_s:float, step_s:float)->int: return batches_left(self.learn, wait_s, step_s)
@@ -522,6 +510,7 @@ def _set(run, **values): run.__dict__.update(values)
 # What each of a tier move's actions does (`advance`): 'send' is `act`'s own
 _TIER_ACTS = dict(
     fresh=lambda t, st, learn, model: setattr(st, 'tier', TierRun()),
+    default_first=lambda t, st, learn, model: st.default_first(),
     tick=lambda t, st, learn, model: _set(st.tier, n=st.tier.n + 1),
     time=lambda t, st, learn, model, times: t.timer.start(getattr(st.tier, times)),
     measure=lambda t, st, learn, model, step_s, batches=None: t.measure(st.tier, learn, step_s, batches),

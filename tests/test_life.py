@@ -134,6 +134,8 @@ FAILED_ELSEWHERE = ('compile', dict(ok=False, error='out of memory', oom=True, t
 KEEP = ['kept', 'run_tier', 'record_kept', 'took_over']
 
 EAGER_20MS = dict(probe_s=0.02) # The probe timed a 20 ms eager step
+GB = 2**30
+OFFER = dict(tier='reduce-overhead', path=True, why=dict(busy=0.3), step_bytes=2*GB) # Rank 0's tier compiled first
 
 TIER_MOVES = [ # (what, stage, event, facts, the stage it moves to, its actions' kinds)
     ('not probed: compiled at once', P, 'tier', dict(probed=False), P, []),
@@ -190,6 +192,12 @@ TIER_MOVES = [ # (what, stage, event, facts, the stage it moves to, its actions'
     ('the tier loses its A/B', AB, 'tier', dict(n=16, tier_times=[0.098]*8, ab_base=[0.1]*8), SD, ['drop', 'note']),
     ("rank 0's A/B, under DDP", AB, 'tier', dict(n=16, tier_times=[0.05]*8, ab_base=[0.1]*8, **TOGETHER), AG, ['vote']),
     ('its tier kept', SD, 'tier', dict(kept=True), SD, ['run_tier']),
+    # Under DDP, rank 0's tier compiled first, offered at an agreement: its CUDA graphs take 2 GB a step
+    ('rank 0 offers a tier first: adopted', P, 'offered', dict(offer=OFFER, frees=[16*GB, 4*GB], offering=False), P, ['first']),
+    ('adopted, its memory unmeasured', J, 'offered', dict(offer={**OFFER, 'step_bytes': None}, frees=[], offering=False), J, ['first']),
+    ('the rank that offered it', P, 'offered', dict(offer=OFFER, frees=[16*GB, 4*GB], offering=True), P, []),
+    ('no room on the fullest rank', P, 'offered', dict(offer=OFFER, frees=[16*GB, int(2.5*GB)], offering=True), P,
+     ['default_first', 'fresh', 'note']),
     ('the default kept', SD, 'tier', {}, SD, []),
 ]
 
@@ -211,6 +219,10 @@ def test_the_tiers_notes_say_what_they_weighed():
     assert said(PR, 'tier', free=2**20, **LAUNCH).kind == 'no_room'
     assert said(WA, 'unsent', error='PicklingError: no', **FIRST).kind == 'kept_alone'
     assert said(TC, 'tier', agreed=FAILED_ELSEWHERE, **TOGETHER).facts['res'].oom # Another device's failure, as that device had it
+    assert said(P, 'offered', offer=OFFER, frees=[16*GB, int(2.5*GB)], offering=False).facts == dict(
+        name='reduce-overhead', step_bytes=2*GB, free=int(2.5*GB)) # The fullest rank's GPU
+    adopted = advance(J, 'offered', tier_facts(offer=OFFER, frees=[16*GB, 4*GB], offering=False))[1]
+    assert adopted == (('first', 'reduce-overhead', True, dict(busy=0.3), 2*GB),) # As rank 0 set it
 
 def test_an_eager_step_measured_says_which_tier_goes_first_and_why():
     "CUDA graphs first, in the fit's path where a worker beside the eager step would cost more; else why the default's code goes first"

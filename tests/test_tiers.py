@@ -337,9 +337,10 @@ def test_under_ddp_a_tier_compiled_first_runs_on_every_rank_only_where_its_cuda_
     st = ModelState(None, 'record')
     st.tier, st.first, st.path = TierRun(), ('settings', 'tier-record'), True # As rank 0 picked it
     st.tier.first = st.tier.picked = True
-    assert t.first.adopt(st, None, offer, [16*gb, int(2.5*gb)]).text == (
+    t.act(st, 'offered', None, None, offer=offer, frees=[16*gb, int(2.5*gb)])
+    assert [n.text for n in t.take_notes()] == [
         "no tier compiled first: CUDA graphs (reduce-overhead), about 2.0 GB a step, don't fit with room to spare in the 2.5 GB "
-        "free on the fullest rank's GPU; the default's code goes first")
+        "free on the fullest rank's GPU; the default's code goes first"]
     assert st.first is None and not st.path and not st.tier.first and st.stage is Stage.PROBING and t.first.offer(st) is None
 
 def test_gradients_of_their_own_are_given_where_cuda_graphs_run_and_again_after_an_unfreeze():
