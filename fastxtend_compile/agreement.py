@@ -169,7 +169,7 @@ def view(self:DDP, aside, st:ModelState)->dict|None:
     else: worker = 'none'
     failure = None if st.result is None or st.result.ok else (st.result.took_s, st.result.error, st.result.oom, f'{self.host} ({self.device})')
     return dict(key=st.record, worth=st.stage is not Stage.PROBING, worker=worker, leader=self.leader, failure=failure,
-                first=None if st.first is None else st.first[1], path=st.path)
+                first=None if st.first is None else st.first[1], path=st.tier.path)
 
 @patch
 def settled(self:DDP, st:ModelState, mine:dict|None)->bool:

@@ -83,14 +83,14 @@ class _Facts:
     seen = property(lambda self: self.st.probe.seen if self.aside.last_probed is self.st else 0) # Its probe's batches, timed in a row
     changes = property(lambda self: self.aside.changes + (self.aside.last_probed is not self.st)) # How often the state probed changed
     any_ready = property(lambda self: any(s.stage.compiled for s in self.aside.states.values()))
-    held = property(lambda self: self.st.held)
-    path = property(lambda self: self.st.path) # A tier compiled first compiles in the fit's path
+    held = property(lambda self: self.st.tier.held)
+    path = property(lambda self: self.st.tier.path) # A tier compiled first compiles in the fit's path
     left = property(lambda self: batches_left(self.learn))
     step_s = property(lambda self: self.st.probe.step_s) # The eager step its probe timed
     cold_s = property(lambda self: self.aside.cold_cost_s)
     warm_s = property(lambda self: self.aside.warm_s)
     handover_s = property(lambda self: self.aside.handover_s)
-    fallback = property(lambda self: self.st.fallback is not None) # The default's job waits behind a tier compiled first
+    fallback = property(lambda self: self.st.tier.fallback is not None) # The default's job waits behind a tier compiled first
     has_result = property(lambda self: self.st.result is not None)
     warm_rec = property(lambda self: self.aside.warm_starts.get(self.st.compiled_record) or {})
     # The GPU's share of the eager step, where it picked a tier to compile first (`FirstTier`)
@@ -380,7 +380,7 @@ def send(self:BackgroundCompile, st:ModelState, learn, model:nn.Module, now:floa
     try:
         st.job = self.submit(model, learn, None if st.first is None else st.first[0])
         # The default's code, for the A/B: sent once the tier runs, not to compile beside its hand-over's compile
-        if st.first is not None: st.fallback = self.submit(model, learn, held=True)
+        if st.first is not None: st.tier.fallback = self.submit(model, learn, held=True)
     except Exception as e: return self.act(st, 'unsent', learn, model, now, error=f"{type(e).__name__}: {e}")
     return self.act(st, 'sent', learn, model, now)
 
@@ -427,7 +427,8 @@ def _count(aside, st, learn, now): aside.compiling.eager_batches += st.key.train
 
 def _release(aside, st, learn, now):
     "The tier compiled first failed: the default's job, held, compiles next"
-    st.job, st.fallback, st.first, aside.compiling = aside.release(st.fallback), None, None, st
+    st.job, st.tier.fallback, aside.compiling = aside.release(st.tier.fallback), None, st
+    st.default_first()
 
 def _result(aside, st, learn, now, res:JobResult): st.result = res
 

@@ -16,7 +16,7 @@ from .internals import subclass_dispatch_off
 from .payoff import eager_step
 
 # %% auto #0
-__all__ = ['model_token', 'StateKey', 'state_key', 'Stage', 'Probe', 'ModelState']
+__all__ = ['model_token', 'StateKey', 'state_key', 'Stage', 'Probe', 'TierRun', 'ModelState']
 
 # %% ../nbs/15_state.ipynb #fd7401a2
 _tokens = weakref.WeakKeyDictionary() # Each model's token, gone with the model
@@ -106,6 +106,52 @@ class Probe:
         "The step the fit's rest runs (`eager_step`); 0 before two batches were timed"
         return eager_step(self.times) or 0.
 
+# %% ../nbs/15_state.ipynb #9aa13951
+class TierRun:
+    "One model state's way through the tiers: the default's steps timed, the GPU's work measured, a tier compiled, then an A/B"
+    def __init__(self,
+        kept:str|None=None, # The tier this state kept in an earlier fit
+        record:str|None=None, # The state's warm record, compiled with the kept tier
+    ):
+        self.n = 0 # Batches of this stage so far
+        self.base, self.ab_base, self.tier_times = [], [], [] # Seconds of the default's steps, timed alone before and in the A/B, and the tier's
+        self.tier, self.why = kept, None # The tier's name, and why it was picked: what was measured of the step, and the saving expected
+        self.record = record # This state's warm record, compiled with the tier
+        self.job, self.res = None, None # Its `Job` in the worker, and the worker's `JobResult`
+        self.profile = None # The `_Profile` of its step, eager or compiled (`Tiers`)
+        self.warm = 0. # Seconds its compile took in the fit's path
+        self.kept = kept is not None # The A/B kept the tier: it runs this state's training batches
+        self.first = False # The tier was picked to compile first, before the default's code
+        self.settings = None # Its `torch.compile` settings while it goes first; `None` once the default's code goes first instead
+        self.path = False # It compiles first in the fit's path, not the worker: a worker beside the eager step costs the fit more
+        self.fallback = None # The default's `Job` where it compiles first in the worker, for the A/B: held until the tier runs
+        self.held = False # The state's probe waits for its verdict: the eager step's GPU work is measured first (`FirstTier`)
+        self.picked = False # The eager step's GPU work was measured, and a tier to compile first picked or not (`FirstTier`)
+        self.step_bytes = None # Bytes the eager step allocated at its peak, where the tier compiled first runs CUDA graphs
+        self.batches, self.since = 0, None # Training batches the tier ran in this fit, and where it started: (epoch, batch)
+        self.vote = None # (kind, value) of what this process measured, for a decision: 'pick', 'compile', 'check' or 'verdict'
+        self.agreed = None # (kind, value) the ranks decided on, under DDP, for this rank to act on
+
+    def to(self, st, stage:Stage):
+        "Move `st` on to `stage` of the tiers, from its first batch: a vote of the stage before it is moot"
+        st.stage = stage
+        self._restart()
+
+    def _restart(self):
+        "A stage starts: no batch of it yet, no vote, no measure under way"
+        self.n, self.vote, self.agreed = 0, None, None
+        if self.profile is not None: self.profile.end()
+        self.profile = None
+
+    def next_fit(self, stage:Stage)->tuple:
+        "(run, stage) the state's next fit starts from: its kept tier; a tier compiled first runs on until its A/B; else a fresh run (tried again)"
+        if self.kept: return TierRun(self.tier, record=self.record), Stage.SETTLED
+        if not (self.first and stage in (Stage.WARMUP, Stage.CHECK, Stage.WAIT)): return TierRun(), Stage.READY
+        # The default's code, which the A/B needs, is compiled in the worker as the fit starts
+        self._restart()
+        self.batches, self.since, self.fallback, self.held = 0, None, None, False
+        return self, Stage.WAIT
+
 # %% ../nbs/15_state.ipynb #b8765e07
 class ModelState:
     "One model state's life: its stage, its probe, its job in the worker, and its hand-over to compiled code"
@@ -119,15 +165,16 @@ class ModelState:
         self.eager_batches = 0 # Training batches run eagerly while its job compiled
         self.sent_at = None # Where in the fit its job was sent: (epoch, batch)
         self.handover = None # 'worker' or 'warm': how its compiled code takes over, at its next batch
-        self.tier = None # The faster tier's way with this state (`Tiers`): from its probe, where the step's GPU work is measured
-        self.first = None # (settings, record) of a faster tier compiled first, before the default's code
-        self.path = False # That tier compiles in the fit's path, not the worker: a worker beside the eager step costs the fit more
-        self.held = False # Its probe's verdict waits: the faster tier's choice measures the eager step's GPU work first
-        self.fallback = None # The default's `Job` where a faster tier compiles first (for the A/B): held until the tier runs
+        self.tier = TierRun() # Its way through the faster tiers (`Tiers`), from its probe, where the step's GPU work is measured
+
+    @property
+    def first(self)->tuple|None:
+        "(settings, record) of the faster tier it compiles first, before the default's code; `None` where the default's goes first"
+        return None if self.tier.settings is None else (self.tier.settings, self.tier.record)
 
     def default_first(self):
         "The default's code runs first, its faster tier tried once it runs (`Tiers`): none compiled first"
-        self.first, self.path = None, False
+        self.tier.settings, self.tier.path = None, False
 
     @property
     def compiled_record(self)->str:
@@ -136,7 +183,5 @@ class ModelState:
 
     def end_fit(self):
         "The fit ended: what it measured of this state goes; its compiled code, and a tier it kept, stay"
-        self.probe, self.job, self.eager_batches, self.sent_at, self.handover, self.fallback = None, None, 0, None, None, None
-        self.held = False
-        if self.tier is not None: self.tier, self.stage = self.tier.next_fit(self.stage)
-        elif self.stage.compiled: self.stage = Stage.READY
+        self.probe, self.job, self.eager_batches, self.sent_at, self.handover = None, None, 0, None, None
+        if self.stage.compiled: self.tier, self.stage = self.tier.next_fit(self.stage)

@@ -14,14 +14,14 @@ from fastcore.basics import patch
 from .core import uses_cudagraphs, compiled_call, CompiledCall, EagerPolicy
 from .internals import gpu_sleep
 from .worker import error_text, JobResult
-from .state import StateKey, Stage
+from .state import StateKey, Stage, TierRun
 from .payoff import TIER_TRY_S, TIER_COMPILE_S, batches_left, pick_tier, first_tier, first_in_path, cudagraphs_fit
 from .background import BackgroundCompile, position
 from .life import advance
 from .report import Note
 
 # %% auto #0
-__all__ = ['TIERS', 'why_no_tiers', 'own_grads', 'TierRun', 'decide_tier', 'Tiers', 'FirstTier']
+__all__ = ['TIERS', 'why_no_tiers', 'own_grads', 'decide_tier', 'Tiers', 'FirstTier']
 
 # %% ../nbs/09_tiers.ipynb #fd24c3e4
 TIERS = { # A tier's `torch.compile` settings, over the model's
@@ -124,48 +124,6 @@ class _Profile:
         "Stop measuring, unfinished"
         self.meter = None
 
-# %% ../nbs/09_tiers.ipynb #9aa13951
-class TierRun:
-    "One model state's way through the tiers: the default's steps timed, the GPU's work measured, a tier compiled, then an A/B"
-    def __init__(self,
-        kept:str|None=None, # The tier this state kept in an earlier fit
-        record:str|None=None, # The state's warm record, compiled with the kept tier
-    ):
-        self.n = 0 # Batches of this stage so far
-        self.base, self.ab_base, self.tier_times = [], [], [] # Seconds of the default's steps, timed alone before and in the A/B, and the tier's
-        self.tier, self.why = kept, None # The tier's name, and why it was picked: what was measured of the step, and the saving expected
-        self.record = record # This state's warm record, compiled with the tier
-        self.job, self.res = None, None # Its `Job` in the worker, and the worker's `JobResult`
-        self.profile = None # The `_Profile` of its step, eager or compiled
-        self.warm = 0. # Seconds its compile took in the fit's path
-        self.kept = kept is not None # The A/B kept the tier: it runs this state's training batches
-        self.first = False # The tier was compiled first, before the default's code
-        self.picked = False # The eager step's GPU work was measured, and a tier to compile first picked or not (`FirstTier`)
-        self.step_bytes = None # Bytes the eager step allocated at its peak, where the tier compiled first runs CUDA graphs
-        self.batches, self.since = 0, None # Training batches the tier ran in this fit, and where it started: (epoch, batch)
-        self.vote = None # (kind, value) of what this process measured, for a decision: 'pick', 'compile', 'check' or 'verdict'
-        self.agreed = None # (kind, value) the ranks decided on, under DDP, for this rank to act on
-
-    def to(self, st, stage:Stage):
-        "Move `st` on to `stage` of the tiers, from its first batch: a vote of the stage before it is moot"
-        st.stage = stage
-        self._restart()
-
-    def _restart(self):
-        "A stage starts: no batch of it yet, no vote, no measure under way"
-        self.n, self.vote, self.agreed = 0, None, None
-        if self.profile is not None: self.profile.end()
-        self.profile = None
-
-    def next_fit(self, stage:Stage)->tuple:
-        "(run, stage) the state's next fit starts from: its kept tier; a tier compiled first runs on until its A/B; else none (tried again)"
-        if self.kept: return TierRun(self.tier, record=self.record), Stage.SETTLED
-        if not (self.first and stage in (Stage.WARMUP, Stage.CHECK, Stage.WAIT)): return None, Stage.READY
-        # The default's code, which the A/B needs, is compiled in the worker as the fit starts
-        self._restart()
-        self.batches, self.since = 0, None
-        return self, Stage.WAIT
-
 # %% ../nbs/09_tiers.ipynb #5e0c4a7d
 def decide_tier(
     views:list, # Each rank's view of its batch's state's tier (`Tiers.view`), by rank
@@ -243,7 +201,6 @@ def before_batch(self:Tiers,
     if self.aside is None or not learn.training or (st := self.aside.states.get(key)) is None: return
     # Eager, its probe's: under DDP rank 0 alone probes, the others learn of a tier compiled first at an agreement (`agreed`)
     if st.stage is not Stage.PROBING and (eager or not self.aside.ready(key)): return # Else its compiled code doesn't run it yet
-    if st.tier is None: st.tier = TierRun()
     self.act(st, 'tier', learn, model)
 
 @patch
@@ -314,7 +271,7 @@ def free(self:Tiers)->int|None:
 def view(self:Tiers, st)->dict:
     "This rank's part of an agreement of the ranks: its vote on its batch's state's tier, a tier that raised here, the tier it compiles first, its GPU's free memory"
     first = self.first.offer(st)
-    return dict(key=st.record, vote=None if st.tier is None else st.tier.vote, raised=self.raised, first=first,
+    return dict(key=st.record, vote=st.tier.vote, raised=self.raised, first=first,
                 free=None if first is not None else self.free())
 
 @patch
@@ -329,11 +286,10 @@ def agreed(self:Tiers, st, views:list, learn, model:nn.Module, decision:str|None
     if (raised := next((v['raised'] for v in views if v['raised'] is not None), None)) is not None:
         self.raised = None
         if raised[0] not in self.dropped: self._drop_raised(raised[0], model, Note('tier_raised', name=raised[0], error=raised[1], elsewhere=True))
-    if st.tier is not None and st.tier.vote is not None and (decided := decide_tier(views)) is not None:
+    if st.tier.vote is not None and (decided := decide_tier(views)) is not None:
         st.tier.vote, st.tier.agreed = None, decided
     # Rank 0 compiles a tier first: every rank does, where its memory fits every rank's GPU (`advance`); the state starts at the next agreement
     if (offer := views[0]['first']) is not None and any(v['first'] is None for v in views) and st.stage in (Stage.PROBING, Stage.JUDGED):
-        if st.tier is None: st.tier = TierRun()
         self.act(st, 'offered', learn, model, offer=offer, frees=[v['free'] for v in views if v['free'] is not None])
 
 # %% ../nbs/09_tiers.ipynb #03c8df60
@@ -348,7 +304,7 @@ def drop(self:Tiers, name:str, model:nn.Module):
     if self.device.type == 'cuda': torch.cuda.empty_cache()
 
 @patch
-def _states(self:Tiers)->list: return [] if self.aside is None else [s for s in self.aside.states.values() if s.tier is not None]
+def _states(self:Tiers)->list: return [] if self.aside is None else list(self.aside.states.values())
 
 @patch
 def _raised(self:Tiers, name:str, error:Exception, model:nn.Module):
@@ -400,17 +356,17 @@ class FirstTier:
     def _set(self, run, st, model:nn.Module, name:str, path:bool, why:str, step_bytes:int|None):
         "Compile tier `name` first for `st`, in the fit's path or the worker"
         run.tier, run.record, run.why, run.step_bytes = name, self.tiers.record(model, st, name), why, step_bytes
-        st.tier, st.path, st.first = run, path, (self.tiers.settings_of(name), run.record)
-        run.first, run.picked = True, True
+        run.settings, run.path, run.first, run.picked = self.tiers.settings_of(name), path, True, True
+        st.tier = run
 
 # %% ../nbs/09_tiers.ipynb #0b9246a4
 @patch
 def offer(self:FirstTier, st)->dict|None:
     "The tier this rank compiles first for `st`, for the other ranks to adopt (an 'offered' move of `advance`); `None` where it compiles none"
     run = st.tier
-    if run is None or not run.first or st.first is None: return None
+    if not run.first or st.first is None: return None
     if st.stage not in (Stage.PROBING, Stage.JUDGED): return None # Settled: compiled, or too short to pay
-    return dict(tier=run.tier, path=st.path, why=run.why, step_bytes=run.step_bytes)
+    return dict(tier=run.tier, path=run.path, why=run.why, step_bytes=run.step_bytes)
 
 # %% ../nbs/09_tiers.ipynb #27bdc29b
 class _TierFacts:
@@ -422,7 +378,7 @@ class _TierFacts:
     name = property(lambda self: self.run.tier)
     kept, first = property(lambda self: self.run.kept), property(lambda self: self.run.first) # Kept; compiled first
     first_gone = property(lambda self: self.st.first is None) # None compiled first, or the default's code was cached instead
-    path = property(lambda self: self.st.path) # The tier compiled first compiles in the fit's path
+    path = property(lambda self: self.run.path) # The tier compiled first compiles in the fit's path
     dropped = property(lambda self: self.run.tier in self.t.dropped) # It raised in this fit
     base, tier_times, ab_base = (property(lambda self, k=k: getattr(self.run, k)) for k in ('base', 'tier_times', 'ab_base'))
     settle_batches, time_batches, warmup_batches, ab_batches, try_cost_s = (
@@ -437,7 +393,7 @@ class _TierFacts:
     res, has_job = property(lambda self: self.run.res), property(lambda self: self.run.job is not None)
     was_kept = property(lambda self: self.t.aside.warm_starts.was_kept(self.run.record)) # Kept by an earlier fit
     probe_s = property(lambda self: None if self.st.probe is None else self.st.probe.step_s) # The eager step its probe timed
-    fallback = property(lambda self: self.st.fallback is not None) # The default's job, for the A/B, is in the worker or held
+    fallback = property(lambda self: self.run.fallback is not None) # The default's job, for the A/B, is in the worker or held
     default_cached = property(lambda self: self.t.aside.warm_starts.get(self.st.record) is not None)
 
     # Its eager probe's (`PROBING`)
@@ -462,7 +418,7 @@ class _TierFacts:
     def polled(self)->JobResult|None: return self.t.aside.poll(self.run.job) # The tier's job, once done
 
     @cached_property
-    def fallback_res(self)->JobResult|None: return self.t.aside.poll(self.st.fallback) # The default's, once done
+    def fallback_res(self)->JobResult|None: return self.t.aside.poll(self.run.fallback) # The default's, once done
 
 # %% ../nbs/09_tiers.ipynb #2d2418ad
 @patch
@@ -490,7 +446,7 @@ def _send(self:Tiers, st, learn, model:nn.Module, what:str):
     "Have the worker compile `what`: the tier, or the default's code for the A/B"
     try:
         if what == 'tier': st.tier.job = self.aside.submit(model, learn, self.settings_of(st.tier.tier))
-        else: st.fallback = self.aside.submit(model, learn)
+        else: st.tier.fallback = self.aside.submit(model, learn)
     except Exception as e: return self.act(st, 'unsent', learn, model, error=f"{type(e).__name__}: {e}")
     self.act(st, 'sent', learn, model)
 
@@ -502,7 +458,7 @@ def _took(t, st, learn, model, path:bool):
 
 def _took_over(t, st, learn, model, against:tuple):
     run = st.tier
-    t.notes.append(Note('tier_took_over', name=run.tier, why=run.why, res=run.res, warm_s=run.warm, path=st.path, at=position(learn),
+    t.notes.append(Note('tier_took_over', name=run.tier, why=run.why, res=run.res, warm_s=run.warm, path=run.path, at=position(learn),
                         ranks=t.aside.ranks.together(), against=against))
 
 def _set(run, **values): run.__dict__.update(values)
@@ -514,7 +470,7 @@ _TIER_ACTS = dict(
     tick=lambda t, st, learn, model: _set(st.tier, n=st.tier.n + 1),
     time=lambda t, st, learn, model, times: t.timer.start(getattr(st.tier, times)),
     measure=lambda t, st, learn, model, step_s, batches=None: t.measure(st.tier, learn, step_s, batches),
-    hold=lambda t, st, learn, model, on: setattr(st, 'held', on), # The probe's verdict waits for the measure
+    hold=lambda t, st, learn, model, on: _set(st.tier, held=on), # The probe's verdict waits for the measure
     picked=lambda t, st, learn, model: _set(st.tier, picked=True, profile=None),
     first=lambda t, st, learn, model, name, path, why, step_bytes: t.first._set(st.tier, st, model, name, path, why, step_bytes),
     vote=lambda t, st, learn, model, vote: _set(st.tier, vote=vote),
@@ -528,5 +484,5 @@ _TIER_ACTS = dict(
     record_kept=lambda t, st, learn, model, tier_s, other_s, of: t.aside.warm_starts.kept(st.tier.record, tier_s, other_s, of),
     drop=lambda t, st, learn, model: t.drop(st.tier.tier, model),
     note=lambda t, st, learn, model, note: t.notes.append(note),
-    release=lambda t, st, learn, model: t.aside.release(st.fallback),
-    fallback_done=lambda t, st, learn, model, res: (setattr(st, 'fallback', None), t.aside.warm_starts.compiled(st.record, res)))
+    release=lambda t, st, learn, model: t.aside.release(st.tier.fallback),
+    fallback_done=lambda t, st, learn, model, res: (_set(st.tier, fallback=None), t.aside.warm_starts.compiled(st.record, res)))

@@ -97,19 +97,17 @@ def test_the_verdicts_notes_say_what_it_weighed():
 
 def test_a_fit_ends_where_the_next_starts_its_tiers():
     "One stage for the whole life: a kept tier stays settled, a tier compiled first waits for its A/B, any other compiled state is ready"
-    from fastxtend_compile.state import ModelState
-    from fastxtend_compile.tiers import TierRun
+    from fastxtend_compile.state import ModelState, TierRun
     assert [s for s in Stage if not s.compiled] == [P, J, C, D, S, F]
     def ended(stage, **run):
         st = ModelState(None, 'record')
-        st.stage, st.tier = stage, None if run.get('none') else TierRun(run.get('kept'))
-        if st.tier is not None: st.tier.first = run.get('first', False)
+        st.stage, st.tier = stage, TierRun(run.get('kept'))
+        st.tier.first, st.tier.fallback, st.tier.held = run.get('first', False), 'job', True
         st.end_fit()
-        return st.stage, None if st.tier is None else (st.tier.tier, st.tier.kept)
-    assert ended(Stage.SETTLED, kept='reduce-overhead') == (Stage.SETTLED, ('reduce-overhead', True))
-    assert ended(Stage.WARMUP, first=True) == (Stage.WAIT, (None, False))
-    assert ended(Stage.AB) == (R, None)
-    assert ended(Stage.TIME, none=True) == (R, None)
+        return st.stage, (st.tier.tier, st.tier.kept, st.tier.first, st.tier.fallback, st.tier.held)
+    assert ended(Stage.SETTLED, kept='reduce-overhead') == (Stage.SETTLED, ('reduce-overhead', True, False, None, False))
+    assert ended(Stage.WARMUP, first=True) == (Stage.WAIT, (None, False, True, None, False)) # Its A/B's job sent afresh
+    assert ended(Stage.AB) == ended(Stage.TIME) == (R, (None, False, False, None, False)) # Tried again
 
 # A compiled state's way through the faster tiers: each move of `advance(stage, 'tier', ...)`, and its jobs' 'sent' and 'unsent'
 from fastxtend_compile import tiers
@@ -241,12 +239,12 @@ def test_an_eager_step_measured_says_which_tier_goes_first_and_why():
 def test_a_tier_picked_first_is_a_fact_of_the_verdict():
     "The probe's verdict knows the GPU's share of the eager step where CUDA graphs were picked to compile first, and only there"
     from fastxtend_compile.state import ModelState
-    from fastxtend_compile.tiers import TierRun
     st = ModelState(None, 'record')
     f = background._Facts(None, st, None)
     assert f.first_busy is None
-    st.tier = TierRun()
     st.tier.why = dict(busy=0.82, step_s=0.02, of='eager', graphs=True, saving=0.007, first=True)
     assert f.first_busy is None # Measured, but the default's code goes first
-    st.first = ('settings', 'record-of-the-tier')
-    assert f.first_busy == 0.82
+    st.tier.settings, st.tier.record = {'mode': 'reduce-overhead'}, 'record-of-the-tier'
+    assert f.first_busy == 0.82 and st.compiled_record == 'record-of-the-tier'
+    st.default_first()
+    assert f.first_busy is None and st.compiled_record == 'record'

@@ -331,17 +331,18 @@ def test_under_ddp_a_tier_compiled_first_runs_on_every_rank_only_where_its_cuda_
     "Rank 0's choice, offered at an agreement: a rank whose GPU is too full leaves every rank on the default's code first"
     from fastxtend_compile.core import compile_settings
     from fastxtend_compile.state import ModelState, Stage
-    from fastxtend_compile.tiers import TierRun
     t, gb = Tiers(compile_settings()), 2**30
     offer = dict(tier='reduce-overhead', path=True, why=None, step_bytes=2*gb)
     st = ModelState(None, 'record')
-    st.tier, st.first, st.path = TierRun(), ('settings', 'tier-record'), True # As rank 0 picked it
-    st.tier.first = st.tier.picked = True
+    run = st.tier # As rank 0 picked it
+    run.tier, run.settings, run.record, run.path, run.step_bytes = 'reduce-overhead', {'mode': 'reduce-overhead'}, 'tier-record', True, 2*gb
+    run.first = run.picked = True
+    assert t.first.offer(st) == offer
     t.act(st, 'offered', None, None, offer=offer, frees=[16*gb, int(2.5*gb)])
     assert [n.text for n in t.take_notes()] == [
         "no tier compiled first: CUDA graphs (reduce-overhead), about 2.0 GB a step, don't fit with room to spare in the 2.5 GB "
         "free on the fullest rank's GPU; the default's code goes first"]
-    assert st.first is None and not st.path and not st.tier.first and st.stage is Stage.PROBING and t.first.offer(st) is None
+    assert st.first is None and not st.tier.path and not st.tier.first and st.stage is Stage.PROBING and t.first.offer(st) is None
 
 def test_gradients_of_their_own_are_given_where_cuda_graphs_run_and_again_after_an_unfreeze():
     "One part gives the parameters gradients of their own, for CUDA graphs: never off them, once a fit, again where parameters unfroze"
