@@ -708,6 +708,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                         'fastxtend_compile.life._offered': ('life.html#_offered', 'fastxtend_compile/life.py'),
                                         'fastxtend_compile.life._pick_first': ('life.html#_pick_first', 'fastxtend_compile/life.py'),
                                         'fastxtend_compile.life._profile': ('life.html#_profile', 'fastxtend_compile/life.py'),
+                                        'fastxtend_compile.life._raised': ('life.html#_raised', 'fastxtend_compile/life.py'),
                                         'fastxtend_compile.life._ready': ('life.html#_ready', 'fastxtend_compile/life.py'),
                                         'fastxtend_compile.life._sent': ('life.html#_sent', 'fastxtend_compile/life.py'),
                                         'fastxtend_compile.life._settle': ('life.html#_settle', 'fastxtend_compile/life.py'),

@@ -21,7 +21,7 @@ EAGER, COMPILED = ('run', 'eager'), ('run', 'compiled') # A batch move's last ac
 
 def advance(
     stage:Stage, # Where the model state is
-    event:str, # What happened: 'batch', 'tier' (a training batch of its faster tiers), 'sent', 'unsent', 'done', 'agreed' or 'offered'
+    event:str, # What happened: 'batch', 'tier' (a training batch of its faster tiers), 'sent', 'unsent', 'done', 'agreed', 'offered' or 'raised'
     f, # What is known, each fact read where the move needs it (`BackgroundCompile.facts`, `Tiers.facts`)
 )->tuple:
     "(stage, actions): where the state moves on `event`, and what the fit's parts do about it"
@@ -272,7 +272,11 @@ def _keep_faster(f, against:tuple, of:str=''):
 
 def _settled(f, n): return Stage.SETTLED, (('run_tier', True),) if f.kept else ()
 
+def _raised(stage, f):
+    "Its tier raised in a fit's path, here or on another rank: no longer kept; compiled, the state settles on the default (else once compiled, `_ready`)"
+    return Stage.SETTLED if stage.compiled else stage, (('unkept',),)
+
 _TIER = {Stage.PROBING: _first, Stage.READY: _ready, Stage.SETTLE: _settling, Stage.TIME: _time, Stage.PROFILE: _profile, Stage.TIER_COMPILING: _tier_compiling,
          Stage.WARMUP: _warmup, Stage.CHECK: _check, Stage.WAIT: _wait, Stage.AB: _ab, Stage.AGREE: _agree, Stage.SETTLED: _settled}
-_MOVES = dict(batch=_batch, tier=_tier, sent=_sent, unsent=_unsent, done=_done, agreed=_agreed, offered=_offered)
+_MOVES = dict(batch=_batch, tier=_tier, sent=_sent, unsent=_unsent, done=_done, agreed=_agreed, offered=_offered, raised=_raised)
 

@@ -196,7 +196,7 @@ def before_batch(self:Tiers,
     model:nn.Module, # The model being compiled (not DDP's wrapper)
 ):
     "Choose the tier this training batch runs, and time it where its state's stage needs"
-    if (raised := self.policy.take_tier_error()) is not None: self._raised(*raised, model)
+    if (raised := self.policy.take_tier_error()) is not None: self._raised(*raised, learn, model)
     # An epoch's last batch too: one of the state's shape runs its tier (a smaller one is a state of its own)
     if self.aside is None or not learn.training or (st := self.aside.states.get(key)) is None: return
     # Eager, its probe's: under DDP rank 0 alone probes, the others learn of a tier compiled first at an agreement (`agreed`)
@@ -285,7 +285,7 @@ def agreed(self:Tiers, st, views:list, learn, model:nn.Module, decision:str|None
     "At an agreement, on every rank: a tier that raised on any rank is dropped on all; a vote all ranks cast is decided"
     if (raised := next((v['raised'] for v in views if v['raised'] is not None), None)) is not None:
         self.raised = None
-        if raised[0] not in self.dropped: self._drop_raised(raised[0], model, Note('tier_raised', name=raised[0], error=raised[1], elsewhere=True))
+        if raised[0] not in self.dropped: self._drop_raised(raised[0], learn, model, Note('tier_raised', name=raised[0], error=raised[1], elsewhere=True))
     if st.tier.vote is not None and (decided := decide_tier(views)) is not None:
         st.tier.vote, st.tier.agreed = None, decided
     # Rank 0 compiles a tier first: every rank does, where its memory fits every rank's GPU (`advance`); the state starts at the next agreement
@@ -307,20 +307,17 @@ def drop(self:Tiers, name:str, model:nn.Module):
 def _states(self:Tiers)->list: return [] if self.aside is None else list(self.aside.states.values())
 
 @patch
-def _raised(self:Tiers, name:str, error:Exception, model:nn.Module):
+def _raised(self:Tiers, name:str, error:Exception, learn, model:nn.Module):
     "A tier raised in the fit's path, where the worker had compiled it: the default tier trains on, the tier's graphs dropped; under DDP, on every rank from the next agreement"
     if self.together: self.raised = (name, error_text(error))
-    self._drop_raised(name, model, Note('tier_raised', name=name, error=error_text(error)))
+    self._drop_raised(name, learn, model, Note('tier_raised', name=name, error=error_text(error)))
 
 @patch
-def _drop_raised(self:Tiers, name:str, model:nn.Module, note:Note):
+def _drop_raised(self:Tiers, name:str, learn, model:nn.Module, note:Note):
     "Drop tier `name`, which raised: no state keeps it, in this fit or later ones"
     self.dropped.add(name)
     for st in self._states():
-        if (run := st.tier).tier != name: continue
-        if st.stage.compiled: run.to(st, Stage.SETTLED) # Not yet compiled, it settles once it is (its first tier move)
-        run.kept = False
-        self.aside.warm_starts.kept(run.record, None) # A later fit tries it afresh
+        if st.tier.tier == name: self.act(st, 'raised', learn, model)
     self.drop(name, model)
     self.notes.append(note)
 
@@ -481,6 +478,7 @@ _TIER_ACTS = dict(
     run_tier=lambda t, st, learn, model, counted: t.run_tier(learn, st.tier, counted),
     took=_took, took_over=_took_over,
     kept=lambda t, st, learn, model: _set(st.tier, kept=True),
+    unkept=lambda t, st, learn, model: (_set(st.tier, kept=False), t.aside.warm_starts.kept(st.tier.record, None)), # A later fit tries it afresh
     record_kept=lambda t, st, learn, model, tier_s, other_s, of: t.aside.warm_starts.kept(st.tier.record, tier_s, other_s, of),
     drop=lambda t, st, learn, model: t.drop(st.tier.tier, model),
     note=lambda t, st, learn, model, note: t.notes.append(note),

@@ -190,6 +190,10 @@ TIER_MOVES = [ # (what, stage, event, facts, the stage it moves to, its actions'
     ('the tier loses its A/B', AB, 'tier', dict(n=16, tier_times=[0.098]*8, ab_base=[0.1]*8), SD, ['drop', 'note']),
     ("rank 0's A/B, under DDP", AB, 'tier', dict(n=16, tier_times=[0.05]*8, ab_base=[0.1]*8, **TOGETHER), AG, ['vote']),
     ('its tier kept', SD, 'tier', dict(kept=True), SD, ['run_tier']),
+    # Its tier raised in a fit's path, here or on another rank: dropped, and no longer kept
+    ('its tier raised', WU, 'raised', {}, SD, ['unkept']),
+    ('its kept tier raised', SD, 'raised', dict(kept=True), SD, ['unkept']),
+    ('its tier raised before its code ran', P, 'raised', FIRST, P, ['unkept']),
     # Under DDP, rank 0's tier compiled first, offered at an agreement: its CUDA graphs take 2 GB a step
     ('rank 0 offers a tier first: adopted', P, 'offered', dict(offer=OFFER, frees=[16*GB, 4*GB], offering=False), P, ['first']),
     ('adopted, its memory unmeasured', J, 'offered', dict(offer={**OFFER, 'step_bytes': None}, frees=[], offering=False), J, ['first']),
