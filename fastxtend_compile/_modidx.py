@@ -700,6 +700,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                         'fastxtend_compile.life._decide': ('life.html#_decide', 'fastxtend_compile/life.py'),
                                         'fastxtend_compile.life._decided': ('life.html#_decided', 'fastxtend_compile/life.py'),
                                         'fastxtend_compile.life._done': ('life.html#_done', 'fastxtend_compile/life.py'),
+                                        'fastxtend_compile.life._ended': ('life.html#_ended', 'fastxtend_compile/life.py'),
                                         'fastxtend_compile.life._first': ('life.html#_first', 'fastxtend_compile/life.py'),
                                         'fastxtend_compile.life._judge': ('life.html#_judge', 'fastxtend_compile/life.py'),
                                         'fastxtend_compile.life._keep_alone': ('life.html#_keep_alone', 'fastxtend_compile/life.py'),

@@ -92,6 +92,7 @@ class _Facts:
     handover_s = property(lambda self: self.aside.handover_s)
     fallback = property(lambda self: self.st.tier.fallback is not None) # The default's job waits behind a tier compiled first
     has_result = property(lambda self: self.st.result is not None)
+    tier_kept, tier_first = property(lambda self: self.st.tier.kept), property(lambda self: self.st.tier.first) # Kept; picked to compile first
     warm_rec = property(lambda self: self.aside.warm_starts.get(self.st.compiled_record) or {})
     # The GPU's share of the eager step, where it picked a tier to compile first (`FirstTier`)
     first_busy = property(lambda self: self.st.tier.why['busy'] if self.st.first is not None and self.st.tier.why else None)
@@ -401,7 +402,7 @@ def stop(self:BackgroundCompile):
     self.ranks, self.compiling, self.last_probed, self.changes, self.timing, self.params = Local(), None, None, 0, None, None
     self.warm_starts.end_fit()
     self.states = {k: s for k,s in self.states.items() if s.stage.compiled}
-    for s in self.states.values(): s.end_fit() # Its code compiles at its next batch, unannounced
+    for s in self.states.values(): self.act(s, 'ended', None) # Its code compiles at its next batch, unannounced
 
 @patch
 def take_notes(self:BackgroundCompile)->list:
@@ -467,6 +468,7 @@ _ACTS = dict(note=_note, probe=_probe, compiling=_compiling, count=_count, relea
              warm=_warm, in_path=_in_path, take_over=_take_over,
              default_first=lambda aside, st, learn, now: st.default_first(),
              idle=lambda aside, st, learn, now: aside.worker.idle(),
+             end_fit=lambda aside, st, learn, now, how: st.end_fit(how),
              record=lambda aside, st, learn, now, res: aside.warm_starts.compiled(st.compiled_record, res),
              warn=lambda aside, st, learn, now, res: warnings.warn(_failed_warning(res)))
 

@@ -21,7 +21,7 @@ EAGER, COMPILED = ('run', 'eager'), ('run', 'compiled') # A batch move's last ac
 
 def advance(
     stage:Stage, # Where the model state is
-    event:str, # What happened: 'batch', 'tier' (a training batch of its faster tiers), 'sent', 'unsent', 'done', 'agreed', 'offered' or 'raised'
+    event:str, # What happened: 'batch', 'tier' (a training batch of its faster tiers), 'sent', 'unsent', 'done', 'agreed', 'offered', 'raised' or 'ended'
     f, # What is known, each fact read where the move needs it (`BackgroundCompile.facts`, `Tiers.facts`)
 )->tuple:
     "(stage, actions): where the state moves on `event`, and what the fit's parts do about it"
@@ -98,6 +98,12 @@ def _agreed(stage, f):
     if d == 'path': return Stage.READY, (('idle',), ('in_path', True)) # Every rank in its own path: all devices at once
     if d == 'start' and f.leader and f.worker == 'none': return stage, (('send',),)
     return stage, ()
+
+def _ended(stage, f):
+    "The fit ended, the state's code compiled and kept for later fits: a kept tier runs from the next fit's first batch; a tier compiled first runs on until its A/B; any other state tries its tiers again"
+    if f.tier_kept: return Stage.SETTLED, (('end_fit', 'kept'),)
+    if f.tier_first and stage in (Stage.WARMUP, Stage.CHECK, Stage.WAIT): return Stage.WAIT, (('end_fit', 'first'),)
+    return Stage.READY, (('end_fit', 'fresh'),)
 
 # %% ../nbs/20_life.ipynb #6e1b7a30
 def _tier(stage, f):
@@ -278,5 +284,5 @@ def _raised(stage, f):
 
 _TIER = {Stage.PROBING: _first, Stage.READY: _ready, Stage.SETTLE: _settling, Stage.TIME: _time, Stage.PROFILE: _profile, Stage.TIER_COMPILING: _tier_compiling,
          Stage.WARMUP: _warmup, Stage.CHECK: _check, Stage.WAIT: _wait, Stage.AB: _ab, Stage.AGREE: _agree, Stage.SETTLED: _settled}
-_MOVES = dict(batch=_batch, tier=_tier, sent=_sent, unsent=_unsent, done=_done, agreed=_agreed, offered=_offered, raised=_raised)
+_MOVES = dict(batch=_batch, tier=_tier, sent=_sent, unsent=_unsent, done=_done, agreed=_agreed, offered=_offered, raised=_raised, ended=_ended)
 

@@ -143,14 +143,14 @@ class TierRun:
         if self.profile is not None: self.profile.end()
         self.profile = None
 
-    def next_fit(self, stage:Stage)->tuple:
-        "(run, stage) the state's next fit starts from: its kept tier; a tier compiled first runs on until its A/B; else a fresh run (tried again)"
-        if self.kept: return TierRun(self.tier, record=self.record), Stage.SETTLED
-        if not (self.first and stage in (Stage.WARMUP, Stage.CHECK, Stage.WAIT)): return TierRun(), Stage.READY
+    def next_fit(self, how:str)->TierRun:
+        "The run the state's next fit starts with, as `advance`'s 'ended' move says: 'kept', its kept tier's; 'first', this one, its tier compiled first running on until its A/B; 'fresh', a new one"
+        if how == 'kept': return TierRun(self.tier, record=self.record)
+        if how == 'fresh': return TierRun()
         # The default's code, which the A/B needs, is compiled in the worker as the fit starts
         self._restart()
         self.batches, self.since, self.fallback, self.held = 0, None, None, False
-        return self, Stage.WAIT
+        return self
 
 # %% ../nbs/15_state.ipynb #b8765e07
 class ModelState:
@@ -181,7 +181,9 @@ class ModelState:
         "The record of the code its hand-over runs: the faster tier's compiled first, or the default's"
         return self.record if self.first is None else self.first[1]
 
-    def end_fit(self):
-        "The fit ended: what it measured of this state goes; its compiled code, and a tier it kept, stay"
+    def end_fit(self,
+        how:str='fresh', # The tier run its next fit starts with (`TierRun.next_fit`)
+    ):
+        "The fit ended: what it measured of this state goes; its compiled code stays, and the tier run `how` says"
         self.probe, self.job, self.eager_batches, self.sent_at, self.handover = None, None, 0, None, None
-        if self.stage.compiled: self.tier, self.stage = self.tier.next_fit(self.stage)
+        self.tier = self.tier.next_fit(how)

@@ -13,7 +13,7 @@ def facts(**kw):
     "A training batch of a probed state in one process: 10,000 batches of 100 ms left, nothing recorded, nothing waiting"
     return SimpleNamespace(**{**dict(training=True, handover=None, compiling=False, judges=True, evaluates=True, agrees=False, rank=0,
         leader=True, probe_all=False, probe_batches=8, seen=8, changes=1, any_ready=False, held=False, path=False, cached=(None, False),
-        left=10_000, step_s=0.1, cold_s=6., warm_s=5., handover_s=35., fallback=False, has_result=True, warm_rec={}, first_busy=None), **kw})
+        left=10_000, step_s=0.1, cold_s=6., warm_s=5., handover_s=35., fallback=False, has_result=True, warm_rec={}, first_busy=None, tier_kept=False, tier_first=False), **kw})
 
 DDP = dict(agrees=True, evaluates=False)
 WARM = ({'warm_s': 1.}, False) # Only the default's code is cached, which compiled warm in 1s
@@ -59,6 +59,10 @@ MOVES = [ # (what, stage, event, facts, the stage it moves to, its actions: each
     ('the ranks: start', J, 'agreed', dict(decision='start', worker='none', **DDP), J, ['send']),
     ('the ranks: start, its device compiles', J, 'agreed', dict(decision='start', worker='none', leader=False, **DDP), J, []),
     ('the ranks: start, compiling', J, 'agreed', dict(decision='start', worker='compiling', **DDP), J, []),
+    ('the fit ended: its kept tier next', Stage.SETTLED, 'ended', dict(tier_kept=True), Stage.SETTLED, ['end_fit']),
+    ('the fit ended: its tier compiled first runs on', Stage.CHECK, 'ended', dict(tier_first=True), Stage.WAIT, ['end_fit']),
+    ('the fit ended: its tiers tried again', Stage.AB, 'ended', {}, R, ['end_fit']),
+    ('the fit ended before its tier compiled first ran', R, 'ended', dict(tier_first=True), R, ['end_fit']),
 ]
 
 def note(actions): return next(a[1] for a in actions if a[0] == 'note')
@@ -96,18 +100,24 @@ def test_the_verdicts_notes_say_what_it_weighed():
     assert note(actions).kind == 'first_failed'
 
 def test_a_fit_ends_where_the_next_starts_its_tiers():
-    "One stage for the whole life: a kept tier stays settled, a tier compiled first waits for its A/B, any other compiled state is ready"
+    "One stage for the whole life: as a fit ends, a kept tier stays settled, a tier compiled first waits for its A/B, any other compiled state is ready, and the rest go"
+    from fastxtend_compile.core import compile_settings
     from fastxtend_compile.state import ModelState, TierRun
     assert [s for s in Stage if not s.compiled] == [P, J, C, D, S, F]
-    def ended(stage, **run):
-        st = ModelState(None, 'record')
-        st.stage, st.tier = stage, TierRun(run.get('kept'))
-        st.tier.first, st.tier.fallback, st.tier.held = run.get('first', False), 'job', True
-        st.end_fit()
-        return st.stage, (st.tier.tier, st.tier.kept, st.tier.first, st.tier.fallback, st.tier.held)
-    assert ended(Stage.SETTLED, kept='reduce-overhead') == (Stage.SETTLED, ('reduce-overhead', True, False, None, False))
-    assert ended(Stage.WARMUP, first=True) == (Stage.WAIT, (None, False, True, None, False)) # Its A/B's job sent afresh
-    assert ended(Stage.AB) == ended(Stage.TIME) == (R, (None, False, False, None, False)) # Tried again
+    aside = background.BackgroundCompile(compile_settings())
+    def state(stage, kept=None, first=False):
+        st = aside.states[len(aside.states)] = ModelState(None, f'record{len(aside.states)}')
+        st.stage, st.tier, st.probe = stage, TierRun(kept), 'probe'
+        st.tier.first, st.tier.fallback, st.tier.held = first, 'job', True
+        return st
+    kept, first, ab, timed, probing = (state(Stage.SETTLED, kept='reduce-overhead'), state(Stage.WARMUP, first=True), state(Stage.AB),
+                                       state(Stage.TIME), state(P))
+    aside.stop()
+    assert list(aside.states.values()) == [kept, first, ab, timed] # The state still probed is met afresh
+    def ended(st): return st.stage, st.tier.tier, st.tier.kept, st.tier.first, st.tier.fallback, st.tier.held, st.probe
+    assert ended(kept) == (Stage.SETTLED, 'reduce-overhead', True, False, None, False, None)
+    assert ended(first) == (Stage.WAIT, None, False, True, None, False, None) # Its A/B's job sent afresh
+    assert ended(ab) == ended(timed) == (R, None, False, False, None, False, None) # Its tiers tried again
 
 # A compiled state's way through the faster tiers: each move of `advance(stage, 'tier', ...)`, and its jobs' 'sent' and 'unsent'
 from fastxtend_compile import tiers
