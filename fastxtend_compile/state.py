@@ -182,7 +182,7 @@ class ModelState:
         return self.record if self.first is None else self.first[1]
 
     def end_fit(self,
-        how:str='fresh', # The tier run its next fit starts with (`TierRun.next_fit`)
+        how:str, # The tier run its next fit starts with (`TierRun.next_fit`), as `advance`'s 'ended' move says
     ):
         "The fit ended: what it measured of this state goes; its compiled code stays, and the tier run `how` says"
         self.probe, self.job, self.eager_batches, self.sent_at, self.handover = None, None, 0, None, None
