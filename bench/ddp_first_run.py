@@ -32,9 +32,11 @@ from workflow import median # noqa: E402 (bench/workflow.py, beside this script)
 ARMS = {'eager': None, 'in_path': dict(background=False), 'background_cold': dict(background=True),
         'background_warm': dict(background=True), 'compile_cold': {}, 'compile_warm': {}, 'default_cold': dict(mode='default'),
         'ro': dict(mode='reduce-overhead', background=False), # CUDA graphs picked by hand, compiled in the fit's path
-        'compile_warm_reducer': {}, # Warm, with DDP's reducer averaging the compiled batches' gradients, as before `GradSync`
+        'compile_warm_reducer': {}, # Warm, with DDP's reducer averaging the compiled batches' gradients (`GradSync.replaces = False`)
+        'compile_warm_sync': {}, # Warm, the library's one all-reduce averaging them untried (`GradSync.replaces = True`)
         'compile_warm_gc': {}} # Warm, Python's collector not frozen during the fit, as before `GCFreeze`
 COLD_OF = {'background_warm': 'background_cold', 'compile_warm': 'compile_cold', 'compile_warm_reducer': 'compile_cold',
+           'compile_warm_sync': 'compile_cold',
            'compile_warm_gc': 'compile_cold'} # On its cache
 WORKLOADS = {
     'mlp': dict(n_batches=512, bs=64, hidden=512, epochs=4), # Batches an epoch on each rank
@@ -129,9 +131,9 @@ def rank_main(out:Path, arm:str, workload:str, config:dict, device_type:str, a=N
     learn.remove_cb(ProgressCallback)
     settings = ARMS[arm]
     if settings is not None: learn.add_cb(CompilerCallback(**settings))
-    if arm.endswith('_reducer'): # The arm compared with `GradSync`: DDP's reducer averages every batch
+    if arm.endswith(('_reducer', '_sync')): # The arms that skip `GradSync`'s trial: DDP's reducer, or the one all-reduce, every batch
         from fastxtend_compile.gradsync import GradSync
-        GradSync.start = lambda self, ddp, ranks=None: "the benchmark's choice"
+        GradSync.replaces = arm.endswith('_sync')
     if arm.endswith('_gc'): # The arm compared with `GCFreeze`: full collections visit every object, as without it
         from fastxtend_compile.gcfreeze import GCFreeze
         GCFreeze.on = False
@@ -171,6 +173,7 @@ def rank_main(out:Path, arm:str, workload:str, config:dict, device_type:str, a=N
     res = dict(rank=rank, fit_s=fit_s, first_compiled=sw.first, batches=learn.train_iter, loss=float(learn.recorder.losses[-1]),
                notes=[] if report is None else report.background,
                summary=None if report is None else report.summary(), device=device,
+               ddp_trial=None if report is None else report.ddp_trial, # DDP's reducer against the one all-reduce, where tried
                gc=None if report is None else dict(n=len(report.gc_pauses), s=round(sum(report.gc_pauses), 3)),
                phases=None if phases is None else {**phases.summary(), 'agreements': getattr(phases, 'agreements', None)},
                gc_trace=gc_trace)

@@ -289,7 +289,7 @@ def after_batch(self:CompilerCallback):
     tier = self.tiers.after_batch() # A batch that ran a faster tier compiled the tier, not the model's own code
     took = self.compile_recorder.batch_done() if self.policy.timed else None
     if (s := self.compile_recorder.take_compiled()) and not tier: self.aside.warm_starts.in_path(get_model(self.learn.model), self.learn.xb, self.training, s)
-    if self.training: self.pace.after_batch(self.policy.eager)
+    if self.training: self.pace.after_batch(self.policy.eager); self.ddp.after_batch()
     self.policy.end_batch(self.training, took)
 
 # %% ../nbs/02_callback.ipynb #e9355ad1

@@ -76,8 +76,12 @@ class DDPStrategy:
     def before_batch(self,
         compiled:bool, # This training batch runs compiled code
     ):
-        "A training batch starts: once the ranks ran compiled code, `GradSync` averages the gradients, all ready at once"
+        "A training batch starts: once the ranks ran compiled code, `GradSync` averages the gradients, all ready at once, where faster"
         self.sync.before_batch(compiled)
+
+    def after_batch(self):
+        "A training batch ended"
+        self.sync.after_batch()
 
     def params_changed(self):
         "The parameters that train changed during the fit"
@@ -86,7 +90,7 @@ class DDPStrategy:
     def averaged(self)->dict:
         "How the fit's compiled batches' gradients were averaged, for the report (`CompileRecorder.stop`)"
         graphs = compiled_autograd_captures() - self.captures if self.in_backward else None # In compiled autograd's backward graphs
-        return dict(ddp_backward_graphs=graphs, ddp_reducer=self.reducer, ddp_joined=self.sync.left)
+        return dict(ddp_backward_graphs=graphs, ddp_reducer=self.reducer, ddp_joined=self.sync.left, ddp_trial=self.sync.found)
 
     def enter_backward(self,
         loss:torch.Tensor, # What the backward starts from: `learn.loss_grad`

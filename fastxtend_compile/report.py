@@ -113,6 +113,7 @@ class CompileReport:
     ddp_backward_graphs:int|None = None # The backward graphs compiled autograd captured, with `ddp_compiled_autograd`
     ddp_reducer:str|None = None # Why DDP's reducer averaged the compiled batches' gradients; `None` where this library did
     ddp_joined:int = 0 # Compiled batches whose gradients DDP's reducer averaged under its `join()`, where this library averaged the others
+    ddp_trial:dict|None = None # Where the compiled batches were averaged each way in turn: which was kept (`None` before a verdict), and each way's median batch
     background:list = field(default_factory=list) # What compiling outside the fit's path did, a line each (`background`)
     gc_pauses:list = field(default_factory=list) # Seconds of each of Python's full garbage collections during the fits (`GCFreeze`)
     @property
@@ -219,6 +220,13 @@ def payoff(self:CompileReport)->str:
     return f"paid: {line} ({eager/comp:.2f}×); {back}"
 
 # %% ../nbs/01_report.ipynb #82cfc2d3
+def _tried(t:dict)->str:
+    "How a fit's compiled batches were averaged, where DDP's reducer and one all-reduce were tried in turn"
+    if t['kept'] is None: return "by DDP's reducer and in one all-reduce in turn: the fit ended before their trial did"
+    if 'here_s' not in t: return "by DDP's reducer: a rank timed no compiled batch of one of them in their trial"
+    times = f"a compiled batch {_ms(t['here_s'])} in one all-reduce, {_ms(t['reducer_s'])} by DDP's reducer, the slowest rank's medians"
+    return f"in one all-reduce, the faster ({times})" if t['kept'] else f"by DDP's reducer, which one all-reduce didn't beat ({times})"
+
 @patch
 def ddp_strategy(self:CompileReport)->str:
     "How the compiled model ran under DistributedDataParallel"
@@ -226,6 +234,7 @@ def ddp_strategy(self:CompileReport)->str:
         return (f"DDP: whole graphs, each backward compiled by compiled autograd with DDP's all-reduces in its graph "
                 f"(DDP's Python reducer, `ddp_compiled_autograd=True`): {self.ddp_backward_graphs} backward graph(s)")
     how = "in one all-reduce" if self.ddp_reducer is None else f"by DDP's reducer ({self.ddp_reducer})"
+    if self.ddp_reducer is None and self.ddp_trial is not None: how = _tried(self.ddp_trial)
     if self.ddp_joined and self.ddp_reducer is None: how += f", and by DDP's reducer for the {self.ddp_joined} batch(es) under its `join()` (uneven inputs)"
     return f"DDP: whole graphs, gradients all-reduced after the backward, {how}"
 
@@ -429,6 +438,7 @@ def stop(self:CompileRecorder,
     ddp_backward_graphs:int|None=None, # The backward graphs compiled autograd captured in the fit, if it ran the backwards
     ddp_reducer:str|None=None, # Why DDP's reducer averaged the fit's compiled batches' gradients; `None` where this library did
     ddp_joined:int=0, # Compiled batches whose gradients DDP's reducer averaged under its `join()`, where this library averaged the others
+    ddp_trial:dict|None=None, # Where DDP's reducer and this library's all-reduce were tried in turn: the verdict (`GradSync.found`)
     eager_eval:int=0, # Batches of an evaluation outside a fit run eagerly, too few to pay back their graph
     eager_lr_find:int=0, # Batches of an `lr_find` run eagerly, alike
     gc_pauses:list=(), # Seconds of each full garbage collection during the fit
@@ -438,7 +448,7 @@ def stop(self:CompileRecorder,
     r.gc_pauses += gc_pauses
     r.eager_eval += eager_eval
     r.eager_lr_find += eager_lr_find
-    r.ddp_backward_graphs, r.ddp_reducer, r.ddp_joined = ddp_backward_graphs, ddp_reducer, ddp_joined
+    r.ddp_backward_graphs, r.ddp_reducer, r.ddp_joined, r.ddp_trial = ddp_backward_graphs, ddp_reducer, ddp_joined, ddp_trial
     for c in calls: # What ran eagerly rather than compile a graph for a shape seen once (twin blocks see alike)
         for k,n in c.eager_calls.items(): r.eager_calls[k] = max(r.eager_calls.get(k, 0), n)
         for phase in c.dims: r.dynamic[phase, type(c.module).__name__] = c.dynamic_shapes(phase)

@@ -67,7 +67,8 @@ def fit(wait=False, compiled=True, frozen=False, batches=28, backend='aot_eager'
     n = len(starts)
     res = dict(eager=cb.eager, tier=cb.tier, starts=n, warnings=[str(w.message) for w in ws if 'background' in str(w.message)],
                params={k: v.detach().clone() for k,v in learn.model.state_dict().items()})
-    if compiled: res.update(notes=learn.compiler.report.background, graphs=learn.compiler.report.graphs, agreed_at=cb.agreed)
+    if compiled: res.update(notes=learn.compiler.report.background, graphs=learn.compiler.report.graphs, agreed_at=cb.agreed,
+                            trial=learn.compiler.report.ddp_trial)
     starts.clear()
     return res
 

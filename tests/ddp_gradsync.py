@@ -98,11 +98,35 @@ def joined(rank):
     sync.stop()
     return diff(ref, mine)
 
+class Clock:
+    "Seconds as the scenario sets them"
+    def __init__(self): self.t = 0.
+    def __call__(self): return self.t
+
+def tried(rank):
+    "DDP's reducer and `GradSync` average the batches in turn, then the slower way on a rank is kept on every rank"
+    from fastxtend_compile.gradsync import SyncTrial
+    ref, mine = pair(rank)
+    sync, clock = GradSync(), Clock()
+    sync.start(mine)
+    sync.trial = SyncTrial(batches=2, clock=clock)
+    # Rank 0 finds the library's all-reduce faster, rank 1 slower: the slowest rank's batches decide, alike on both
+    here_s, reducer_s = (1., 2.) if rank == 0 else (4., 3.)
+    for i in range(8):
+        step(ref, *batch(rank, i)); sgd(ref)
+        synced(sync, mine, *batch(rank, i))
+        clock.t += here_s if sync.averages else reducer_s
+        sync.after_batch(); sgd(mine)
+    assert sync.found == dict(kept=False, here_s=4., reducer_s=3.), sync.found
+    assert sync.synced == 2, sync.synced # The trial's two batches, none after its verdict
+    sync.stop()
+    return diff(ref, mine)
+
 if __name__ == '__main__':
     rank = int(os.environ['RANK'])
     dist.init_process_group('gloo', rank=rank, world_size=int(os.environ['WORLD_SIZE']), timeout=timedelta(seconds=30))
     res = {}
-    for f in [globals()[n] for n in sys.argv[2:]] or (unused, accumulated, refrozen, joined):
+    for f in [globals()[n] for n in sys.argv[2:]] or (unused, accumulated, refrozen, joined, tried):
         try: res[f.__name__] = f(rank)
         except Exception as e: res[f.__name__] = f'{type(e).__name__}: {e}'
         dist.barrier()

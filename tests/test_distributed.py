@@ -110,18 +110,22 @@ def test_graphs_stay_whole_by_default(runs):
     ranks, single = runs
     for r in ranks: # DDPOptimizer did not split the graphs at DDP's buckets, and the report says they stayed whole
         assert r['ddp_buckets'] == [] and r['ddp'] is True
-        assert "DDP: whole graphs, gradients all-reduced after the backward, in one all-reduce" in r['summary']
+        # Eight training batches: DDP's reducer and the library take them in turn, too few for the trial's verdict
+        assert ("DDP: whole graphs, gradients all-reduced after the backward, by DDP's reducer and in one all-reduce in turn: "
+                "the fit ended before their trial did") in r['summary']
     assert single['ddp'] is False and 'DDP:' not in single['summary']
     for r in ranks + [single]: assert r['optimize_ddp_after'] is True # TorchDynamo's own setting, restored after each fit
 
-def test_ddp_averages_eager_batches_and_the_library_the_compiled_ones_in_one_all_reduce(runs):
+def test_ddp_averages_eager_batches_and_the_compiled_ones_in_turn_with_the_library(runs):
     ranks, single = runs
+    # From the first compiled batch, DDP's reducer and the library average two batches each in turn (`SyncTrial`)
+    way = lambda j: (0, 1) if (j // 2) % 2 else (1, 0)
     for r in ranks:
         # Each training batch of the 2 epochs: (it ran compiled code, DDP's reducer averaged it, the library's all-reduces)
         assert len(r['sync_batches']) == 8, r['sync_batches']
         first = next(i for i,(compiled,_,_) in enumerate(r['sync_batches']) if compiled)
-        # DDP's reducer averages each batch before the first compiled one, the library each one from it on
-        assert all((p, s) == ((0, 1) if i >= first else (1, 0)) for i,(_,p,s) in enumerate(r['sync_batches'])), r['sync_batches']
+        # DDP's reducer averages each batch before the first compiled one
+        assert all((p, s) == (way(i - first) if i >= first else (1, 0)) for i,(_,p,s) in enumerate(r['sync_batches'])), r['sync_batches']
         assert sum(c for c,_,_ in r['sync_batches']) >= 6 # The fit ran compiled code from its first batches on
     # The weights still equal the one-process fit's (test_two_processes_match_one_on_the_same_global_batch)
     assert single['sync_batches'] == []
@@ -194,7 +198,7 @@ def test_ddp_strategy_leaves_a_users_python_reducer_alone():
             assert optimize_ddp() == ('no_optimization' if ours else mode) # Whole graphs, unless the user's reducer is left alone
             strategy.start_sync(ddp)
             assert (strategy.sync.ddp is not None) is ours and strategy.reducer is None # The library averages whole graphs' gradients
-            assert strategy.averaged() == dict(ddp_backward_graphs=None, ddp_reducer=None, ddp_joined=0) # What the report is given
+            assert strategy.averaged() == dict(ddp_backward_graphs=None, ddp_reducer=None, ddp_joined=0, ddp_trial=None) # What the report is given
             strategy.restore()
             assert strategy.sync.ddp is None
             assert optimize_ddp() == mode
@@ -317,6 +321,8 @@ def test_a_state_compiled_before_compiles_at_once_on_every_rank(background_runs)
                                           "inductor's cache has this model state's code"), warm[0]['notes']
     # Decided at the first agreement; from the second on nothing waits for a decision, so each comes twice as far as the last
     assert all(w['agreed_at'] == [0, 8, 24] for w in warm), [w['agreed_at'] for w in warm]
+    # 27 compiled batches: DDP's reducer and the library's all-reduce took 18 in turn, and every rank came to one verdict
+    assert warm[0]['trial']['kept'] is not None and all(w['trial'] == warm[0]['trial'] for w in warm), [w['trial'] for w in warm]
 
 def _as_eager_ddp(fit:dict, eager:dict, world:int, what:str, start:dict|None=None):
     "A compiled DDP fit (aot_eager: eager's arithmetic) ends with eager DDP's weights; on 4 ranks, given the weights both `start`ed from"
@@ -445,6 +451,8 @@ def test_grad_sync_takes_compiled_batches_from_ddps_reducer_unless_the_fit_asked
     from fastxtend_compile.gradsync import GradSync
     torch.distributed.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{_free_port()}', rank=0, world_size=1)
     try:
+        assert GradSync.replaces is None
+        GradSync.replaces = True # As a user asks: the library averages every batch once compiled code ran, untried
         sync, ddp = GradSync(), DistributedDataParallel(torch.nn.Linear(2, 2))
         assert sync.start(ddp) is None
         sync.before_batch(True) # A compiled batch: DDP skips its reducer, as in `no_sync()`, and the library averages
@@ -519,10 +527,51 @@ def test_grad_sync_takes_compiled_batches_from_ddps_reducer_unless_the_fit_asked
         sync.before_batch(True)
         assert ddp.require_backward_grad_sync and not sync.on
     finally:
-        GradSync.replaces = True
+        GradSync.replaces = None
         torch.distributed.destroy_process_group()
 
-def test_grad_sync_averages_as_ddps_reducer_with_unused_parameters_accumulation_a_new_freeze_and_uneven_inputs(tmp_path):
+class _Clock:
+    "Seconds as a test sets them: each batch of a trial takes what the test adds"
+    def __init__(self): self.t = 0.
+    def __call__(self): return self.t
+
+def test_grad_sync_tries_ddps_reducer_and_its_own_all_reduce_in_turn_and_keeps_the_faster():
+    from torch.nn.parallel import DistributedDataParallel
+    from fastxtend_compile.gradsync import GradSync, SyncTrial
+    torch.distributed.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{_free_port()}', rank=0, world_size=1)
+    try:
+        # A batch DDP's reducer averages takes 4 s; one the library averages 2 s (kept), 3.9375 s (within the margin) or 6 s
+        for here_s, kept in ((2., True), (3.9375, False), (6., False)):
+            ddp, sync, clock = DistributedDataParallel(torch.nn.Linear(2, 2)), GradSync(), _Clock()
+            ddp(torch.ones(3, 2)) # DDP's forward ran once: set up, it is left out of the batches averaged here
+            assert sync.start(ddp) is None
+            sync.trial = SyncTrial(batches=2, clock=clock)
+            ways = []
+            for i in range(8):
+                sync.before_batch(True)
+                ways.append((sync.averages, ddp.require_backward_grad_sync, 'forward' in ddp.__dict__))
+                loss = ddp(torch.ones(3, 2)).sum()
+                sync.before_backward(loss)
+                loss.backward()
+                for p in ddp.parameters(): p.grad = None
+                clock.t += here_s if sync.averages else 4.
+                sync.after_batch()
+            # Two batches to settle and two each way in turn, DDP's forward left out of the library's; then the verdict
+            trial = [(False, True, True), (False, True, True), (True, False, True), (True, False, True), (False, True, True), (False, True, True)]
+            assert ways == trial + [(kept, not kept, kept)] * 2, (here_s, ways)
+            assert sync.found == dict(kept=kept, here_s=here_s, reducer_s=4.) and sync.synced == 2 + 2*kept
+            sync.stop()
+            assert sync.found is None and 'forward' not in ddp.__dict__ and ddp.require_backward_grad_sync
+        # A rank that timed no compiled batch of one way (its batches ran eagerly): DDP's reducer, untimed
+        sync.start(ddp)
+        sync.trial = SyncTrial(batches=2, clock=_Clock())
+        sync.before_batch(True)
+        for i in range(6): sync.before_batch(False); sync.after_batch()
+        assert not sync.averages and sync.kept is False and sync.found == dict(kept=False)
+        sync.stop()
+    finally: torch.distributed.destroy_process_group()
+
+def test_grad_sync_averages_as_ddps_reducer_with_unused_parameters_accumulation_a_new_freeze_uneven_inputs_and_in_turn(tmp_path):
     "Two ranks: each scenario of ddp_gradsync.py trains a copy `GradSync` averages and one DDP's reducer averages, alike"
     env = {k:v for k,v in os.environ.items() if k not in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE')}
     env.update(CUDA_VISIBLE_DEVICES='', WORLD_SIZE='2', MASTER_ADDR='127.0.0.1',
@@ -539,6 +588,6 @@ def test_grad_sync_averages_as_ddps_reducer_with_unused_parameters_accumulation_
     for p,out in zip(procs, outs): assert p.returncode == 0, out[-3000:]
     for r in range(2):
         res = torch.load(tmp_path/f'rank{r}.pt')
-        assert list(res) == ['unused', 'accumulated', 'refrozen', 'joined'], res
+        assert list(res) == ['unused', 'accumulated', 'refrozen', 'joined', 'tried'], res
         # The same gradients and weights, within float32's rounding of a sum taken in another order
         for name, d in res.items(): assert isinstance(d, float) and d <= 1e-6, (r, name, d)
