@@ -138,7 +138,7 @@ class GradSync:
         self.groups = [] # Its trained parameters' `GradBuffer`s, by device and dtype (`by_kind`)
         self.agrees = False # The ranks switch at an agreement of the background compile, not at their first compiled batch
         self.compiled = False # This rank ran a compiled batch in this fit
-        self.on = False # Every rank averages this fit's batches here from now on, not with DDP's reducer
+        self.on = False # The ranks switched: from now on their batches are tried each way, then averaged as the trial found
         self.trial = None # Once switched, the batches averaged each way in turn, for the ranks to keep the faster
         self.kept = None # Whether this library averages the compiled batches; `None` while they are tried each way
         self.found = None # What the trial found, for the report: which way was kept (`None` before its verdict), each way's median batch
