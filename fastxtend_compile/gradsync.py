@@ -198,30 +198,35 @@ class GradSync:
         if not self.on or self.joined: return False
         return self.trial.here if self.kept is None else self.kept
 
-    def view(self, st)->dict:
-        "This rank's part of an agreement of the ranks: whether it ran compiled code"
-        return dict(compiled=self.compiled)
+# %% ../nbs/17_gradsync.ipynb #5a1c9e0a
+@patch
+def view(self:GradSync, st)->dict:
+    "This rank's part of an agreement of the ranks: whether it ran compiled code"
+    return dict(compiled=self.compiled)
 
-    def settled(self, st)->bool:
-        "Whether this rank waits for no agreement: it switched already, or ran no compiled code"
-        return self.on or not self.compiled
+@patch
+def settled(self:GradSync, st)->bool:
+    "Whether this rank waits for no agreement: it switched already, or ran no compiled code"
+    return self.on or not self.compiled
 
-    def agreed(self, st, views:list, learn, model:nn.Module,
-        decision:str|None=None, # What the ranks decided on the state at this agreement (`agreement.decide`)
-    ):
-        "At an agreement, on every rank: once any rank ran compiled code, or all switch to it at the next batch, every rank switches, from this batch on"
-        # Each compiled batch the ranks switched to together is tried each way from the first (`SyncTrial`)
-        if self.ddp is not None and (any(v['compiled'] for v in views) or decision in ('warm', 'ready', 'path')): self._switch_on()
+@patch
+def agreed(self:GradSync, st, views:list, learn, model:nn.Module,
+    decision:str|None=None, # What the ranks decided on the state at this agreement (`agreement.decide`)
+):
+    "At an agreement, on every rank: once any rank ran compiled code, or all switch to it at the next batch, every rank switches, from this batch on"
+    # Each compiled batch the ranks switched to together is tried each way from the first (`SyncTrial`)
+    if self.ddp is not None and (any(v['compiled'] for v in views) or decision in ('warm', 'ready', 'path')): self._switch_on()
 
-    def _switch_on(self):
-        "The ranks switch: this fit's batches are averaged here, or tried each way, from now on; DDP's forward, where it would only call the model, is left out of those"
-        if self.on: return
-        self.on = True
-        if self.trial is not None: self.found = dict(kept=None)
-        # DDP's forward prepares its reducer, which averages no batch of this library's: host work at every batch, a share of a CUDA-graph step
-        if ddp_forward_calls_module(self.ddp):
-            self.device = torch.device(self.ddp.device_type, self.ddp.device_ids[0]) if self.ddp.device_ids else None
-            self.ddp.forward = self._forward
+@patch
+def _switch_on(self:GradSync):
+    "The ranks switch: this fit's batches are averaged here, or tried each way, from now on; DDP's forward, where it would only call the model, is left out of those"
+    if self.on: return
+    self.on = True
+    if self.trial is not None: self.found = dict(kept=None)
+    # DDP's forward prepares its reducer, which averages no batch of this library's: host work at every batch, a share of a CUDA-graph step
+    if ddp_forward_calls_module(self.ddp):
+        self.device = torch.device(self.ddp.device_type, self.ddp.device_ids[0]) if self.ddp.device_ids else None
+        self.ddp.forward = self._forward
 
 # %% ../nbs/17_gradsync.ipynb #42aa5e21
 @patch
