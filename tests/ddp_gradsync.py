@@ -47,6 +47,12 @@ def synced(sync, ddp, x, y, extra=True):
     sync.before_backward(loss)
     loss.backward()
 
+def ours()->GradSync:
+    "A `GradSync` that averages every compiled batch itself, untried, as `GradSync.replaces = True` asks"
+    sync = GradSync()
+    sync.replaces = True
+    return sync
+
 def sgd(ddp):
     with torch.no_grad():
         for p in ddp.parameters():
@@ -55,33 +61,36 @@ def sgd(ddp):
 def unused(rank):
     "Rank 1 leaves a branch unused: its gradient there counts as zeros, as DDP's reducer counts it"
     ref, mine = pair(rank)
-    sync = GradSync(); sync.start(mine)
+    sync = ours(); sync.start(mine)
     step(ref, *batch(rank, 0), extra=rank == 0)
     synced(sync, mine, *batch(rank, 0), extra=rank == 0)
+    assert sync.synced == 1, sync.synced # Averaged by the library, not by DDP's reducer
     sync.stop()
     return diff(ref, mine)
 
 def accumulated(rank):
     "Two backwards before a step, the first in the user's `no_sync()`: the same gradients as DDP's, averaged once"
     ref, mine = pair(rank)
-    sync = GradSync(); sync.start(mine)
+    sync = ours(); sync.start(mine)
     with ref.no_sync(): step(ref, *batch(rank, 0))
     step(ref, *batch(rank, 1))
     with mine.no_sync(): synced(sync, mine, *batch(rank, 0))
     synced(sync, mine, *batch(rank, 1))
+    assert sync.synced == 2, sync.synced # Each backward's gradients so far, averaged: the second's average is the sum's
     sync.stop()
     return diff(ref, mine)
 
 def refrozen(rank):
     "A fit, then the body frozen and another fit: the second averages only what trains now"
     ref, mine = pair(rank)
-    sync = GradSync()
+    sync = ours()
     for fit in range(2):
         if fit: 
             for m in (ref, mine): m.module.body.requires_grad_(False)
         sync.start(mine)
         step(ref, *batch(rank, fit)); sgd(ref)
         synced(sync, mine, *batch(rank, fit)); sgd(mine)
+        assert sync.synced == 1, (fit, sync.synced)
         sync.stop()
     return diff(ref, mine)
 
@@ -91,7 +100,7 @@ def joined(rank):
     n = 3 if rank == 0 else 2
     with ref.join():
         for i in range(n): step(ref, *batch(rank, i)); sgd(ref)
-    sync = GradSync(); sync.start(mine)
+    sync = ours(); sync.start(mine)
     with mine.join():
         for i in range(n): synced(sync, mine, *batch(rank, i)); sgd(mine)
     assert sync.left == n, f"{sync.left} batches left to DDP's reducer under join(), of {n}" # What the report says
