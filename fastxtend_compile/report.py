@@ -111,7 +111,7 @@ class CompileReport:
     precompiled:int = 0 # Compiled functions whose code TorchDynamo loaded precompiled from the compile cache, not traced again
     ddp:bool = False # The compiled model ran under DistributedDataParallel, as this library sets it up
     ddp_backward_graphs:int|None = None # The backward graphs compiled autograd captured, with `ddp_compiled_autograd`
-    ddp_reducer:str|None = None # Why DDP's reducer averaged the compiled batches' gradients; `None` where this library did
+    ddp_reducer:str|None = None # Why DDP's reducer averaged the compiled batches' gradients; `None` where this library did, or the two were tried (`ddp_trial`)
     ddp_joined:int = 0 # Compiled batches whose gradients DDP's reducer averaged under its `join()`, where this library averaged the others
     ddp_trial:dict|None = None # Where the compiled batches were averaged each way in turn: which was kept (`None` before a verdict), and each way's median batch
     background:list = field(default_factory=list) # What compiling outside the fit's path did, a line each (`background`)
