@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from fastcore.basics import patch
+from fastcore.basics import patch, noop
 
 from .payoff import faster
 from .internals import ddp_comm_hooks, ddp_joining, ddp_forward_calls_module, ddp_module_call, copy_into, at_backward_end, tree_flatten
@@ -97,8 +97,9 @@ class SyncTrial:
     def __init__(self,
         batches:int=8, # Batches timed each way
         clock=time.perf_counter, # Seconds now, to time the batches by
+        sync=noop, # Waits for the device's work queued so far, before each reading of `clock`
     ):
-        self.batches, self.clock = batches, clock
+        self.batches, self.clock, self.sync = batches, clock, sync
         self.n = 0 # The trial's batches so far: the same count on every rank
         self.here = False # This library averages the trial's batch running, not DDP's reducer
         self.t0 = None # When the batch being timed started, its device synced
@@ -111,17 +112,16 @@ class SyncTrial:
 
     def batch(self,
         compiled:bool, # This rank's batch runs compiled code: the trial times only those
-        sync, # Waits for the device's work queued so far
     ):
         "The trial's next batch starts: which way it is averaged, and its time from a synced device"
         # Two batches each way in turn: a tier's A/B, which alternates a batch each way, runs a batch of each in each two
         self.here, self.n = (self.n // 2) % 2 == 1, self.n + 1
-        if compiled and self.n > self.settle: sync(); self.t0 = self.clock()
+        if compiled and self.n > self.settle: self.sync(); self.t0 = self.clock()
 
-    def end(self, sync):
+    def end(self):
         "The batch ended: its time, where it was timed"
         if self.t0 is None: return
-        sync()
+        self.sync()
         self.times[self.here].append(self.clock() - self.t0)
         self.t0 = None
 
@@ -156,7 +156,7 @@ class GradSync:
         if self.replaces is False: return "kept, as `GradSync.replaces = False` asks"
         if (why := why_ddp_syncs(ddp)) is not None: return why
         self.ddp, self.synced, self.agrees = ddp, 0, ranks is not None and ranks.agrees
-        if self.replaces is None: self.trial = SyncTrial()
+        if self.replaces is None: self.trial = SyncTrial(sync=self._sync)
         else: self.kept = True
         if self.agrees: ranks.join(self)
         self.params_changed()
@@ -182,7 +182,7 @@ class GradSync:
         self.joined = ddp_joining(self.ddp)
         if self.on and not self.joined and self.trial is not None:
             if self.trial.done: self._decide()
-            else: self.trial.batch(compiled, self._sync)
+            else: self.trial.batch(compiled)
         self.left += self.on and self.joined and self.kept is not False
         self.ddp.require_backward_grad_sync = not self.averages # As DDP's `no_sync()` sets it
         # DDP still broadcasts rank 0's buffers before the forward, as without `no_sync()` (which DDP's forward turns off)
@@ -190,7 +190,7 @@ class GradSync:
 
     def after_batch(self):
         "A training batch ended: its time, where the trial timed it"
-        if self.trial is not None: self.trial.end(self._sync)
+        if self.trial is not None: self.trial.end()
 
     @property
     def averages(self)->bool:
