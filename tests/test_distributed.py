@@ -3,7 +3,7 @@
 One run starts three processes at once: the two ranks of a DDP fit and, for reference, the same fit in one process on
 the same global batches. tests/ddp_worker.py is what each runs; the checks read what they wrote.
 """
-import fcntl, os, re, socket, subprocess, sys, time
+import fcntl, gc, os, re, socket, subprocess, sys, time
 from contextlib import contextmanager
 from pathlib import Path
 import pytest, torch
@@ -445,11 +445,23 @@ def test_a_rank_that_raises_stops_every_rank_and_ends_the_worker(background_runs
     assert all(r['error'] is not None for r in raised) # Every rank's fit stopped with an error: none hangs (the launch's timeout)
     assert raised[0]['workers'] == 1 and raised[0]['workers_alive'] == [False] # Rank 0's worker, compiling still, ended with it
 
+@contextmanager
+def one_process_group():
+    "A `gloo` process group of this process alone, for a test's DDP models, which go before it does"
+    torch.distributed.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{_free_port()}', rank=0, world_size=1)
+    try: yield
+    finally:
+        # A DDP model freed once its group was destroyed can hang in gloo's teardown: those left in reference cycles go first
+        gc.collect()
+        torch.distributed.destroy_process_group()
+
 def test_grad_sync_takes_compiled_batches_from_ddps_reducer_unless_the_fit_asked_ddp_for_more():
+    with one_process_group(): _takes_compiled_batches() # Its models are freed as it returns, while the group is there
+
+def _takes_compiled_batches():
     from torch.nn.parallel import DistributedDataParallel
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from fastxtend_compile.gradsync import GradSync
-    torch.distributed.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{_free_port()}', rank=0, world_size=1)
     try:
         assert GradSync.replaces is None
         GradSync.replaces = True # As a user asks: the library averages every batch once compiled code ran, untried
@@ -526,9 +538,7 @@ def test_grad_sync_takes_compiled_batches_from_ddps_reducer_unless_the_fit_asked
         assert sync.start(ddp) == "kept, as `GradSync.replaces = False` asks" and sync.ddp is None
         sync.before_batch(True)
         assert ddp.require_backward_grad_sync and not sync.on
-    finally:
-        GradSync.replaces = None
-        torch.distributed.destroy_process_group()
+    finally: GradSync.replaces = None
 
 class _Clock:
     "Seconds as a test sets them: each batch of a trial takes what the test adds"
@@ -536,40 +546,40 @@ class _Clock:
     def __call__(self): return self.t
 
 def test_grad_sync_tries_ddps_reducer_and_its_own_all_reduce_in_turn_and_keeps_the_faster():
+    with one_process_group(): _tries_each_way()
+
+def _tries_each_way():
     from torch.nn.parallel import DistributedDataParallel
     from fastxtend_compile.gradsync import GradSync, SyncTrial
-    torch.distributed.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{_free_port()}', rank=0, world_size=1)
-    try:
-        # A batch DDP's reducer averages takes 4 s; one the library averages 2 s (kept), 3.9375 s (within the margin) or 6 s
-        for here_s, kept in ((2., True), (3.9375, False), (6., False)):
-            ddp, sync, clock = DistributedDataParallel(torch.nn.Linear(2, 2)), GradSync(), _Clock()
-            ddp(torch.ones(3, 2)) # DDP's forward ran once: set up, it is left out of the batches averaged here
-            assert sync.start(ddp) is None
-            sync.trial = SyncTrial(batches=2, clock=clock)
-            ways = []
-            for i in range(8):
-                sync.before_batch(True)
-                ways.append((sync.averages, ddp.require_backward_grad_sync, 'forward' in ddp.__dict__))
-                loss = ddp(torch.ones(3, 2)).sum()
-                sync.before_backward(loss)
-                loss.backward()
-                for p in ddp.parameters(): p.grad = None
-                clock.t += here_s if sync.averages else 4.
-                sync.after_batch()
-            # Two batches to settle and two each way in turn, DDP's forward left out of the library's; then the verdict
-            trial = [(False, True, True), (False, True, True), (True, False, True), (True, False, True), (False, True, True), (False, True, True)]
-            assert ways == trial + [(kept, not kept, kept)] * 2, (here_s, ways)
-            assert sync.found == dict(kept=kept, here_s=here_s, reducer_s=4.) and sync.synced == 2 + 2*kept
-            sync.stop()
-            assert sync.found is None and 'forward' not in ddp.__dict__ and ddp.require_backward_grad_sync
-        # A rank that timed no compiled batch of one way (its batches ran eagerly): DDP's reducer, untimed
-        sync.start(ddp)
-        sync.trial = SyncTrial(batches=2, clock=_Clock())
-        sync.before_batch(True)
-        for i in range(6): sync.before_batch(False); sync.after_batch()
-        assert not sync.averages and sync.kept is False and sync.found == dict(kept=False)
+    # A batch DDP's reducer averages takes 4 s; one the library averages 2 s (kept), 3.9375 s (within the margin) or 6 s
+    for here_s, kept in ((2., True), (3.9375, False), (6., False)):
+        ddp, sync, clock = DistributedDataParallel(torch.nn.Linear(2, 2)), GradSync(), _Clock()
+        ddp(torch.ones(3, 2)) # DDP's forward ran once: set up, it is left out of the batches averaged here
+        assert sync.start(ddp) is None
+        sync.trial = SyncTrial(batches=2, clock=clock)
+        ways = []
+        for i in range(8):
+            sync.before_batch(True)
+            ways.append((sync.averages, ddp.require_backward_grad_sync, 'forward' in ddp.__dict__))
+            loss = ddp(torch.ones(3, 2)).sum()
+            sync.before_backward(loss)
+            loss.backward()
+            for p in ddp.parameters(): p.grad = None
+            clock.t += here_s if sync.averages else 4.
+            sync.after_batch()
+        # Two batches to settle and two each way in turn, DDP's forward left out of the library's; then the verdict
+        trial = [(False, True, True), (False, True, True), (True, False, True), (True, False, True), (False, True, True), (False, True, True)]
+        assert ways == trial + [(kept, not kept, kept)] * 2, (here_s, ways)
+        assert sync.found == dict(kept=kept, here_s=here_s, reducer_s=4.) and sync.synced == 2 + 2*kept
         sync.stop()
-    finally: torch.distributed.destroy_process_group()
+        assert sync.found is None and 'forward' not in ddp.__dict__ and ddp.require_backward_grad_sync
+    # A rank that timed no compiled batch of one way (its batches ran eagerly): DDP's reducer, untimed
+    sync.start(ddp)
+    sync.trial = SyncTrial(batches=2, clock=_Clock())
+    sync.before_batch(True)
+    for i in range(6): sync.before_batch(False); sync.after_batch()
+    assert not sync.averages and sync.kept is False and sync.found == dict(kept=False)
+    sync.stop()
 
 def test_grad_sync_averages_as_ddps_reducer_with_unused_parameters_accumulation_a_new_freeze_uneven_inputs_and_in_turn(tmp_path):
     "Two ranks: each scenario of ddp_gradsync.py trains a copy `GradSync` averages and one DDP's reducer averages, alike"
