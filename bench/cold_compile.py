@@ -10,32 +10,34 @@ its forward compiled as `learn.compile()`'s CUDA-graph tier compiles it (`mode='
 - *default*: as *plain*, `mode='default'` (no CUDA graphs);
 - *no-pointwise-tuning*: as *plain*, inductor's pointwise kernels compiled with one configuration each.
 
-    python3 bench/cold_compile.py --out OUT [--repeat 2] [--arms plain,imported] [--smoke]
+    python3 bench/cold_compile.py --out OUT [--sizes text,small] [--repeat 2] [--arms plain,imported] [--smoke]
 
 Writes `OUT/cold_compile.json` and `OUT/arms.log`, and prints each run's seconds.
 """
 from __future__ import annotations
-import argparse, json, statistics, sys, tempfile, time
+import argparse, itertools, json, statistics, sys, tempfile, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from procs import arm_env, run_process, log_process, versions, git_commit
 
 ARMS = ('plain', 'imported', 'default', 'no-pointwise-tuning')
-SIZES = dict(full=dict(vocab=8000, seq=256, d=384, layers=6, heads=6, bs=64), smoke=dict(vocab=100, seq=16, d=32, layers=2, heads=2, bs=4))
+# bench/workflow.py's text (GPU-bound) and text-small (launch-bound) models, and a tiny one for `--smoke`
+SIZES = dict(text=dict(vocab=8000, seq=256, d=384, layers=6, heads=6, bs=64), small=dict(vocab=8000, seq=64, d=128, layers=4, heads=4, bs=32),
+             smoke=dict(vocab=100, seq=16, d=32, layers=2, heads=2, bs=4))
 
 def _synced(device):
     import torch
     if device == 'cuda': torch.cuda.synchronize()
     return time.perf_counter()
 
-def child(arm:str, smoke:bool)->dict:
+def child(arm:str, size:str, smoke:bool)->dict:
     "One arm's measure, in this process"
     t0 = time.perf_counter()
     import torch, torch.nn.functional as F
     from arm import TextClassifier
     device = 'cpu' if smoke else 'cuda'
-    s = SIZES['smoke' if smoke else 'full']
-    res = dict(arm=arm, import_torch_s=time.perf_counter() - t0)
+    s = SIZES['smoke' if smoke else size]
+    res = dict(arm=arm, size=size, import_torch_s=time.perf_counter() - t0)
     model = TextClassifier(s['vocab'], s['seq'], s['d'], s['layers'], s['heads'], 4).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == 'cuda')
     g = torch.Generator().manual_seed(0)
@@ -96,30 +98,30 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--out', required=True)
     p.add_argument('--arms', default=','.join(ARMS))
+    p.add_argument('--sizes', default='text', help=f"comma-separated, of {','.join(k for k in SIZES if k != 'smoke')}")
     p.add_argument('--repeat', type=int, default=1)
     p.add_argument('--timeout', type=float, default=150)
     p.add_argument('--smoke', action='store_true')
     p.add_argument('--child')
     a = p.parse_args()
     if a.child:
-        res = child(a.child, a.smoke)
+        res = child(a.child, a.sizes, a.smoke)
         Path(a.out).write_text(json.dumps(res))
         return
     out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
     runs, log = [], open(out/'arms.log', 'a')
     meta = dict(versions=versions('cpu' if a.smoke else 'cuda'), commit=git_commit(), argv=sys.argv[1:])
-    for r in range(a.repeat):
-        for arm in a.arms.split(','):
-            with tempfile.TemporaryDirectory(prefix='fxc-cold-') as tmp:
-                res_path = Path(tmp)/'res.json'
-                cmd = [sys.executable, __file__, '--child', arm, '--out', res_path] + (['--smoke'] if a.smoke else [])
-                fin = run_process(cmd, arm_env(Path(tmp)/'cache'), a.timeout)
-                log_process(log, f'{arm} run {r}', cmd, fin)
-                res = json.loads(res_path.read_text()) if res_path.exists() else dict(arm=arm, error=fin.tail(5))
-                res.update(run=r, process_s=fin.wall)
-                runs.append(res)
-                print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items() if k != 'phases'}), flush=True)
-                (out/'cold_compile.json').write_text(json.dumps(dict(meta=meta, runs=runs), indent=1))
-    for res in runs: print(f"\n== {res['arm']} run {res['run']}\n{res.get('phases')}")
+    for r, size, arm in itertools.product(range(a.repeat), a.sizes.split(','), a.arms.split(',')):
+        with tempfile.TemporaryDirectory(prefix='fxc-cold-') as tmp:
+            res_path = Path(tmp)/'res.json'
+            cmd = [sys.executable, __file__, '--child', arm, '--sizes', size, '--out', res_path] + (['--smoke'] if a.smoke else [])
+            fin = run_process(cmd, arm_env(Path(tmp)/'cache'), a.timeout)
+            log_process(log, f'{size} {arm} run {r}', cmd, fin)
+            res = json.loads(res_path.read_text()) if res_path.exists() else dict(arm=arm, error=fin.tail(5))
+            res.update(run=r, process_s=fin.wall)
+            runs.append(res)
+            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items() if k != 'phases'}), flush=True)
+            (out/'cold_compile.json').write_text(json.dumps(dict(meta=meta, runs=runs), indent=1))
+    for res in runs: print(f"\n== {res.get('size')} {res['arm']} run {res['run']}\n{res.get('phases')}")
 
 if __name__ == '__main__': main()
