@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #de0ba488
 from __future__ import annotations
-import hashlib, shutil, sys, time, warnings, weakref
+import hashlib, importlib.util, shutil, sys, time, warnings, weakref
 from collections import Counter
 from contextlib import contextmanager
 from enum import Enum
@@ -120,6 +120,8 @@ def cannot_compile_reason(
         cc = torch.cuda.get_device_capability(device)
         if cc < (7, 0):
             return f"inductor needs Triton, which needs a CUDA GPU of compute capability 7.0 or newer; this GPU has {cc[0]}.{cc[1]}"
+        if importlib.util.find_spec('triton') is None:
+            return "inductor needs Triton to compile for a CUDA GPU and it isn't installed (`pip install triton`)"
     return None
 
 # %% ../nbs/00_core.ipynb #233956e3

@@ -186,7 +186,7 @@ def debug_compile(self:Learner,
     atol:float=1e-4, # Absolute tolerance for outputs and gradients
     show:bool=True, # Print each stage's result
 )->list:
-    "Run one batch through backend 'eager', then 'aot_eager', then `backend`, stopping at the first that fails"
+    "Run one batch through backend 'eager', then 'aot_eager', then `backend`, stopping at the first that raises"
     settings = dict((compiler_of(self, kept=True) or CompilerCallback(backend=backend or 'inductor')).settings)
     settings['backend'] = check_backend(backend or settings['backend'])
     stages = []

@@ -1,5 +1,5 @@
 "What the compiler did is visible: report, warnings, explain, the crash ladder, clear errors"
-import logging, re, shutil, pytest, torch
+import importlib.util, logging, re, shutil, pytest, torch
 from functools import partial
 from torch import nn
 import matplotlib; matplotlib.use('Agg')
@@ -208,6 +208,14 @@ def test_gpu_too_old_for_triton(monkeypatch):
     monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None: (6, 1))
     assert cannot_compile_reason('inductor', 'cuda') == "inductor needs Triton, which needs a CUDA GPU of compute capability 7.0 or newer; this GPU has 6.1"
     assert cannot_compile_reason('aot_eager', 'cuda') is None
+
+def test_gpu_without_triton(monkeypatch):
+    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None: (9, 0))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'triton' else find_spec(name, *a))
+    assert cannot_compile_reason('inductor', 'cuda') == "inductor needs Triton to compile for a CUDA GPU and it isn't installed (`pip install triton`)"
+    assert cannot_compile_reason('aot_eager', 'cuda') is None
+    assert cannot_compile_reason('inductor', 'cpu') is None # The CPU's code is C++
 
 def test_torch_that_cannot_compile(digits, monkeypatch):
     monkeypatch.setattr(torch._dynamo, 'is_dynamo_supported', lambda: False)
