@@ -278,6 +278,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback._Precompile.set': ( 'callback.html#_precompile.set',
                                                                                             'fastxtend_compile/callback.py'),
+                                            'fastxtend_compile.callback._flags': ('callback.html#_flags', 'fastxtend_compile/callback.py'),
                                             'fastxtend_compile.callback.compiler_of': ( 'callback.html#compiler_of',
                                                                                         'fastxtend_compile/callback.py')},
             'fastxtend_compile.core': { 'fastxtend_compile.core.CompileMode': ('core.html#compilemode', 'fastxtend_compile/core.py'),

@@ -116,6 +116,11 @@ class _Precompile:
             if not during_fit: self.restore()
 
 # %% ../nbs/02_callback.ipynb #d5da3f59
+def _flags(**flags):
+    "Refuse a switch that isn't `True` or `False`, naming it: a string such as 'no' would read as on"
+    for k,v in flags.items():
+        if not isinstance(v, bool): raise TypeError(f"{k} must be True or False, not {v!r}")
+
 class CompilerCallback(Callback):
     "A callback for using `torch.compile` with fastai"
     order = 12 # After `DistributedTrainer` (11) wraps the model in DDP, so the module inside it is compiled
@@ -135,6 +140,7 @@ class CompilerCallback(Callback):
         precompile:bool=False, # Save TorchDynamo's traced code with the compile cache too: a warm start skips tracing (torch 2.15+)
         background:bool|None=None, # Train eagerly while a worker process compiles, then take over (None: on a CUDA GPU); False compiles in the fit's path
     ):
+        _flags(recompile=recompile, verbose=verbose, regional=regional, compile_valid=compile_valid, compile_opt=compile_opt)
         self.settings = compile_settings(fullgraph, dynamic, backend, mode, options)
         self.precision = _MatMulPrecision(MatMulPrecision(matmul_precision).value)
         store_attr('recompile,verbose,regional,compile_opt')
@@ -160,7 +166,9 @@ class CompilerCallback(Callback):
         return self.policy.compile_valid
 
     @compile_valid.setter
-    def compile_valid(self, on:bool): self.policy.compile_valid = on
+    def compile_valid(self, on:bool):
+        _flags(compile_valid=on)
+        self.policy.compile_valid = on
 
     @property
     def matmul_precision(self)->str:

@@ -439,6 +439,9 @@ def test_bad_settings_refused_naming_the_parameter(digits):
     with pytest.raises(TypeError, match='dynamic'): CompilerCallback(dynamic='false')
     with pytest.raises(TypeError, match='fullgraph'): CompilerCallback(fullgraph='false')
     with pytest.raises(TypeError, match=re.escape("ddp_compiled_autograd must be True or False, not 1")): CompilerCallback(ddp_compiled_autograd=1)
+    for flag in ('recompile', 'verbose', 'regional', 'compile_valid', 'compile_opt'): # A string such as 'no' would read as on
+        with pytest.raises(TypeError, match=re.escape(f"{flag} must be True or False, not 'no'")): CompilerCallback(**{flag: 'no'})
+    with pytest.raises(TypeError, match=re.escape("compile_valid must be True or False, not None")): CompilerCallback().compile_valid = None
     with pytest.raises(ValueError, match=re.escape("Choose ddp_compiled_autograd=True or precompile=True, not both")):
         CompilerCallback(ddp_compiled_autograd=True, precompile=True)
     with pytest.raises(ValueError, match=re.escape("ddp_compiled_autograd=True does not run with CUDA graphs (mode='reduce-overhead')")):
@@ -447,7 +450,7 @@ def test_bad_settings_refused_naming_the_parameter(digits):
         CompilerCallback(options={'not_an_option': 1})
     learn = Learner(digits, two_conv_cnn()).compile(backend=BACKEND)
     cb = learn.compiler
-    for bad in (dict(dynamic='false'), dict(fullgraph='false'), dict(ddp_compiled_autograd=None), dict(ddp_compiled_autograd=True, precompile=True), dict(options={'not_an_option': 1}), dict(backend='no_such_backend')):
+    for bad in (dict(dynamic='false'), dict(fullgraph='false'), dict(verbose='no'), dict(ddp_compiled_autograd=None), dict(ddp_compiled_autograd=True, precompile=True), dict(options={'not_an_option': 1}), dict(backend='no_such_backend')):
         with pytest.raises((TypeError, ValueError)): learn.compile(**bad)
         assert learn.compiler is cb and [c for c in learn.cbs if isinstance(c, CompilerCallback)] == [cb]
 
