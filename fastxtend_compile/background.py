@@ -239,7 +239,7 @@ class BackgroundCompile:
         self.warm_starts = WarmStarts(settings, regional) # What compiled into inductor's cache before, in any process
         self.worker = Worker() # Started for the first state worth a cold compile, kept for the fit's others
         self.ranks = Local() # How the fit's processes decide on a state: `DDP` under DDP
-        self.states = {} # Each `StateKey` met, its `ModelState`: those `READY` stay for later fits
+        self.states = {} # Each `StateKey` met, its `ModelState`: those whose compiled code runs stay for later fits
         self.compiling = None # The `ModelState` whose job the worker compiles
         self.last_probed, self.changes = None, 0 # The state probed last, and how often the state probed changed in this fit
         self.timing = None # The state whose probe times the batch running, alone

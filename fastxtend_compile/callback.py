@@ -195,7 +195,7 @@ def before_fit(self:CompilerCallback):
 
 @patch
 def _start_parts(self:CompilerCallback, device:torch.device):
-    "Start this fit's parts: the recorder, the DDP strategy, the matmul precision, precompiling, the eager policy and the collector"
+    "Start this fit's parts: the collector, the recorder, the DDP strategy, the pace, the matmul precision, precompiling, the background compile, the tiers, the eager policy and the gradient sync"
     model, rec = self.learn.model, self.compile_recorder
     self.collector.start()
     rec.model_name, rec.show = type(inner_model(model)).__name__, self._show

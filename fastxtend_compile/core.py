@@ -301,7 +301,7 @@ class EagerPolicy:
 # %% ../nbs/00_core.ipynb #15fcd710
 @patch
 def start_fit(self:EagerPolicy,
-    aside=None, # A compile outside the fit's path (`runs_eagerly`, `agree`, `probing`, `probed`, as `BackgroundCompile`); `None` compiles in it
+    aside=None, # A compile outside the fit's path (a `BackgroundCompile`); `None` compiles in it
     pays:Callable|None=None, # `pays(batches, warm)`: whether that many batches pay back compiling their graph (`warm`: only a warm compile in the fit's path); `None`: never judged to
     tiers=None, # The fit's faster tiers (`Tiers`), which choose a training batch's tier once its compiled code runs
 ):

@@ -62,7 +62,7 @@ class DDPStrategy:
             warnings.warn("ddp_compiled_autograd=True, but DDP wrapped the model before the fit, with its bucketed reducer: "
                           "the graphs stay whole and the gradients are all-reduced after the backward")
         if self.old is None: self.old = optimize_ddp()
-        set_optimize_ddp('no_optimization') # Whole graphs: splitting them at DDP's buckets was slower in every launch measured
+        set_optimize_ddp('no_optimization') # Whole graphs: splitting them at DDP's buckets was slower in every launch measured (bench/results/ddp/)
         return True
 
     def start_sync(self,

@@ -243,12 +243,12 @@ def _sync(self:GradSync):
 
 @patch
 def _decide(self:GradSync):
-    "The trial is done, at the same batch on every rank: this library averages from now on where the slowest rank's compiled batch is `faster` with it"
+    "The trial is done, at the same batch on every rank: this library averages from now on where its slowest rank's median compiled batch is `faster` than DDP's reducer's slowest"
     t = torch.tensor(self.trial.medians(), dtype=torch.float64, device=self.groups[0].ps[0].device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ddp.process_group)
     reducer_s, here_s, lacks = t.tolist()
     self.trial, self.kept = None, not lacks and faster([here_s], [reducer_s])
-    self.found = dict(kept=self.kept, **({} if lacks else dict(here_s=here_s, reducer_s=reducer_s))) # The slowest rank's medians
+    self.found = dict(kept=self.kept, **({} if lacks else dict(here_s=here_s, reducer_s=reducer_s))) # Each way's slowest median over the ranks
     if not self.kept: self.ddp.__dict__.pop('forward', None) # DDP's own forward, for its reducer
 
 @patch

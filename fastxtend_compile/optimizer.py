@@ -353,9 +353,9 @@ def compile_optimizer(
     return opt
 
 def compiled_optimizer_settings(
-    opt:Optimizer, # A fastai `Optimizer`, perhaps in fastai's DDP or mixed precision wrapper
+    opt:Optimizer, # A fastai `Optimizer`, or a `Lookahead` around one
 )->dict|None:
-    "The `torch.compile` settings `opt`'s step is compiled with, or `None` if it runs eagerly"
+    "The `torch.compile` settings of the step `compile_optimizer` gave `opt`, or `None` where it gave none (a `fused_only` step, which compiles nothing, has them too)"
     step = _inner(opt).__dict__.get('step')
     return step.settings if isinstance(step, CompiledOptimizerStep) else None
 

@@ -28,8 +28,8 @@ WARM_SHARE, WARM_S = 0.15, 5.
 # How long a cold worker takes from its job to its hand-over (its start-up, then a compile beside the fit), and how much
 # slower a launch-bound eager step runs beside it: as a transformer fit measured them (bench/results/constants.md)
 WORKER_HANDOVER_S, WORKER_SLOWDOWN = 35., 1.3
-# Seconds trying a faster tier costs the fit's path (its warm compile and A/B), and a tier's cold compile takes, in the
-# worker or the fit's path, until one is recorded (bench/results/constants.md)
+# Seconds trying a faster tier costs the fit's path, a prior for its warm compile and the A/B's batches; and a tier's cold
+# compile, in the worker or the fit's path, until one is recorded (bench/results/constants.md)
 TIER_TRY_S, TIER_COMPILE_S = 6., 20.
 AUTOTUNE_SAVING = 0.05 # The share of a GPU-bound step that autotuned kernels save
 
@@ -162,7 +162,7 @@ def first_in_path(
 def cudagraphs_fit(
     free:int, # Bytes free on the GPU now
     step:int, # Bytes a training step allocates beyond what it starts with, at its peak
-    spare:float=1.5, # The share of a step's memory to keep free beyond a CUDA graph pool of its size
+    spare:float=1.5, # The memory needed free, as a multiple of a step's peak: the graphs' pool itself, and half as much room beside it
 )->bool:
     "Whether CUDA graphs' memory pool, as large as a step's memory at its peak, fits beside the fit with room to spare"
     return free >= spare * step

@@ -224,7 +224,7 @@ def _tried(t:dict)->str:
     "How a fit's compiled batches were averaged, where DDP's reducer and one all-reduce were tried in turn"
     if t['kept'] is None: return "by DDP's reducer and in one all-reduce in turn: the fit ended before their trial did"
     if 'here_s' not in t: return "by DDP's reducer: a rank timed no compiled batch of one of them in their trial"
-    times = f"a compiled batch {_ms(t['here_s'])} in one all-reduce, {_ms(t['reducer_s'])} by DDP's reducer, the slowest rank's medians"
+    times = f"a compiled batch {_ms(t['here_s'])} in one all-reduce, {_ms(t['reducer_s'])} by DDP's reducer, each the slowest rank's median"
     return f"in one all-reduce, the faster ({times})" if t['kept'] else f"by DDP's reducer, which one all-reduce didn't beat ({times})"
 
 @patch

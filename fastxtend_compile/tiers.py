@@ -139,7 +139,7 @@ def decide_tier(
         done = [m for _,m in votes]
         if (failed := next((m for m in done if m is not None and not m['ok']), None)) is not None: return kind, failed
         return None if any(m is None for m in done) else (kind, first)
-    return kind, first # 'verdict': rank 0's A/B
+    return kind, first # 'check' or 'verdict': rank 0's, which alone timed the eager step and ran the A/B
 
 # %% ../nbs/09_tiers.ipynb #87f954ff
 class Tiers:
@@ -314,7 +314,7 @@ def _raised(self:Tiers, name:str, error:Exception, learn, model:nn.Module):
 
 @patch
 def _drop_raised(self:Tiers, name:str, learn, model:nn.Module, note:Note):
-    "Drop tier `name`, which raised: no state keeps it, in this fit or later ones"
+    "Drop tier `name`, which raised: no state keeps it in this fit, and its record no longer says it was kept, so a later fit tries it afresh"
     self.dropped.add(name)
     for st in self._states():
         if st.tier.tier == name: self.act(st, 'raised', learn, model)
@@ -370,7 +370,7 @@ class _TierFacts:
     "What a tier move of model state `st` may need to know (`advance`), each read where the move asks"
     def __init__(self, tiers:Tiers, st, learn, model:nn.Module, **given):
         self.t, self.st, self.run, self.learn, self.model = tiers, st, st.tier, learn, model
-        self.__dict__.update(given) # What the event brings: why a job wasn't sent
+        self.__dict__.update(given) # What the event brings: why a job wasn't sent; rank 0's offer and the ranks' free memory
     n = property(lambda self: self.run.n) # Batches of its stage so far
     name = property(lambda self: self.run.tier)
     kept, first = property(lambda self: self.run.kept), property(lambda self: self.run.first) # Kept; compiled first
@@ -425,8 +425,8 @@ def facts(self:Tiers, st, learn, model:nn.Module, **given)->_TierFacts:
 
 @patch
 def act(self:Tiers,
-    st, # The state that moves, whose compiled code runs
-    event:str, # What happened (`advance`): 'tier', a training batch of it; 'sent' or 'unsent', the job this rank sent
+    st, # The state that moves
+    event:str, # What happened (`advance`): 'tier', a training batch of it; 'sent' or 'unsent', the job this rank sent; under DDP 'offered', rank 0's tier compiled first; 'raised', its tier raised
     learn, # The `Learner` whose batch this is
     model:nn.Module, # The model being compiled (not DDP's wrapper)
     **given, # What the event brings
