@@ -196,7 +196,7 @@ def _unpaid(self:CompileReport, what:str, n:int, extra:str='')->str:
     "The summary's line for `n` batches of `what` run eagerly, too few to pay back their graph"
     saving, cost = self.step_saving, self.compile_spike
     why = ("no compiled step measured against an eager one yet" if None in (saving, cost) else
-           f"a compiled step saves {_ms(saving)} against {cost:.1f}s to compile")
+           f"a compiled step saves {_ms(saving) if saving >= 5e-5 else 'nothing measurable'} against {cost:.1f}s to compile")
     return f"ran eagerly, {what}: {n} batch(es), too few to pay back compiling their graph ({why}){extra}"
 
 # %% ../nbs/01_report.ipynb #ab5acaf1

@@ -173,6 +173,10 @@ def test_a_graph_pays_back_where_the_measured_saving_covers_the_measured_compile
             "against 5.0s to compile)") in r.summary()
     assert ("\n  ran eagerly, validation within the fit: 15 batch(es), too few to pay back compiling their graph (a compiled "
             "step saves 10.0 ms against 5.0s to compile); `compile_valid=True` compiles it\n") in r.summary()
+    # Where the fastest eager batch was no slower than a compiled step, nothing is saved: not "0.0 ms"
+    r = CompileReport(batch_times=[(5., True), (1., True)] + [(0.01, False)]*9, eager_times=[1., 0.009, 0.5], eager_valid=15)
+    assert r.step_saving == 0 and ("validation within the fit: 15 batch(es), too few to pay back compiling their graph (a compiled "
+                                   "step saves nothing measurable against 5.0s to compile)") in r.summary()
 
 def test_lr_find_and_evaluation_outside_a_fit_run_eagerly_until_their_graph_would_pay_back(monkeypatch):
     learn = Learner(digits_dls(), two_conv_cnn()).compile(backend='aot_eager')
