@@ -139,7 +139,7 @@ def decide_tier(
         done = [m for _,m in votes]
         if (failed := next((m for m in done if m is not None and not m['ok']), None)) is not None: return kind, failed
         return None if any(m is None for m in done) else (kind, first)
-    return kind, first # 'check' or 'verdict': rank 0's, which alone timed the eager step and ran the A/B
+    return kind, first # 'check' or 'verdict': rank 0's, whose timings decide for every rank
 
 # %% ../nbs/09_tiers.ipynb #87f954ff
 class Tiers:
