@@ -27,6 +27,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line('markers', "slow: a test of processes, cold compiles or many fits; `pytest --slow` runs it")
     config.addinivalue_line('markers', "worker_priority: the worker runs below the fit's CPU priority, as the library starts it")
+    config.addinivalue_line('markers', "background_default: fits compile in the background on the device types the library's default picks")
 
 def pytest_collection_modifyitems(config, items):
     "Leave the slow tests out unless `--slow` asks for them, or a marker expression (`-m slow`) picks the tests"
@@ -42,7 +43,7 @@ def compile_in_the_fits_path(monkeypatch, request):
     # Imported here, not at the top: a test's child process imports this file without the library
     from fastxtend_compile.background import BackgroundCompile
     from fastxtend_compile.worker import Worker
-    monkeypatch.setattr(BackgroundCompile, 'default_on', ())
+    if 'background_default' not in request.keywords: monkeypatch.setattr(BackgroundCompile, 'default_on', ())
     # A worker runs at the fit's own priority in tests: beside another test run on two cores, one 10 steps below got a
     # tenth of a core (a start-up of 3s took 40-50s). One test keeps the library's priority, which it checks
     if 'worker_priority' not in request.keywords: monkeypatch.setattr(Worker, 'nice', 0)

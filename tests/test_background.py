@@ -586,9 +586,12 @@ def test_an_evaluation_state_is_cold_until_inductors_cache_has_its_code_and_star
     aside.ranks.evaluates = False # Under DDP evaluation runs eagerly: no worker compiles it
     assert not aside.cold(aside.batch_key(model, (torch.randn(3, 2),), False), model)
 
+@pytest.mark.background_default
 def test_a_fit_compiles_in_the_background_on_a_cuda_gpu_by_default_or_as_asked_and_not_where_compiled_autograd_compiles_ddps_backwards():
-    cpu = torch.device('cpu')
+    cpu, cuda = torch.device('cpu'), torch.device('cuda') # Starting for a CUDA device touches no GPU
     assert not BackgroundCompile({'backend': 'eager'}).start(None, cpu, ddp=False, compiled_backward=False) # Not off a CUDA GPU by default
+    assert BackgroundCompile({'backend': 'eager'}).start(None, cuda, ddp=False, compiled_backward=False) # On one by default
+    assert not BackgroundCompile({'backend': 'eager'}, background=False).start(None, cuda, ddp=False, compiled_backward=False)
     aside = BackgroundCompile({'backend': 'eager'}, background=True)
     assert not aside.start(None, cpu, ddp=True, compiled_backward=True) # Each backward compiles with DDP's all-reduces, in the fit's path
     assert [n.text for n in aside.take_notes()] == ["compiled in the fit's path: with `ddp_compiled_autograd=True` each backward "

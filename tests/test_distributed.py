@@ -237,11 +237,10 @@ def test_ddp_compiled_autograd_not_chosen_for_a_fit_that_runs_eagerly(monkeypatc
     monkeypatch.setenv('WORLD_SIZE', '2')
     before = optimize_ddp()
     learn = Learner(digits_dls().cpu(), two_conv_cnn()).compile(ddp_compiled_autograd=True)
-    monkeypatch.setattr(shutil, 'which', lambda name: None) # No C++ compiler: inductor cannot compile for the CPU
-    learn.compiler.before_ddp_wraps()
-    assert optimize_ddp() == before
-    monkeypatch.undo()
-    monkeypatch.setenv('WORLD_SIZE', '2')
+    with monkeypatch.context() as m:
+        m.setattr(shutil, 'which', lambda name: None) # No C++ compiler: inductor cannot compile for the CPU
+        learn.compiler.before_ddp_wraps()
+        assert optimize_ddp() == before
     learn.compiler.before_ddp_wraps() # It can: chosen, until the fit's end restores it
     assert optimize_ddp() == 'python_reducer'
     learn.compiler.restore()
@@ -426,8 +425,7 @@ def test_a_launch_bound_step_compiles_its_tier_first_in_every_ranks_path_at_once
 
 def test_a_rank_that_never_comes_to_an_agreement_raises_a_clear_error(background_runs):
     ranks = background_runs
-    assert ranks[1]['timeout'] is None
-    for r in [ranks[0]] + ranks[2:]:
+    for r in [ranks[0]] + ranks[2:]: # Rank 1 stopped coming: it sleeps past the others' timeout
         assert r['timeout'].startswith(f"torch.compile's background compile under DDP: rank {r['rank']} waited for the other ranks at "
                                        "epoch 1, batch 8 and they did not come (within 3s, or one ended): another rank stopped"), r['timeout']
 

@@ -436,8 +436,8 @@ def test_freeze_with_one_param_group_is_not_blamed():
 # --- 11. Bad input refused at construction, naming the parameter ---------------------------------------------------
 
 def test_bad_settings_refused_naming_the_parameter(digits):
-    with pytest.raises(TypeError, match='dynamic'): CompilerCallback(dynamic='false')
-    with pytest.raises(TypeError, match='fullgraph'): CompilerCallback(fullgraph='false')
+    with pytest.raises(TypeError, match=re.escape("dynamic must be True, False or None, not 'false'")): CompilerCallback(dynamic='false')
+    with pytest.raises(TypeError, match=re.escape("fullgraph must be True or False, not 'false'")): CompilerCallback(fullgraph='false')
     with pytest.raises(TypeError, match=re.escape("ddp_compiled_autograd must be True or False, not 1")): CompilerCallback(ddp_compiled_autograd=1)
     for flag in ('recompile', 'verbose', 'regional', 'compile_valid', 'compile_opt'): # A string such as 'no' would read as on
         with pytest.raises(TypeError, match=re.escape(f"{flag} must be True or False, not 'no'")): CompilerCallback(**{flag: 'no'})
@@ -450,8 +450,14 @@ def test_bad_settings_refused_naming_the_parameter(digits):
         CompilerCallback(options={'not_an_option': 1})
     learn = Learner(digits, two_conv_cnn()).compile(backend=BACKEND)
     cb = learn.compiler
-    for bad in (dict(dynamic='false'), dict(fullgraph='false'), dict(verbose='no'), dict(ddp_compiled_autograd=None), dict(ddp_compiled_autograd=True, precompile=True), dict(options={'not_an_option': 1}), dict(backend='no_such_backend')):
-        with pytest.raises((TypeError, ValueError)): learn.compile(**bad)
+    for bad, error in ((dict(dynamic='false'), "dynamic must be True, False or None, not 'false'"),
+                       (dict(fullgraph='false'), "fullgraph must be True or False, not 'false'"),
+                       (dict(verbose='no'), "verbose must be True or False, not 'no'"),
+                       (dict(ddp_compiled_autograd=None), "ddp_compiled_autograd must be True or False, not None"),
+                       (dict(ddp_compiled_autograd=True, precompile=True), "Choose ddp_compiled_autograd=True or precompile=True, not both"),
+                       (dict(options={'not_an_option': 1}), "Unknown inductor option(s) in options: 'not_an_option'"),
+                       (dict(backend='no_such_backend'), "Unknown torch.compile backend 'no_such_backend'; choose one of: ")):
+        with pytest.raises((TypeError, ValueError), match=re.escape(error)): learn.compile(**bad)
         assert learn.compiler is cb and [c for c in learn.cbs if isinstance(c, CompilerCallback)] == [cb]
 
 # --- 12. validate() and get_preds() inside a compiled fit ----------------------------------------------------------

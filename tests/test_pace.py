@@ -309,9 +309,9 @@ def test_a_settled_compiled_training_batch_never_waits_for_the_gpu():
 @cuda
 def test_a_gpu_fit_at_its_steps_pace_trains_and_records_as_without(monkeypatch):
     "The same compiled fit with the smooth loss on the GPU and its batches copied ahead, and without: what it trains and records"
-    monkeypatch.setattr(Pace, 'devices', ())
-    plain = fit(gpu_digits, dict(backend='eager'))
-    monkeypatch.undo()
+    with monkeypatch.context() as m: # Undoing only this: each fit compiles in its path, as the tests' fixture has it
+        m.setattr(Pace, 'devices', ())
+        plain = fit(gpu_digits, dict(backend='eager'))
     paced = fit(gpu_digits, dict(backend='eager'))
     assert type(paced.recorder.losses[0]) is type(plain.recorder.losses[0]) and paced.recorder.losses[0].device.type == 'cpu'
     lp, lu = (np.array([float(l) for l in l.recorder.losses]) for l in (paced, plain))
