@@ -186,10 +186,9 @@ def test_dynamo_marks_are_set_on_traced_parameters_and_stripped():
     with without_dynamo_marks(m): assert b'_dynamo' not in pickle.dumps(m)
     assert '_dynamo_static_input_type' in p.__dict__
 
-def test_kernels_options_and_support(monkeypatch):
+def test_kernels_options_and_support():
     from torch._inductor import config
-    monkeypatch.setattr(config.cpp, 'cxx', (None, 'clang++')) # The compiler inductor is set to use, as torch keeps it
-    assert inductor_cxx() == 'clang++'
+    with config.patch({'cpp.cxx': (None, 'clang++')}): assert inductor_cxx() == 'clang++' # The compiler inductor is set to use
     assert 'cpu' in fused_kernel_devices() and fused_adam_kernel(True) is torch._fused_adamw_ and fused_adam_kernel(False) is torch._fused_adam_
     assert 'max_autotune' in inductor_options() and 'triton.cudagraphs' in inductor_options()
     assert dynamo_supported() is True
