@@ -13,7 +13,7 @@ from torch import nn
 from fastai.torch_core import num_distrib
 from fastcore.basics import patch
 
-from .core import model_fingerprint
+from .core import model_fingerprint, check_switches
 from .internals import inductor_cache_dir
 from .worker import Worker, Job, JobResult, job_payload, read_json, write_json
 from .state import StateKey, Stage, Probe, ModelState, state_key
@@ -234,7 +234,7 @@ class BackgroundCompile:
         show=None, # Where the hand-over is announced (`CompilerCallback._show`)
         background:bool|None=None, # Compile in a worker process: `None` where the device type is in `default_on`
     ):
-        if background is not None and not isinstance(background, bool): raise TypeError(f"background must be True, False or None, not {background!r}")
+        check_switches(none=True, background=background)
         self.settings, self.regional, self.show, self.background = settings, regional, show, background
         self.warm_starts = WarmStarts(settings, regional) # What compiled into inductor's cache before, in any process
         self.worker = Worker() # Started for the first state worth a cold compile, kept for the fit's others

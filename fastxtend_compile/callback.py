@@ -19,7 +19,7 @@ from fastai.torch_core import get_model, default_device
 from fastai.learner import Learner
 
 from .core import *
-from .core import compile_settings, cannot_compile_reason, inner_model, model_device, EagerPolicy
+from .core import compile_settings, check_switches, cannot_compile_reason, inner_model, model_device, EagerPolicy
 from .report import *
 from .report import CompileRecorder, show_message
 from .internals import (
@@ -57,7 +57,7 @@ class _Precompile:
         backend:str|Callable, # The `torch.compile` backend: TorchDynamo saves only inductor's code with its own
         compiled_autograd:bool=False, # Compiled autograd compiles the backwards under DDP (`ddp_compiled_autograd=True`)
     ):
-        if not isinstance(on, bool): raise TypeError(f"precompile must be True or False, not {on!r}")
+        check_switches(precompile=on)
         if on and compiled_autograd:
             raise ValueError("Choose ddp_compiled_autograd=True or precompile=True, not both: compiled autograd's backward graphs "
                              "are not precompiled")
@@ -116,11 +116,6 @@ class _Precompile:
             if not during_fit: self.restore()
 
 # %% ../nbs/02_callback.ipynb #d5da3f59
-def _flags(**flags):
-    "Refuse a switch that isn't `True` or `False`, naming it: a string such as 'no' would read as on"
-    for k,v in flags.items():
-        if not isinstance(v, bool): raise TypeError(f"{k} must be True or False, not {v!r}")
-
 class CompilerCallback(Callback):
     "A callback for using `torch.compile` with fastai"
     order = 12 # After `DistributedTrainer` (11) wraps the model in DDP, so the module inside it is compiled
@@ -140,7 +135,7 @@ class CompilerCallback(Callback):
         precompile:bool=False, # Save TorchDynamo's traced code with the compile cache too: a warm start skips tracing (torch 2.15+)
         background:bool|None=None, # Train eagerly while a worker process compiles, then take over (None: on a CUDA GPU); False compiles in the fit's path
     ):
-        _flags(recompile=recompile, verbose=verbose, regional=regional, compile_valid=compile_valid, compile_opt=compile_opt)
+        check_switches(recompile=recompile, verbose=verbose, regional=regional, compile_valid=compile_valid, compile_opt=compile_opt)
         self.settings = compile_settings(fullgraph, dynamic, backend, mode, options)
         self.precision = _MatMulPrecision(MatMulPrecision(matmul_precision).value)
         store_attr('recompile,verbose,regional,compile_opt')
@@ -167,7 +162,7 @@ class CompilerCallback(Callback):
 
     @compile_valid.setter
     def compile_valid(self, on:bool):
-        _flags(compile_valid=on)
+        check_switches(compile_valid=on)
         self.policy.compile_valid = on
 
     @property

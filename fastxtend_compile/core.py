@@ -73,6 +73,15 @@ def check_backend(
                      "(or 'eager', 'aot_eager' to debug). See `torch.compiler.list_backends()`.")
 
 # %% ../nbs/00_core.ipynb #1806912e
+def check_switches(
+    none:bool=False, # `None` is a value too: the library chooses
+    **switches, # Each parameter's name, and the value it was given
+):
+    "Refuse a switch that isn't `True` or `False`, naming its parameter: a string such as 'no' would read as on"
+    for k,v in switches.items():
+        if not (isinstance(v, bool) or (none and v is None)):
+            raise TypeError(f"{k} must be True{', False or None' if none else ' or False'}, not {v!r}")
+
 def compile_settings(
     fullgraph:bool=False, # Prevent breaking model into subgraphs
     dynamic:bool|None=False, # Use dynamic shape tracing
@@ -81,8 +90,8 @@ def compile_settings(
     options:Dict[str,Union[str,int,bool]]|None=None, # Extra options to pass to compile backend
 )->dict:
     "Validated `torch.compile` keyword arguments"
-    if not isinstance(fullgraph, bool): raise TypeError(f"fullgraph must be True or False, not {fullgraph!r}")
-    if dynamic is not None and not isinstance(dynamic, bool): raise TypeError(f"dynamic must be True, False or None, not {dynamic!r}")
+    check_switches(fullgraph=fullgraph)
+    check_switches(none=True, dynamic=dynamic)
     if options is not None: _check_options(options, backend)
     if mode is not None and options is not None:
         raise ValueError(f"Pass either `mode` or `options` to torch.compile, not both: got mode={str(mode)!r} and options={options!r}")

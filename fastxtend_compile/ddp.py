@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from fastai.torch_core import num_distrib
 
-from .core import uses_cudagraphs
+from .core import uses_cudagraphs, check_switches
 from .internals import (
     optimize_ddp, set_optimize_ddp, uses_python_reducer, python_reducer_settings, restore_python_reducer_settings,
     compiled_autograd, compiled_autograd_captures, aot_autograd_cache, set_aot_autograd_cache)
@@ -29,7 +29,7 @@ class DDPStrategy:
         compiled_autograd:bool, # DDP's Python reducer: its all-reduces traced into each backward graph by compiled autograd
         settings:dict, # The `torch.compile` settings the model compiles with (`compile_settings`): the backwards compile alike
     ):
-        if not isinstance(compiled_autograd, bool): raise TypeError(f"ddp_compiled_autograd must be True or False, not {compiled_autograd!r}")
+        check_switches(ddp_compiled_autograd=compiled_autograd)
         if compiled_autograd and uses_cudagraphs(settings):
             raise ValueError(f"ddp_compiled_autograd=True does not run with CUDA graphs (mode={settings['mode']!r}): choose one")
         self.compiled_autograd = compiled_autograd

@@ -17,7 +17,7 @@ from fastai.callback.core import Callback, CancelFitException
 from fastai.learner import Learner
 
 from .core import *
-from .core import check_backend, graph_break_reason, CompiledCall, inner_model, model_device
+from .core import check_backend, check_switches, graph_break_reason, CompiledCall, inner_model, model_device
 from .core import plain_tensor, tensor_casts, casts_deferred
 from .internals import compiled_call, set_compiled_call, explain, explained_break, tree_map_only, tree_leaves, inductor_fallback_random
 from .callback import CompilerCallback, compiler_of
@@ -117,6 +117,7 @@ class DynamoExplainCallback(Callback):
         ops_per_graph:bool=False, # Print the `ops_per_graph` output
         break_reasons:bool=False, # Print the `break_reasons` output
     ):
+        check_switches(print_results=print_results, out_guards=out_guards, ops_per_graph=ops_per_graph, break_reasons=break_reasons)
         store_attr()
         self.explain_output = None
 

@@ -73,6 +73,7 @@ class CompileEvent:
 
 # %% ../nbs/01_report.ipynb #72a8973c
 def _ms(s:float)->str: return f"{s*1e3:.1f} ms"
+def _saved(s:float)->str: return 'nothing measurable' if _ms(s) == _ms(0.) else _ms(s) # Not "0.0 ms"
 
 def _event(device:torch.device, spare:list):
     "A CUDA event recorded now on `device`'s current stream, to time work there without waiting for it: one of `spare`, read already, where there is one"
@@ -196,7 +197,7 @@ def _unpaid(self:CompileReport, what:str, n:int, extra:str='')->str:
     "The summary's line for `n` batches of `what` run eagerly, too few to pay back their graph"
     saving, cost = self.step_saving, self.compile_spike
     why = ("no compiled step measured against an eager one yet" if None in (saving, cost) else
-           f"a compiled step saves {_ms(saving) if saving >= 5e-5 else 'nothing measurable'} against {cost:.1f}s to compile")
+           f"a compiled step saves {_saved(saving)} against {cost:.1f}s to compile")
     return f"ran eagerly, {what}: {n} batch(es), too few to pay back compiling their graph ({why}){extra}"
 
 # %% ../nbs/01_report.ipynb #ab5acaf1

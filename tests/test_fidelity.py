@@ -442,6 +442,7 @@ def test_bad_settings_refused_naming_the_parameter(digits):
     for flag in ('recompile', 'verbose', 'regional', 'compile_valid', 'compile_opt'): # A string such as 'no' would read as on
         with pytest.raises(TypeError, match=re.escape(f"{flag} must be True or False, not 'no'")): CompilerCallback(**{flag: 'no'})
     with pytest.raises(TypeError, match=re.escape("compile_valid must be True or False, not None")): CompilerCallback().compile_valid = None
+    with pytest.raises(TypeError, match=re.escape("break_reasons must be True or False, not 'yes'")): DynamoExplainCallback(break_reasons='yes')
     with pytest.raises(ValueError, match=re.escape("Choose ddp_compiled_autograd=True or precompile=True, not both")):
         CompilerCallback(ddp_compiled_autograd=True, precompile=True)
     with pytest.raises(ValueError, match=re.escape("ddp_compiled_autograd=True does not run with CUDA graphs (mode='reduce-overhead')")):
