@@ -42,6 +42,8 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
     unfrozen-cold, unfrozen-warm   as tiers-cold and tiers-warm, with Python's collector left unfrozen during the fit
                   (`GCFreeze.on = False`), so its full collections visit every object the compiles made; unfrozen-warm
                   starts from tiers-cold's cache, as tiers-warm does
+    unwarmed-cold   as tiers-cold, with inductor's Triton compile processes started by inductor once TorchDynamo has
+                  traced the first graph, not as the fit's first compile starts (`CompileWorkers.on = False`)
     noprefetch-cold   as tiers-cold, with no training batch copied ahead: the DataLoader copies each in the fit's
                   thread, as fastai does
     Every other compiled arm passes background=False: it compiles in the fit's path.
@@ -90,6 +92,8 @@ KINDS = {
                    'tier where the measured step has one (tried on CUDA alone)', ('cold', 'warm')),
     'unfrozen':   (dict(background=True), "as *tiers*, with Python's collector left unfrozen during the fit (`GCFreeze.on = False`): "
                    "its full collections visit every object", ('cold', 'warm')),
+    'unwarmed':   (dict(background=True), "as *tiers*, with inductor's Triton compile processes started by inductor once TorchDynamo has "
+                   "traced the first graph, not as the fit's first compile starts (`CompileWorkers.on = False`)", ('cold',)),
     'bar':        (dict(background=True), "`learn.compile(background=True)` on *tiers-cold*'s cache, as *tiers-warm*, with fastai's progress bar shown, as users train", ('warm',)),
     'noprefetch': (dict(background=True), "as *tiers*, with no batch copied ahead: the `DataLoader` copies each in the fit's thread, as "
                    "fastai does", ('cold',)),
@@ -384,6 +388,9 @@ def child(spec:dict)->dict:
     if arm.startswith('unfrozen-'):
         from fastxtend_compile.gcfreeze import GCFreeze
         GCFreeze.on = False
+    if arm.startswith('unwarmed-'):
+        from fastxtend_compile.core import CompileWorkers
+        CompileWorkers.on = False
     setup_s = time.perf_counter() - t
 
     epochs = []
@@ -760,7 +767,7 @@ def main():
             args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
     args.backend = args.backend or ('aot_eager' if args.smoke else None)
     if not arms_given and args.backend not in (None, 'inductor'): arms = [a for a in arms if a.split('-')[0] not in INDUCTOR_ONLY]
-    if not arms_given and args.smoke: arms = [a for a in arms if not a.startswith(('tiers-', 'unfrozen-', 'bar-'))]
+    if not arms_given and args.smoke: arms = [a for a in arms if not a.startswith(('tiers-', 'unfrozen-', 'unwarmed-', 'bar-'))]
     args.timeout = args.timeout or (120 if args.smoke else 600)
     num_workers = args.num_workers if args.num_workers is not None else (0 if args.smoke or args.device == 'cpu' else None)
     overrides = json.loads(args.config)

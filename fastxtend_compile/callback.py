@@ -19,7 +19,7 @@ from fastai.torch_core import get_model, default_device
 from fastai.learner import Learner
 
 from .core import *
-from .core import compile_settings, check_switches, cannot_compile_reason, inner_model, model_device, EagerPolicy
+from .core import compile_settings, check_switches, cannot_compile_reason, inner_model, model_device, EagerPolicy, CompileWorkers
 from .report import *
 from .report import CompileRecorder, show_message
 from .internals import (
@@ -146,6 +146,7 @@ class CompilerCallback(Callback):
         self.tiers = Tiers(self.settings, regional, self.policy) # With `background` and no `mode`: a faster tier where the measured step has one
         self.report = CompileReport()
         self.collector = GCFreeze() # Keeps Python's full garbage collections short during a fit
+        self.workers = CompileWorkers() # Starts inductor's Triton compile processes as the fit's first compile starts
         self.pace = Pace() # Lets the host run ahead of a GPU: no wait for it in a training batch, the next batch copied ahead
         self.compile_recorder = CompileRecorder(self.report)
         self.compiled_model = None # Weak reference to the model this callback compiled
@@ -190,9 +191,10 @@ def before_fit(self:CompilerCallback):
 
 @patch
 def _start_parts(self:CompilerCallback, device:torch.device):
-    "Start this fit's parts: the collector, the recorder, the DDP strategy, the pace, the matmul precision, precompiling, the background compile, the tiers, the eager policy and the gradient sync"
+    "Start this fit's parts: the collector, the compile processes, the recorder, the DDP strategy, the pace, the matmul precision, precompiling, the background compile, the tiers, the eager policy and the gradient sync"
     model, rec = self.learn.model, self.compile_recorder
     self.collector.start()
+    self.workers.start(self.settings, device)
     rec.model_name, rec.show = type(inner_model(model)).__name__, self._show
     ddp, wrapped = self.ddp.set(model), isinstance(model, DistributedDataParallel)
     cuda = device.type == 'cuda'
@@ -343,6 +345,7 @@ def restore(self:CompilerCallback):
         self.precision.restore()
         self.precompile.restore()
         self.pace.stop(self.learn)
+        self.workers.stop()
     self.ddp.restore() # Set before the fit's callbacks ran, compiled or not
 
 @patch

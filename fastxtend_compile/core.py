@@ -133,6 +133,32 @@ def cannot_compile_reason(
             return "inductor needs Triton to compile for a CUDA GPU and it isn't installed (`pip install triton`)"
     return None
 
+# %% ../nbs/00_core.ipynb #c0a7e1f2
+class CompileWorkers:
+    "Start inductor's Triton compile processes as a compile in the fit's process starts, before TorchDynamo traces: its kernels then find them ready"
+    on = True # Start them early, on a CUDA GPU; `False` leaves them to inductor, which starts them once TorchDynamo has traced
+    def __init__(self): self.watching = False # Called at each compile of this fit
+    def __getstate__(self): return {'watching': False}
+
+    def start(self,
+        settings:dict, # The model's `torch.compile` settings
+        device:torch.device, # Where the fit trains
+    ):
+        "A fit starts: start the compile processes with its first compile, where it builds Triton kernels (inductor on a CUDA GPU)"
+        # Not before: a fit that trains eagerly throughout starts none, as without the library
+        if not self.on or self.watching or settings.get('backend') != 'inductor' or device.type != 'cuda': return
+        add_compile_callbacks(self.compiling)
+        self.watching = True
+
+    def compiling(self, *args):
+        "A compile starts: start the compile processes, once for the process"
+        if not compile_workers_started(): start_compile_workers()
+
+    def stop(self):
+        "The fit is over"
+        if self.watching: remove_compile_callbacks(self.compiling)
+        self.watching = False
+
 # %% ../nbs/00_core.ipynb #233956e3
 def plain_tensor(t:Tensor)->Tensor: return t.as_subclass(Tensor)
 

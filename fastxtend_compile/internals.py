@@ -26,9 +26,10 @@ __all__ = ['fake_tensor_logger', 'recompile_limit_logger', 'precompile_guard_log
            'ddp_comm_hooks', 'ddp_joining', 'ddp_forward_calls_module', 'ddp_module_call', 'copy_into',
            'at_backward_end', 'without_dynamo_marks', 'fused_kernel_devices', 'fused_adam_kernel', 'tensor_version',
            'subclass_dispatch_off', 'dynamo_supported', 'inductor_cxx', 'inductor_options', 'guarded_code', 'explain',
-           'explained_break', 'inductor_fallback_random', 'inductor_cache_dir', 'import_inductor', 'cpp_kernel_files',
-           'precompile_supported', 'caching_precompile', 'set_caching_precompile', 'precompiled_loads', 'dropped_guard',
-           'mark_dynamic', 'gpu_sleep', 'backend_error']
+           'explained_break', 'inductor_fallback_random', 'inductor_cache_dir', 'import_inductor',
+           'start_compile_workers', 'compile_workers_started', 'cpp_kernel_files', 'precompile_supported',
+           'caching_precompile', 'set_caching_precompile', 'precompiled_loads', 'dropped_guard', 'mark_dynamic',
+           'gpu_sleep', 'backend_error']
 
 # %% ../nbs/06_internals.ipynb #c35a67ca
 def own_function(
@@ -396,6 +397,18 @@ def inductor_cache_dir()->str:
 def import_inductor():
     "Import inductor's compiler, as `torch.compile`'s first compile does: a worker process imports it before its first job"
     import torch._inductor.compile_fx # noqa: F401
+
+def start_compile_workers():
+    "Start inductor's pool of processes that compile Triton kernels, as its first compile would: once started, later calls do nothing"
+    # Until the pool answers a first job, inductor builds each kernel in the compiling process, one after another. Its
+    # backend starts the pool once TorchDynamo has traced the frame, too late for a small graph's first kernels
+    from torch._inductor.async_compile import maybe_warm_pool
+    maybe_warm_pool()
+
+def compile_workers_started()->bool:
+    "Whether inductor's pool of compile processes was started in this process"
+    from torch._inductor.async_compile import AsyncCompile
+    return AsyncCompile.process_pool.cache_info().currsize > 0
 
 def cpp_kernel_files()->list:
     "Paths, relative to `inductor_cache_dir()`, of the C++ kernels inductor built or loaded in this process, and of its CPU vector-ISA probes"

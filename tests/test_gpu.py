@@ -233,3 +233,29 @@ def test_regional_cuda_graphs_train_as_eager():
     assert np.allclose(le, lr, rtol=5e-2, atol=5e-2), np.abs(le - lr).max() # TF32 matmuls against eager's float32
     preds, _ = ro.get_preds()
     torch.testing.assert_close(preds, ro.get_preds()[0])
+
+def test_a_compiled_fit_starts_inductors_compile_processes_before_inductor_compiles():
+    "A fit compiling with inductor on the GPU starts inductor's Triton compile processes as its first compile starts: inductor finds them started"
+    # Without the library, inductor starts them as it writes its first Triton kernel, and builds kernels in the fit's
+    # process, one after another, until they are ready
+    import os, subprocess, sys
+    code = '''if True:
+        import torch, torch._inductor.compile_fx as fx
+        from fastai.learner import Learner
+        from fastxtend_compile import *
+        from fastxtend_compile.internals import compile_workers_started
+        from conftest import digits_dls, bn_cnn
+        seen, compile_fx = [], fx.compile_fx
+        def spy(*args, **kwargs): # Whether inductor found its compile processes started, at each graph it compiles
+            seen.append(compile_workers_started())
+            return compile_fx(*args, **kwargs)
+        fx.compile_fx = spy
+        learn = Learner(digits_dls().cuda(), bn_cnn()).compile(background=False)
+        learn.fit(1, 1e-3)
+        print(*seen[:1], learn.compiler.report.graphs, learn.compiler.workers.watching)'''
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([tests, os.environ.get('PYTHONPATH', '')])}
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env, cwd=tests)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    started, graphs, watching = out.stdout.split()[-3:]
+    assert (started, watching) == ('True', 'False') and int(graphs) > 0, out.stdout[-2000:]

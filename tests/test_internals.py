@@ -1,5 +1,5 @@
 "Each use of PyTorch's private API, one test each: a torch upgrade that changes one fails here, by name"
-import logging, operator, pickle, pytest, torch
+import importlib.util, logging, operator, pickle, pytest, torch
 from torch import nn
 from fastxtend_compile.internals import *
 from fastxtend_compile import internals
@@ -509,3 +509,25 @@ def test_subclass_dispatch_off_skips_a_subclass_torch_function():
     calls.clear()
     with subclass_dispatch_off(): shape, dtype, grad = tuple(t.shape), t.dtype, t.requires_grad
     assert calls == [] and shape == (2, 3) and dtype == torch.float32 and grad
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec('triton') is None, reason="inductor starts its compile processes only where Triton is installed")
+def test_compile_workers_start_as_a_gpu_fits_compile_starts_before_torchdynamo_traces():
+    "On a CUDA GPU with inductor, inductor's Triton compile processes start as a compile starts, before the backend is called; elsewhere they don't"
+    import subprocess, sys
+    code = '''if True:
+        import torch
+        from fastxtend_compile.core import CompileWorkers
+        from fastxtend_compile.internals import compile_workers_started
+        seen = []
+        def backend(gm, inputs):
+            seen.append(compile_workers_started())
+            return gm.forward
+        workers = CompileWorkers()
+        for device, f in (('cpu', lambda x: x + 1), ('cuda', lambda x: x * 2), ('cuda', lambda x: x * 3)):
+            workers.start({'backend': 'inductor'}, torch.device(device))
+            torch.compile(f, backend=backend)(torch.ones(2))
+            workers.stop()
+        print(*seen, workers.watching)'''
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ['False', 'True', 'True', 'False'], out.stderr[-2000:]
