@@ -152,7 +152,10 @@ class CompileWorkers:
 
     def compiling(self, *args):
         "A compile starts: start the compile processes, once for the process"
-        if not compile_workers_started(): start_compile_workers()
+        if compile_workers_started(): return
+        # Where they can't start now, inductor tries again at its first kernel, and says why in its own words if it fails
+        try: start_compile_workers()
+        except Exception: pass
 
     def stop(self):
         "The fit is over"

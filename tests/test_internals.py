@@ -531,3 +531,15 @@ def test_compile_workers_start_as_a_gpu_fits_compile_starts_before_torchdynamo_t
         print(*seen, workers.watching)'''
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split() == ['False', 'True', 'True', 'False'], out.stderr[-2000:]
+
+def test_compile_workers_that_cannot_start_early_leave_the_compile_to_go_on(monkeypatch):
+    "Where inductor's compile processes can't start as a compile starts, the compile goes on: inductor tries again itself"
+    from fastxtend_compile import core
+    def refused(): raise RuntimeError("no processes here")
+    monkeypatch.setattr(core, 'start_compile_workers', refused)
+    monkeypatch.setattr(core, 'compile_workers_started', lambda: False)
+    workers = core.CompileWorkers()
+    workers.start({'backend': 'inductor'}, torch.device('cuda'))
+    try: out = _fresh_compiled(lambda x: x * 4)(torch.ones(2))
+    finally: workers.stop()
+    assert torch.equal(out, torch.full((2,), 4.)) and not workers.watching
