@@ -1,6 +1,6 @@
 """How long a model's first compiled training step takes, cold or warm, with inductor's Triton compile processes started
 as the compile starts (`early`, as `learn.compile()` starts them: `CompileWorkers`) or left to inductor (`inductor`,
-which starts them as it writes its first kernel). One process an arm, the text-small workflow's transformer under bf16
+which starts them once TorchDynamo has traced the graph). One process an arm, the text-small workflow's transformer under bf16
 autocast, CUDA graphs (`mode='reduce-overhead'`), as the tier a launch-bound fit compiles first:
 
     python3 bench/pool_start.py --rounds 2 --out OUT      # cold early and cold inductor, each on a fresh cache; then warm

@@ -153,7 +153,7 @@ class CompileWorkers:
     def compiling(self, *args):
         "A compile starts: start the compile processes, once for the process"
         if compile_workers_started(): return
-        # Where they can't start now, inductor tries again at its first kernel, and says why in its own words if it fails
+        # Where they can't start now, inductor tries again as it compiles the graph, and says why in its own words if it fails
         try: start_compile_workers()
         except Exception: pass
 

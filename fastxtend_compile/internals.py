@@ -399,9 +399,9 @@ def import_inductor():
     import torch._inductor.compile_fx # noqa: F401
 
 def start_compile_workers():
-    "Start inductor's pool of processes that compile Triton kernels, as its first compile would: once started, later calls do nothing"
-    # Until the pool answers a first job, inductor builds each kernel in the compiling process, one after another. Its
-    # backend starts the pool once TorchDynamo has traced the frame, too late for a small graph's first kernels
+    "Start inductor's pool of processes that compile Triton kernels, as inductor would: once started, later calls do nothing"
+    # Inductor starts the pool once TorchDynamo has traced a graph for the GPU, and builds each kernel in the compiling
+    # process, one after another, until the pool has answered a first job: seconds, as the pool's processes import torch
     from torch._inductor.async_compile import maybe_warm_pool
     maybe_warm_pool()
 

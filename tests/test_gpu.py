@@ -236,7 +236,7 @@ def test_regional_cuda_graphs_train_as_eager():
 
 def test_a_compiled_fit_starts_inductors_compile_processes_before_inductor_compiles():
     "A fit compiling with inductor on the GPU starts inductor's Triton compile processes as its first compile starts: inductor finds them started"
-    # Without the library, inductor starts them as it writes its first Triton kernel, and builds kernels in the fit's
+    # Without the library, inductor starts them once TorchDynamo has traced the graph, and builds kernels in the fit's
     # process, one after another, until they are ready
     import os, subprocess, sys
     code = '''if True:

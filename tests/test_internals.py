@@ -512,7 +512,7 @@ def test_subclass_dispatch_off_skips_a_subclass_torch_function():
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec('triton') is None, reason="inductor starts its compile processes only where Triton is installed")
-def test_compile_workers_start_as_a_gpu_fits_compile_starts_before_torchdynamo_traces():
+def test_compile_workers_start_as_a_gpu_fits_compile_starts():
     "On a CUDA GPU with inductor, inductor's Triton compile processes start as a compile starts, before the backend is called; elsewhere they don't"
     import subprocess, sys
     code = '''if True:
