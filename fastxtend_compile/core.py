@@ -365,9 +365,11 @@ def start_batch(self:EagerPolicy,
     self.valid_eager = validation == 'eager'
     self.one_off = _last_batch(learn) and not (training and whole_backward)
     # The compile outside the fit's path is asked about batches whose graph the fit would compile: not a validation's
-    # whose graph exists, nor one run eagerly (an evaluation's last batch, a one-off, runs eagerly in `runs_eagerly`)
-    asks = (self.aside is not None and not (self.evaluating or self.measuring or (self.one_off and not training))
-            and validation in (None, 'compile'))
+    # whose graph exists, nor one run eagerly (an evaluation's last batch, a one-off, runs eagerly in `runs_eagerly`).
+    # Nor an evaluation outside a training fit (`validate`, `get_preds`): it would end before a worker handed its code
+    # over, and the worker's job with it, so the graph it is to compile compiles in its path, as it was judged to pay
+    asks = (self.aside is not None and (training or self.trained)
+            and not (self.evaluating or self.measuring or (self.one_off and not training)) and validation in (None, 'compile'))
     self.waiting = asks and self.aside.runs_eagerly(learn, key, model)
     self.probing = self.waiting and training and self.aside.probing
     if self.aside is not None and training: self.aside.agree(learn, key, model) # Under DDP, at every rank's same batches

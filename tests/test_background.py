@@ -598,3 +598,18 @@ def test_a_fit_compiles_in_the_background_on_a_cuda_gpu_by_default_or_as_asked_a
                                                     "compiles with DDP's all-reduces, which a worker process can't run"]
     shown = []
     assert aside.start(shown.append, cpu, ddp=False, compiled_backward=False) and aside.show == shown.append and aside.ranks.rank == 0
+
+def test_an_evaluation_outside_a_fit_compiles_in_its_path_not_in_a_worker_it_would_end_first(no_records):
+    "`validate()` with `compile_valid=True`: its own path compiles its graph once, where a worker's job would end unfinished with it, every time"
+    set_seed(0, reproducible=True)
+    dls, model = digits_dls(), two_conv_cnn()
+    eager = Learner(dls, model).validate()[0] # The loss
+    learn = Learner(dls, model).compile(backend='eager', background=True, compile_valid=True)
+    seconds = []
+    for i in range(2):
+        assert learn.validate()[0] == pytest.approx(eager, rel=1e-5)
+        r = learn.compiler.report # Of the evaluations since the fit: the first compiles the evaluation graph, the second runs it
+        assert r.graphs == 1 and r.compile_seconds > 0, r.summary()
+        assert not any('worker' in n for n in r.background), r.background
+        seconds.append(r.compile_seconds)
+    assert seconds[1] == seconds[0]
