@@ -599,12 +599,14 @@ def test_a_fit_compiles_in_the_background_on_a_cuda_gpu_by_default_or_as_asked_a
     shown = []
     assert aside.start(shown.append, cpu, ddp=False, compiled_backward=False) and aside.show == shown.append and aside.ranks.rank == 0
 
-def test_an_evaluation_outside_a_fit_compiles_in_its_path_not_in_a_worker_it_would_end_first(no_records):
-    "`validate()` with `compile_valid=True`: its own path compiles its graph once, where a worker's job would end unfinished with it, every time"
+@pytest.mark.parametrize('compile_valid', [True, False])
+def test_an_evaluation_outside_a_fit_compiles_in_its_path_not_in_a_worker_it_would_end_first(no_records, monkeypatch, compile_valid):
+    "`validate()` that is to compile (`compile_valid=True`, or its batches pay): its own path compiles its graph once, where a worker's job would end unfinished with it, every time"
+    if not compile_valid: payoff_says(monkeypatch, True)
     set_seed(0, reproducible=True)
     dls, model = digits_dls(), two_conv_cnn()
     eager = Learner(dls, model).validate()[0] # The loss
-    learn = Learner(dls, model).compile(backend='eager', background=True, compile_valid=True)
+    learn = Learner(dls, model).compile(backend='eager', background=True, compile_valid=compile_valid)
     seconds = []
     for i in range(2):
         assert learn.validate()[0] == pytest.approx(eager, rel=1e-5)
