@@ -610,7 +610,7 @@ def test_an_evaluation_outside_a_fit_compiles_in_its_path_not_in_a_worker_it_wou
     seconds = []
     for i in range(2):
         assert learn.validate()[0] == pytest.approx(eager, rel=1e-5)
-        r = learn.compiler.report # Of the evaluations since the fit: the first compiles the evaluation graph, the second runs it
+        r = learn.compiler.report # Of the evaluations so far: the first compiles the evaluation graph, the second runs it
         assert r.graphs == 1 and r.compile_seconds > 0, r.summary()
         assert not any('worker' in n for n in r.background), r.background
         seconds.append(r.compile_seconds)
