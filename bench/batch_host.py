@@ -18,10 +18,12 @@ times after the fit, each timed; `base`'s last is profiled with cProfile, into `
 
 Prints and writes `batch_host.json`: each variant's epochs (training seconds, batches), its steady epochs' median
 milliseconds a training batch (the epochs after the first), and its `validate` seconds."""
-import argparse, json, os, shutil, statistics, subprocess, sys, tempfile, time
+import argparse, json, shutil, statistics, sys, tempfile, time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from procs import arm_env, run_process
 
 def fast_dispatch():
     "fastai's `Learner._call_one`, calling only callbacks with a method for the event, in order sorted once per callbacks"
@@ -52,7 +54,6 @@ def device_metrics():
 
 def child(variant:str, workflow:str, epochs:int, smoke:bool, validate:int=0)->dict:
     import torch
-    sys.path[:0] = [str(HERE), str(HERE.parent)]
     from workflow import BUILDERS, WORKFLOWS, fused_adamw
     import fastxtend_compile # noqa: F401
     from fastai.callback.core import Callback
@@ -111,16 +112,16 @@ def main():
     out = Path(args.out or tempfile.mkdtemp(prefix='fxc-batch-host-'))
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(tempfile.mkdtemp(prefix='fxc-batch-host-cache-'))
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache/'triton'))
     runs = []
     try:
         for r in range(args.rounds):
             for v in args.variants.split(','):
                 cmd = [sys.executable, __file__, '--child', v, '--workflow', args.workflow, '--epochs', str(args.epochs), '--validate', str(args.validate)] + (['--smoke'] if args.smoke else [])
-                res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-                if args.validate and v == 'base': (out/f'valid_profile_{r}.txt').write_text(res.stderr[-20000:])
-                if res.returncode: rec = dict(variant=v, status='failed', error=res.stderr[-1500:])
-                else: rec = dict(json.loads(res.stdout.strip().splitlines()[-1]), status='ok')
+                fin = run_process(cmd, arm_env(cache), args.timeout) # Its output and errors, the result its last line
+                lines = (fin.out or '').strip().splitlines() or ['']
+                if args.validate and v == 'base': (out/f'valid_profile_{r}.txt').write_text('\n'.join(lines[:-1])[-20000:])
+                if fin.rc or fin.timed_out: rec = dict(variant=v, status='failed', error=fin.tail(30))
+                else: rec = dict(json.loads(lines[-1]), status='ok')
                 rec['round'] = r
                 runs.append(rec)
                 print(f"{v:<12} " + (f"{rec['batch_ms']:.2f} ms a steady training batch; epochs " +
