@@ -9,10 +9,12 @@ autocast, CUDA graphs (`mode='reduce-overhead'`), as the tier a launch-bound fit
 
 Prints a line an arm and writes `pool_start.json`: the first step's seconds (forward and backward, synchronized), which
 is the compile, and the median of the next steps."""
-import argparse, json, os, shutil, statistics, subprocess, sys, tempfile, time
+import argparse, json, shutil, statistics, sys, tempfile, time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from procs import arm_env, run_process, error_line
 SIZES = dict(gpu=dict(vocab=8000, seq=64, d=128, layers=4, heads=4, classes=4, bs=32),
              smoke=dict(vocab=200, seq=16, d=16, layers=2, heads=2, classes=4, bs=8))
 
@@ -21,7 +23,6 @@ def child(arm:str, device:str, smoke:bool)->dict:
     t0 = time.perf_counter()
     import torch
     from torch import nn
-    sys.path.insert(0, str(HERE))
     from arm import TextClassifier
     from fastxtend_compile.core import CompileWorkers
     from fastxtend_compile.internals import compile_workers_started
@@ -50,13 +51,11 @@ def child(arm:str, device:str, smoke:bool)->dict:
 
 def run_arm(arm:str, start:str, cache:Path, args)->dict:
     "One arm's process on `cache` (`start`: cold or warm)"
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache/'triton'))
     cmd = [sys.executable, __file__, '--child', arm, '--device', args.device] + (['--smoke'] if args.smoke else [])
-    t = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-    if out.returncode != 0: return dict(arm=arm, start=start, status='failed', error=out.stderr[-1500:])
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    return dict(res, start=start, status='ok', process_s=time.perf_counter() - t)
+    fin = run_process(cmd, arm_env(cache), args.timeout) # A process group of its own: a timeout ends inductor's workers too
+    if fin.rc != 0 or fin.timed_out: return dict(arm=arm, start=start, status='failed', error='timed out' if fin.timed_out else error_line(fin.out or ''))
+    res = json.loads(fin.out.strip().splitlines()[-1])
+    return dict(res, start=start, status='ok', process_s=fin.wall)
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
