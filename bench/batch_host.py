@@ -19,6 +19,7 @@ times after the fit, each timed; `base`'s last is profiled with cProfile, into `
 Prints and writes `batch_host.json`: each variant's epochs (training seconds, batches), its steady epochs' median
 milliseconds a training batch (the epochs after the first), and its `validate` seconds."""
 import argparse, json, shutil, statistics, sys, tempfile, time
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -26,31 +27,28 @@ sys.path.insert(0, str(HERE))
 from procs import arm_env, run_process
 
 def fast_dispatch():
-    "fastai's `Learner._call_one`, calling only callbacks with a method for the event, in order sorted once per callbacks"
+    "fastai's `Learner._call_one`, calling only the callbacks with a method for the event, in the order sorted once per list of callbacks"
     from fastai.learner import Learner
     from fastai.callback.core import event
-    cache = {}
+    call_one, handlers = Learner._call_one, {}
     def _call_one(self, event_name):
-        if not hasattr(event, event_name): raise Exception(f'missing {event_name}')
+        if not hasattr(event, event_name): return call_one(self, event_name) # fastai's own error for an unknown event
         key = (event_name, tuple(map(id, self.cbs)))
-        cbs = cache.get(key)
-        if cbs is None:
-            cbs = cache[key] = [cb for cb in self.cbs.sorted('order') if hasattr(type(cb), event_name) or event_name in cb.__dict__]
+        if (cbs := handlers.get(key)) is None:
+            cbs = handlers[key] = [cb for cb in self.cbs.sorted('order') if hasattr(type(cb), event_name) or event_name in cb.__dict__]
         for cb in cbs: cb(event_name)
     Learner._call_one = _call_one
 
 def device_metrics():
-    "fastai's `AvgLoss` and `AvgMetric` adding each batch's value on its device, not copied to the host a batch"
-    from fastai.learner import AvgLoss, AvgMetric, find_bs
-    def loss_acc(self, learn):
-        bs = find_bs(learn.yb)
-        self.total += learn.to_detach(learn.loss.mean(), cpu=False)*bs
-        self.count += bs
-    def met_acc(self, learn):
-        bs = find_bs(learn.yb)
-        self.total += learn.to_detach(self.func(learn.pred, *learn.yb), cpu=False)*bs
-        self.count += bs
-    AvgLoss.accumulate, AvgMetric.accumulate = loss_acc, met_acc
+    "fastai's `AvgLoss` and `AvgMetric` summing each batch's value on its device: their `accumulate`, its values not copied to the host"
+    from fastai.learner import Learner, AvgLoss, AvgMetric
+    def on_device(accumulate):
+        def wrapped(self, learn):
+            learn.to_detach = partial(Learner.to_detach, learn, cpu=False) # For this call: the instance's, over the class's
+            try: accumulate(self, learn)
+            finally: del learn.to_detach
+        return wrapped
+    for c in (AvgLoss, AvgMetric): c.accumulate = on_device(c.accumulate)
 
 def child(variant:str, workflow:str, epochs:int, smoke:bool, validate:int=0)->dict:
     import torch

@@ -15,8 +15,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from procs import arm_env, run_process, error_line
-SIZES = dict(gpu=dict(vocab=8000, seq=64, d=128, layers=4, heads=4, classes=4, bs=32),
-             smoke=dict(vocab=200, seq=16, d=16, layers=2, heads=2, classes=4, bs=8))
+from workflow import WORKFLOWS # The text-small workflow's sizes
 
 def child(arm:str, device:str, smoke:bool)->dict:
     "In an arm's own process: compile the model's training step as the arm says; its first step and the next ones' median"
@@ -27,7 +26,7 @@ def child(arm:str, device:str, smoke:bool)->dict:
     from fastxtend_compile.core import CompileWorkers
     from fastxtend_compile.internals import compile_workers_started
     imported = time.perf_counter() - t0
-    c = SIZES['smoke' if smoke else 'gpu']
+    c = WORKFLOWS['text-small']['smoke' if smoke else 'gpu']
     torch.manual_seed(0)
     model = TextClassifier(c['vocab'], c['seq'], c['d'], c['layers'], c['heads'], c['classes']).to(device)
     x = torch.randint(1, c['vocab'], (c['bs'], c['seq']), device=device)

@@ -19,16 +19,14 @@ Prints a line an arm and writes `thread_compile.json`: the whole loop's seconds,
 in the thread then the warm compile in the path), the eager steps run while the thread compiled, and the eager step's
 mean seconds before and during the compile, and the compiled step's after it."""
 from __future__ import annotations
-import argparse, copy, json, statistics, sys, tempfile, threading, time
+import argparse, copy, json, sys, tempfile, threading, time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from procs import arm_env, run_process, error_line, versions, git_commit
+from workflow import WORKFLOWS # The transformers' sizes: the text workflows'
 
-SIZES = dict(text=dict(vocab=8000, seq=256, d=384, layers=6, heads=6, classes=4, bs=64),
-             text_small=dict(vocab=8000, seq=64, d=128, layers=4, heads=4, classes=4, bs=32),
-             smoke=dict(vocab=200, seq=16, d=16, layers=2, heads=2, classes=4, bs=8))
 ARMS = ('eager', 'path', 'thread', 'thread-default')
 
 def child(arm:str, args)->dict:
@@ -36,7 +34,7 @@ def child(arm:str, args)->dict:
     import torch
     from torch import nn
     from arm import TextClassifier
-    c, dev = SIZES['smoke' if args.smoke else args.size], torch.device(args.device)
+    c, dev = WORKFLOWS[args.size]['smoke' if args.smoke else 'gpu'], torch.device(args.device)
     cuda = dev.type == 'cuda'
     sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
     torch.manual_seed(0)
@@ -123,7 +121,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--child', default=None, help=argparse.SUPPRESS)
     p.add_argument('--device', default='cuda')
-    p.add_argument('--size', default='text', choices=[k for k in SIZES if k != 'smoke'])
+    p.add_argument('--size', default='text', choices=['text', 'text-small'], help="the workflow whose transformer trains")
     p.add_argument('--steps', type=int, default=2000, help="training steps in each arm's loop")
     p.add_argument('--at', type=int, default=40, help="the step at which the compile starts")
     p.add_argument('--mode', default='reduce-overhead', help="the `torch.compile` mode the loop runs compiled ('default' for none)")
