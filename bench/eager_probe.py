@@ -12,7 +12,8 @@ AdamW (no compiling) and times its training batches in windows that take turns:
     python3 bench/eager_probe.py --device cpu --smoke                      # the same code on the CPU, tiny
 
 Prints the medians and writes `eager_probe.json`: the median batch of each kind, their ratio, and every window's
-numbers. Windows begin after the first `--skip` training batches; a paced window that an epoch's end cuts is left out."""
+numbers. Windows begin after the first `--skip` training batches; a paced window that an epoch's end cuts is left out.
+A paced batch includes the host's wait for the DataLoader, which an alone batch does not: `paced_wait_ms` is that wait."""
 from __future__ import annotations
 import argparse, json, statistics, sys, tempfile, time
 from pathlib import Path
@@ -38,7 +39,7 @@ def measure(args)->dict:
     class Windows(Callback):
         "Times training batches: `--window` of them alone, then as many paced, by turns"
         order = 1000 # After every other callback's `before_batch`
-        def __init__(self): self.n, self.alone, self.paced, self.t, self.cut = 0, [], [], None, False
+        def __init__(self): self.n, self.alone, self.paced, self.waits, self.t, self.end, self.wait, self.cut = 0, [], [], [], None, None, 0., False
         def _at(self)->tuple:
             "(kind, first of its window, last of it) of this training batch; kind `None` while skipped"
             i = self.n - args.skip
@@ -47,21 +48,25 @@ def measure(args)->dict:
         def before_batch(self):
             if not self.training: return
             kind, first, _ = self._at()
-            if first: self.cut = False
+            if first: self.cut, self.wait = False, 0.
+            elif kind == 'paced': self.wait += time.perf_counter() - self.end # The host waiting for the DataLoader: a paced window's, not an alone batch's
             if kind == 'alone' or (kind == 'paced' and first): sync(); self.t = time.perf_counter()
         def after_batch(self):
             if not self.training: return
             kind, _, last = self._at()
             if kind == 'alone': sync(); self.alone.append(time.perf_counter() - self.t)
-            elif kind == 'paced' and last and not self.cut: sync(); self.paced.append((time.perf_counter() - self.t) / args.window)
+            elif kind == 'paced' and last and not self.cut:
+                sync(); self.paced.append((time.perf_counter() - self.t) / args.window); self.waits.append(self.wait / args.window)
+            self.end = time.perf_counter()
             self.n += 1
         def before_validate(self): self.cut = True # A paced window the epoch's end cuts is left out
     w = Windows()
     learn.add_cb(w)
     with learn.no_logging(), learn.no_bar(): fit()
     med = lambda xs: statistics.median(xs) if xs else None
-    alone, paced = med(w.alone), med(w.paced)
+    alone, paced, waits = med(w.alone), med(w.paced), med(w.waits)
     return dict(alone_ms=None if alone is None else 1e3*alone, paced_ms=None if paced is None else 1e3*paced,
+                paced_wait_ms=None if waits is None else 1e3*waits,
                 ratio=alone/paced if alone and paced else None, alone_batches=len(w.alone), paced_windows=len(w.paced),
                 alone_all_ms=[round(1e3*s, 3) for s in w.alone], paced_all_ms=[round(1e3*s, 3) for s in w.paced])
 
@@ -83,6 +88,6 @@ def main():
     (out/'eager_probe.json').write_text(json.dumps(res, indent=1))
     f = lambda k: '—' if res[k] is None else f"{res[k]:.2f}"
     print(f"{args.workflow}: a training batch alone {f('alone_ms')} ms ({res['alone_batches']} batches), paced {f('paced_ms')} ms "
-          f"({res['paced_windows']} windows of {args.window}); alone / paced {f('ratio')}")
+          f"({res['paced_windows']} windows of {args.window}), {f('paced_wait_ms')} ms of it waiting for the DataLoader; alone / paced {f('ratio')}")
 
 if __name__ == '__main__': main()
