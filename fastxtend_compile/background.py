@@ -253,7 +253,7 @@ class BackgroundCompile:
     def start(self,
         show, # Where the hand-over is announced (`CompilerCallback._show`)
         device:torch.device, # Where the fit trains
-        ddp:bool=False, # Under DDP: one worker for each host
+        ddp:bool=False, # Under DDP: a worker for each device
         compiled_backward:bool=False, # Compiled autograd compiles DDP's backwards with its all-reduces, which only the fit's path can
     )->bool:
         "A fit starts: whether it compiles in the background (`background`; by default on a CUDA GPU), its ranks set up if so"

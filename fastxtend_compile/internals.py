@@ -170,6 +170,9 @@ _guard_failures = [ # (kind, pattern) of TorchDynamo's words for a failed guard,
     ('size', r"size mismatch at index (\d+)\. expected (\d+), actual (\d+)"),
     ('requires_grad', r"requires_grad mismatch"),
     ('training', r"\.training =="),
+    # Mixed precision: autocast leaves the inputs' dtype as it was. Named with grad mode ("grad_mode autocast"), as where
+    # the latest graph is validation's, it is autocast that no graph has: a graph for each grad mode is the rule
+    ('autocast', r"GLOBAL_STATE changed: .*\bautocast"),
     ('grad_mode', r"GLOBAL_STATE changed: grad_mode"),
     ('dtype', r"dtype mismatch"),
     ('stride', r"stride mismatch|\.stride\(\)\[\d+\] [!=]= "), # A dynamic graph's guard relates a stride to a size: a slice of a larger tensor

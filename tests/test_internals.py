@@ -105,6 +105,12 @@ def test_guard_failures_are_recognised_in_torch_s_words():
     lin[0].weight.requires_grad_(False)
     reasons = _recompile_reasons(g, lambda: g(lin, torch.ones(2, 3)))
     assert reasons == [] or guard_failure(reasons[0])[0] in ('requires_grad', 'grad_mode'), reasons # Some versions don't guard it
+    a = torch.compile(own_function(lambda m, x: m(x), 'internals_autocast_call'), backend='eager')
+    def a_call(grad=True, bf16=False):
+        with torch.set_grad_enabled(grad), torch.autocast('cpu', dtype=torch.bfloat16, enabled=bf16): a(lin, torch.ones(2, 3))
+    # Mixed precision switched on after validation's graph: its inputs' dtype as it was, grad mode named beside autocast
+    reasons = _recompile_reasons(a, a_call, lambda: a_call(grad=False), lambda: a_call(bf16=True))
+    assert [guard_failure(r)[0] for r in reasons] == ['grad_mode', 'autocast'], reasons
     h = _fresh_compiled(lambda x, n: x * n)
     reasons = _recompile_reasons(h, lambda: h(torch.ones(1), 2), lambda: h(torch.ones(1), 3))
     assert guard_failure(reasons[0]) == ('value', ('n', '2')), reasons

@@ -45,6 +45,12 @@ def test_report_records_compiles_and_recompile_reasons(digits, capsys):
     # aot_eager runs eager's kernels: no verdict where the fastest eager batch was as fast as the compiled step
     assert re.search(r"(paid|faster, not paid back yet|did not pay|payoff: not measured enough): compiled step [\d.]+ ms against [\d.]+ ms eager", out)
 
+def test_the_report_names_mixed_precision_switched_on(digits):
+    learn = Learner(digits, two_conv_cnn()).compile(backend='eager')
+    learn.fit(1)
+    with torch.autocast('cpu', dtype=torch.bfloat16): learn.fit(1) # As fastai's `MixedPrecision` does on a GPU
+    assert "mixed precision (autocast) was switched on or off" in [e.reason for e in learn.compiler.report.recompiles]
+
 class _Record:
     "A TorchDynamo compile record, as the recorder reads one"
     __slots__ = ('co_name', 'co_filename', 'co_firstlineno', 'fail_type', 'recompile_reason', 'entire_frame_compile_time_s')
