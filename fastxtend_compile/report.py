@@ -375,6 +375,7 @@ class CompileRecorder:
         self.log_handler, self.froze, self.training, self.shapes, self.compiling = None, set(), None, (), False
         self.seen, self.breaks0, self.started, self.batch_t = {}, Counter(), 0., 0.
         self.loads0 = 0 # Precompiled code TorchDynamo had loaded in this process when the fit began
+        self.compiled_before = 0 # Compiled training batches timed before the last freeze change: the eager step is measured after a later one
         self.batches0 = 0 # Training batches the report had timed when the fit began
         self.eager = False # The batch running now runs eagerly, to measure the eager step
         self.sync = None # Waits for the device to finish its work (`torch.cuda.synchronize`), where work is asynchronous
@@ -393,6 +394,7 @@ class CompileRecorder:
     def note_freeze_change(self):
         "Note that parameters' `requires_grad` changed: TorchDynamo reports only the newest graph's failed guard"
         self.froze = set(self.phase_shapes) # The phases with a graph, training or evaluation: each recompiles for it
+        self.compiled_before = len(self.report.batch_times)
         self.report.eager_times = [] # The step changed: measure it again
 
     def note_eager_frozen(self):
@@ -550,7 +552,7 @@ def wants_eager_step(self:CompileRecorder,
     "Whether the next training batch should run eagerly to measure the eager step: 3 batches after the first compiled one"
     # Once per freeze state, in a fit long enough to hide them, after the first compiled batch (not delaying the compile)
     r = self.report
-    return len(r.eager_times) < self.eager_batches and bool(r.batch_times) and n_iter >= 8
+    return len(r.eager_times) < self.eager_batches and len(r.batch_times) > self.compiled_before and n_iter >= 8
 
 @patch
 def batch_start(self:CompileRecorder,
