@@ -1016,6 +1016,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                    'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report.CompileRecorder.start': ( 'report.html#compilerecorder.start',
                                                                                               'fastxtend_compile/report.py'),
+                                          'fastxtend_compile.report.CompileRecorder.step_changed': ( 'report.html#compilerecorder.step_changed',
+                                                                                                     'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report.CompileRecorder.stop': ( 'report.html#compilerecorder.stop',
                                                                                              'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report.CompileRecorder.take_compiled': ( 'report.html#compilerecorder.take_compiled',

@@ -99,6 +99,7 @@ class CompileReport:
     batch_walls:list = field(default_factory=list) # Seconds between training batches on the host's clock, where the fit copied them ahead
     epoch_steps:int = 0 # Training batches in an epoch
     fit_steps:int = 0 # Training batches of the fits this report covers: what the compile had to pay back in
+    fit_epochs:int = 0 # Epochs of the fits this report covers
     num_workers:int|None = None # The training DataLoader's worker processes
     eager_calls:dict = field(default_factory=dict) # Calls run eagerly, not compiled for a shape seen once: {(phase, shapes): count}
     dynamic:dict = field(default_factory=dict) # Inputs compiled dynamically as their sizes kept changing: {(phase, part): shapes, `None` for a size that changed}
@@ -218,7 +219,7 @@ def payoff(self:CompileReport)->str:
     epochs = self.compile_seconds / ((eager - comp) * max(self.epoch_steps, 1))
     back = f"the {self.compile_seconds:.1f}s of compiling pay back after {epochs:.1f} epoch(s)"
     if self.fit_steps and not pays_back(self.fit_steps, eager - comp, self.compile_seconds):
-        return f"faster, not paid back yet: {line} ({eager/comp:.2f}×); {back}, more than the {self.fit_steps/max(self.epoch_steps, 1):g} trained"
+        return f"faster, not paid back yet: {line} ({eager/comp:.2f}×); {back}, more than the {self.fit_epochs} trained"
     return f"paid: {line} ({eager/comp:.2f}×); {back}"
 
 # %% ../nbs/01_report.ipynb #82cfc2d3
@@ -375,7 +376,8 @@ class CompileRecorder:
         self.log_handler, self.froze, self.training, self.shapes, self.compiling = None, set(), None, (), False
         self.seen, self.breaks0, self.started, self.batch_t = {}, Counter(), 0., 0.
         self.loads0 = 0 # Precompiled code TorchDynamo had loaded in this process when the fit began
-        self.compiled_before = 0 # Compiled training batches timed before the last freeze change: the eager step is measured after a later one
+        self.compiled_before = 0 # Compiled training batches timed before the step last changed: the eager step is timed after a later one
+        self.step_shapes = None # The training inputs' shapes the eager step was timed at
         self.batches0 = 0 # Training batches the report had timed when the fit began
         self.eager = False # The batch running now runs eagerly, to measure the eager step
         self.sync = None # Waits for the device to finish its work (`torch.cuda.synchronize`), where work is asynchronous
@@ -394,8 +396,13 @@ class CompileRecorder:
     def note_freeze_change(self):
         "Note that parameters' `requires_grad` changed: TorchDynamo reports only the newest graph's failed guard"
         self.froze = set(self.phase_shapes) # The phases with a graph, training or evaluation: each recompiles for it
+        self.step_changed()
+
+    def step_changed(self):
+        "The training step changed (parameters frozen or unfrozen, inputs of other shapes): time it eagerly again, after the next compiled batch"
         self.compiled_before = len(self.report.batch_times)
-        self.report.eager_times = [] # The step changed: measure it again
+        self.batches0 -= len(self.report.eager_times) # The fit's batches count on from where they were
+        self.report.eager_times = []
 
     def note_eager_frozen(self):
         "Note a frozen fit of `fine_tune` run eagerly (`compile_frozen=False`)"
@@ -421,7 +428,7 @@ def start(self:CompileRecorder,
     if train is not None: # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
         r = self.report
         r.epoch_steps, r.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)
-        r.fit_steps += epochs * len(train)
+        r.fit_steps, r.fit_epochs = r.fit_steps + epochs * len(train), r.fit_epochs + epochs
         r.images = _image_batches(train)
     self.compiling, self.batch_t, self.training, self.sync, self.batch_end = False, time.perf_counter(), None, sync, None
     self.clock, self.mark, self.marks, self.spare = clock, None, [], []
@@ -562,13 +569,15 @@ def batch_start(self:CompileRecorder,
     valid_eager:bool=False, # A validation batch of a training fit run eagerly, too few left to pay back its graph
 ):
     "Start timing a batch of inputs `xb`"
-    if eager and not self.report.eager_times: self.report.measured_from = len(self.report.batch_times)
+    r, shapes = self.report, _shapes(xb)
+    if eager: self.step_shapes = shapes
+    if eager and not r.eager_times: r.measured_from = len(r.batch_times)
     if valid_eager: self.report.eager_valid += 1
     if eager and self.sync is not None: self.sync() # Time the eager step alone, not the work queued before it
     now = time.perf_counter()
     # On a GPU whose events time the batches, the batches' copy ahead times the waits for the DataLoader (`Prefetch`)
     if training and self.batch_end is not None and self.clock is None: self.report.data_waits.append(now - self.batch_end)
-    self.batch_t, self.compiling, self.training, self.shapes, self.eager, self.batch_end = now, False, training, _shapes(xb), eager, None
+    self.batch_t, self.compiling, self.training, self.shapes, self.eager, self.batch_end = now, False, training, shapes, eager, None
     self.part = ''
     if training and not eager and self.clock is not None: self.mark = _event(self.clock, self.spare)
 
@@ -577,6 +586,8 @@ def batch_done(self:CompileRecorder)->float|None:
     "Record what was compiled during the batch `batch_start` began, and its time if it trained: the seconds it took"
     if self.compiling: self.collect(self.during) # Before the batch is counted, so it is named as it ran
     if not self.training: return None
+    # A graph compiled for other inputs than the eager step's (another batch size, resized images): a new step, timed after it
+    if self.compiling and not self.eager and self.step_shapes not in (None, self.shapes): self.step_changed()
     if self.mark is not None: # A compiled batch on the GPU: timed by its events, read once the device gets there
         self.marks.append((len(self.report.batch_times), self.mark, _event(self.clock, self.spare)))
         self.report.batch_times.append((None, self.compiling))

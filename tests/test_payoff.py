@@ -220,13 +220,18 @@ def test_a_fits_validation_compiles_where_the_fits_validation_batches_left_pay_b
 def test_a_faster_step_that_has_not_paid_back_its_compile_is_not_told_it_paid():
     "The compiled step is faster, but the fits trained too few epochs to make up the compile: not 'paid'"
     r = CompileReport(compile_seconds=10., batch_times=[(5., True)] + [(0.01, False)]*9, eager_times=[1., 0.02, 0.02],
-                      epoch_steps=100, fit_steps=300)
+                      epoch_steps=100, fit_steps=300, fit_epochs=3)
     assert r.payoff() == ("faster, not paid back yet: compiled step 10.0 ms against 20.0 ms eager (2.00×); the 10.0s of compiling "
                           "pay back after 10.0 epoch(s), more than the 3 trained")
     r.fit_steps = 1200 # Twelve epochs: paid
     assert r.payoff().startswith("paid: compiled step 10.0 ms against 20.0 ms eager (2.00×)")
 
-def test_the_report_counts_the_epochs_its_fits_trained(digits):
-    learn = Learner(digits, two_conv_cnn()).compile(backend='aot_eager', background=False)
+def test_the_report_counts_the_epochs_its_fits_trained():
+    dls = digits_dls() # Its own: its batch size changes
+    learn = Learner(dls, two_conv_cnn()).compile(backend='aot_eager', background=False)
+    steps = len(dls.train)
     with learn.no_bar(), learn.no_logging(): learn.fit(2); learn.fit(1)
-    assert learn.compiler.report.fit_steps == 3*len(digits.train)
+    dls.train.bs = 32 # Epochs of another length: the epochs trained still count as such
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    r = learn.compiler.report
+    assert r.fit_steps == 3*steps + len(dls.train) and len(dls.train) != steps and r.fit_epochs == 4

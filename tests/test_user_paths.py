@@ -170,6 +170,18 @@ def test_report_numbers_batches_within_each_fit(digits):
     assert new and new[0].during == 'training batch 1', [str(e) for e in new]
     assert len(learn.compiler.report.eager_times) == CompileRecorder.eager_batches
 
+def test_a_fit_at_another_batch_size_times_its_eager_step_again():
+    "The eager step the report weighs the compiled one against is timed at the fit's own batch size"
+    learn = Learner(digits_dls(), two_conv_cnn(), loss_func=CrossEntropyLossFlat()).compile(backend=BACKEND) # Its own: its batch size changes
+    _quiet_fit(learn)
+    r = learn.compiler.report
+    first = len(r.batch_times)
+    learn.dls.train.bs = 16
+    _quiet_fit(learn)
+    # The new size runs eagerly once and compiles when it comes again; the eager step is timed after that compile
+    assert [e.during for e in r.recompiles if 'batch size' in e.reason] == ['training batch 2'], [str(e) for e in r.events]
+    assert len(r.eager_times) == CompileRecorder.eager_batches and r.measured_from == first + 2
+
 def _timed(eager:list, compiled:float, n:int=20)->CompileReport:
     return CompileReport(batch_times=[(compiled, False)]*n, eager_times=eager, epoch_steps=n, compile_seconds=1.)
 
