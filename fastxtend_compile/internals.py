@@ -177,6 +177,8 @@ _guard_failures = [ # (kind, pattern) of TorchDynamo's words for a failed guard,
     ('dtype', r"dtype mismatch"),
     ('stride', r"stride mismatch|\.stride\(\)\[\d+\] [!=]= "), # A dynamic graph's guard relates a stride to a size: a slice of a larger tensor
     ('device', r"device mismatch"),
+    ('inference', r"dispatch key set mismatch"), # Tensors made under `torch.inference_mode()` carry no autograd keys
+    ('length', r"len\(([\w.'\[\]]+)\) == (\d+)"),
     ('dynamic_range', r"\d+ <= .*size\(\)|size\(\).* <= \d+"),
     ('value', r"(?:^|: )([\w.'\[\]]+) == (-?[\d.e+-]+)\b"),
 ]

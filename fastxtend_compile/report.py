@@ -35,6 +35,9 @@ _words = { # What a failed guard of each kind (see `guard_failure`) means, in pl
     'dtype': lambda v: "the input dtype changed (e.g. float32 inputs, then half-precision ones)",
     'stride': lambda v: "the input's memory layout changed (its strides: a slice of a larger tensor, a transposed one, or channels_last)",
     'device': lambda v: "the model or its input moved to another device",
+    'inference': lambda v: "inference mode was switched on or off: tensors made under `torch.inference_mode()` need a graph of their own",
+    'length': lambda v: f"the length of `{v[0]}` changed (it was {v[1]}): a list the model reads or grows as it runs recompiles at each "
+                        "new length; keep it out of `forward`",
     'dynamic_range': lambda v: "an input size fell outside the range its dynamic graph was compiled for (sizes 0 and 1 are always specialised)",
     'value': lambda v: f"a guard on the Python value `{v[0]}` failed (it was {v[1]}): a number that changes, such as a "
                        "hyperparameter, recompiles every time; make it a tensor",

@@ -111,9 +111,17 @@ def test_guard_failures_are_recognised_in_torch_s_words():
     # Mixed precision switched on after validation's graph: its inputs' dtype as it was, grad mode named beside autocast
     reasons = _recompile_reasons(a, a_call, lambda: a_call(grad=False), lambda: a_call(bf16=True))
     assert [guard_failure(r)[0] for r in reasons] == ['grad_mode', 'autocast'], reasons
+    def no_grad_then(mode):
+        with mode(): a(lin, torch.ones(2, 3))
+    # Inference tensors after a graph for ordinary ones, gradients off for both
+    reasons = _recompile_reasons(a, lambda: no_grad_then(torch.no_grad), lambda: no_grad_then(torch.inference_mode))
+    assert [guard_failure(r)[0] for r in reasons] == ['inference'], reasons
     h = _fresh_compiled(lambda x, n: x * n)
     reasons = _recompile_reasons(h, lambda: h(torch.ones(1), 2), lambda: h(torch.ones(1), 3))
     assert guard_failure(reasons[0]) == ('value', ('n', '2')), reasons
+    k = _fresh_compiled(lambda x, l: x * len(l))
+    reasons = _recompile_reasons(k, lambda: k(torch.ones(1), [1, 2]), lambda: k(torch.ones(1), [1, 2, 3]))
+    assert guard_failure(reasons[0]) == ('length', ('l', '2')), reasons
     assert guard_failure('something TorchDynamo never said') is None
 
 def test_a_dynamic_graphs_stride_guard_is_recognised():
