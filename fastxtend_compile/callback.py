@@ -19,7 +19,7 @@ from fastai.torch_core import get_model, default_device
 from fastai.learner import Learner
 
 from .core import *
-from .core import compile_settings, check_switches, cannot_compile_reason, inner_model, model_device, EagerPolicy, CompileWorkers
+from .core import compile_settings, check_switches, cannot_compile_reason, inner_model, model_device, EagerPolicy, CompileWorkers, fit_trained
 from .report import *
 from .report import CompileRecorder, show_message
 from .internals import (
@@ -199,7 +199,7 @@ def _start_parts(self:CompilerCallback, device:torch.device):
     ddp, wrapped = self.ddp.set(model), isinstance(model, DistributedDataParallel)
     cuda = device.type == 'cuda'
     rec.start(partial(torch.cuda.synchronize, device) if cuda else None, ddp=ddp, compiled_backward=self.ddp.in_backward,
-              train=self.learn.dls.train, epochs=getattr(self.learn, 'n_epoch', 1), clock=device if cuda else None)
+              train=self.learn.dls.train, clock=device if cuda else None)
     self.pace.start(self.learn, device, rec.report)
     self.precision.set(device)
     self.precompile.set(inner_model(model), ddp=wrapped)
@@ -250,7 +250,7 @@ def before_batch(self:CompilerCallback):
     key = None if p.aside is None else p.aside.batch_key(model, self.learn.xb, self.training) # Once a batch, for every part that asks
     p.start_batch(self.learn, key, measure=rec.wants_eager_step(getattr(self.learn, 'n_iter', 0)), whole_backward=self.ddp.in_backward)
     if self.training: self.ddp.before_batch(not p.eager)
-    if p.timed: rec.batch_start(self.training, self.learn.xb, p.measuring or p.probing, p.valid_eager)
+    if p.timed: rec.batch_start(self.training, self.learn.xb, p.measuring or p.probing, p.valid_eager, outside=not (self.training or p.trained))
 
 @patch
 def __call__(self:CompilerCallback, event_name:str):
@@ -339,7 +339,7 @@ def restore(self:CompilerCallback):
         self.compile_recorder.note_background(*self.aside.take_notes(), *self.tiers.take_notes())
         p = self.policy
         self.compile_recorder.stop(p.compiled_calls(), eager_eval=p.eager_eval, eager_lr_find=p.eager_lr_find,
-                                   gc_pauses=self.collector.stop(), **self.ddp.averaged())
+                                   gc_pauses=self.collector.stop(), trained=fit_trained(self.learn), **self.ddp.averaged())
         self.aside.warm_starts.measured(self.report.compiled_step, self.report.eager_step)
         self.policy.stop()
         self.precision.restore()

@@ -436,6 +436,11 @@ def _lr_finder(learn):
     "fastai's `LRFinder` running `learn`'s fit (`lr_find`), or `None`"
     return next((cb for cb in getattr(learn, 'cbs', ()) if _is_fastai(cb, 'fastai.callback.schedule', 'LRFinder')), None)
 
+def fit_trained(learn)->tuple:
+    "(batches, epochs) the fit ending trained, as fastai counts them: none for an evaluation, nor for an `lr_find`, which puts the weights back"
+    batches = getattr(learn, 'train_iter', 0) # fastai's `TrainEvalCallback` counts them from 0 at each fit, `get_preds`' too
+    return (0, 0) if not batches or _lr_finder(learn) is not None else (batches, getattr(learn, 'epoch', 0) + 1)
+
 def _last_batch(learn)->bool:
     "Whether this is the last batch of the DataLoader; not for events called one by one, outside a fit's batch loop"
     n = getattr(learn, 'n_iter', None)

@@ -179,6 +179,9 @@ _guard_failures = [ # (kind, pattern) of TorchDynamo's words for a failed guard,
     ('device', r"device mismatch"),
     ('inference', r"dispatch key set mismatch"), # Tensors made under `torch.inference_mode()` carry no autograd keys
     ('length', r"len\(([\w.'\[\]]+)\) == (\d+)"),
+    # An object the model calls or reads, by its identity or its type: a function, a layer, any attribute
+    ('identity', r"___check_obj_id\(([^,()]+), \d+\)(?:, type=<class '([\w.]+)'>)?"),
+    ('type', r"___check_type_id\(([^,()]+), \d+\)(?:, type=<class '([\w.]+)'>)?"),
     ('dynamic_range', r"\d+ <= .*size\(\)|size\(\).* <= \d+"),
     ('value', r"(?:^|: )([\w.'\[\]]+) == (-?[\d.e+-]+)\b"),
 ]

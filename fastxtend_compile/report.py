@@ -38,10 +38,15 @@ _words = { # What a failed guard of each kind (see `guard_failure`) means, in pl
     'inference': lambda v: "inference mode was switched on or off: tensors made under `torch.inference_mode()` need a graph of their own",
     'length': lambda v: f"the length of `{v[0]}` changed (it was {v[1]}): a list the model reads or grows as it runs recompiles at each "
                         "new length; keep it out of `forward`",
+    'identity': lambda v: f"`{v[0]}` was replaced by another object{_was(v[1])}: the model recompiles for each new function, layer or "
+                          "object it calls; set them before the fit",
+    'type': lambda v: f"`{v[0]}` was replaced by an object of another type{_was(v[1])}: the model recompiles for each; set them before the fit",
     'dynamic_range': lambda v: "an input size fell outside the range its dynamic graph was compiled for (sizes 0 and 1 are always specialised)",
     'value': lambda v: f"a guard on the Python value `{v[0]}` failed (it was {v[1]}): a number that changes, such as a "
                        "hyperparameter, recompiles every time; make it a tensor",
 }
+
+def _was(cls:str|None)->str: return '' if cls is None else f" (it was a {cls.rsplit('.', 1)[-1]})" # A class by its own name
 
 def plain_reason(
     reason:str|None, # TorchDynamo's reason for a recompile (a failed guard)
@@ -57,13 +62,13 @@ _grad_mode_reason = _words['grad_mode'](())
 # %% ../nbs/01_report.ipynb #836f2742
 @dataclass
 class CompileEvent:
-    "One compile of a frame during a fit"
+    "One compile of a frame: in a fit, or in an evaluation outside one"
     kind:str # 'compile', 'recompile' or 'fallback' (the frame hit the recompile limit and runs eagerly)
     frame:str # Compiled function, with its file and line
     seconds:float # Time TorchDynamo and the backend spent on it
     reason:str='' # Why it recompiled or fell back, in plain words
     raw_reason:str='' # TorchDynamo's own reason
-    during:str='' # When it happened: 'training batch 1', 'validation'...
+    during:str='' # When it happened: 'training batch 1', 'validation', 'evaluation outside a fit'
 
     def text(self,
         alike:list|None=None, # Events alike, this one among them, to tell as one line with their count and time
@@ -101,8 +106,8 @@ class CompileReport:
     data_waits:list = field(default_factory=list) # Seconds training batches waited for the DataLoader: sampled ones, or each one the fit copied ahead
     batch_walls:list = field(default_factory=list) # Seconds between training batches on the host's clock, where the fit copied them ahead
     epoch_steps:int = 0 # Training batches in an epoch
-    fit_steps:int = 0 # Training batches of the fits this report covers: what the compile had to pay back in
-    fit_epochs:int = 0 # Epochs of the fits this report covers
+    fit_steps:int = 0 # Training batches the fits this report covers trained: what the compile had to pay back in
+    fit_epochs:int = 0 # Epochs those fits trained (an evaluation outside a fit, or an `lr_find`, trains none)
     num_workers:int|None = None # The training DataLoader's worker processes
     eager_calls:dict = field(default_factory=dict) # Calls run eagerly, not compiled for a shape seen once: {(phase, shapes): count}
     dynamic:dict = field(default_factory=dict) # Inputs compiled dynamically as their sizes kept changing: {(phase, part): shapes, `None` for a size that changed}
@@ -376,13 +381,14 @@ class CompileRecorder:
         show:Callable|None=None, # Where announcements go; `None` keeps them quiet
     ):
         store_attr()
-        self.log_handler, self.froze, self.training, self.shapes, self.compiling = None, set(), None, (), False
+        self.froze, self.training, self.shapes, self.compiling = set(), None, (), False
         self.seen, self.breaks0, self.started, self.batch_t = {}, Counter(), 0., 0.
         self.loads0 = 0 # Precompiled code TorchDynamo had loaded in this process when the fit began
         self.compiled_before = 0 # Compiled training batches timed before the step last changed: the eager step is timed after a later one
         self.step_shapes = None # The training inputs' shapes the eager step was timed at
         self.batches0 = 0 # Training batches the report had timed when the fit began
         self.eager = False # The batch running now runs eagerly, to measure the eager step
+        self.outside = False # The batch running now is one of an evaluation outside a training fit (`get_preds`, `validate`)
         self.sync = None # Waits for the device to finish its work (`torch.cuda.synchronize`), where work is asynchronous
         self.batch_end = None # When the last sampled training batch ended, to time the wait for the next one
         self.clock = None # The CUDA device whose events time the compiled training batches, without waiting for it
@@ -394,7 +400,7 @@ class CompileRecorder:
         self.part = '' # The part of the training step running: '' (the model's forward), 'backward' or 'step'
         self.compiled_s = 0. # Seconds the model compiled in the fit's path since `take_compiled` (the optimizer step's left out)
 
-    def __getstate__(self): return {**self.__dict__, 'log_handler': None, 'show': None, 'mark': None, 'marks': [], 'spare': []} # Handlers hold locks; CUDA events stay
+    def __getstate__(self): return {**self.__dict__, 'show': None, 'mark': None, 'marks': [], 'spare': []} # A copy has no fit to show to, nor its CUDA events
 
     def note_freeze_change(self):
         "Note that parameters' `requires_grad` changed: TorchDynamo reports only the newest graph's failed guard"
@@ -422,7 +428,6 @@ def start(self:CompileRecorder,
     ddp:bool=False, # The model runs under DDP, as this library sets it up
     compiled_backward:bool=False, # Compiled autograd compiles the backwards (`ddp_compiled_autograd`)
     train=None, # The fit's training `DataLoader`
-    epochs:int=1, # The fit's epochs
     clock:torch.device|None=None, # A CUDA device: its events time the compiled training batches, so that none waits for it
 ):
     "Start recording compiles"
@@ -431,7 +436,6 @@ def start(self:CompileRecorder,
     if train is not None: # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
         r = self.report
         r.epoch_steps, r.num_workers = len(train), getattr(getattr(train, 'fake_l', train), 'num_workers', None)
-        r.fit_steps, r.fit_epochs = r.fit_steps + epochs * len(train), r.fit_epochs + epochs
         r.images = _image_batches(train)
     self.compiling, self.batch_t, self.training, self.sync, self.batch_end = False, time.perf_counter(), None, sync, None
     self.clock, self.mark, self.marks, self.spare = clock, None, [], []
@@ -441,10 +445,9 @@ def start(self:CompileRecorder,
     self.loads0 = precompiled_loads()
     self.batches0 = len(self.report.batch_times) + len(self.report.eager_times) # Earlier fits': batches count from 1 each fit
     add_compile_callbacks(self._on_start, self._on_end)
-    # TorchDynamo records no compilation metric when a frame hits the recompile limit, only this log line
-    self.log_handler = logging.Handler(logging.WARNING)
-    self.log_handler.emit = self._on_log
-    recompile_limit_logger.addHandler(self.log_handler)
+    # TorchDynamo records no compilation metric when a frame hits the recompile limit, only this log record: the fit's
+    # warning says it in the report's words, in its place
+    recompile_limit_logger.addFilter(self._on_log)
 
 @patch
 def stop(self:CompileRecorder,
@@ -456,9 +459,11 @@ def stop(self:CompileRecorder,
     eager_eval:int=0, # Batches of an evaluation outside a fit run eagerly, too few to pay back their graph
     eager_lr_find:int=0, # Batches of an `lr_find` run eagerly, alike
     gc_pauses:list=(), # Seconds of each full garbage collection during the fit
+    trained:tuple=(0, 0), # (batches, epochs) the fit trained (`fit_trained`): an evaluation outside a fit trains none
 ):
     "Stop recording and collect what is left"
     r = self.report
+    r.fit_steps, r.fit_epochs = r.fit_steps + trained[0], r.fit_epochs + trained[1]
     r.gc_pauses += gc_pauses
     r.eager_eval += eager_eval
     r.eager_lr_find += eager_lr_find
@@ -471,22 +476,26 @@ def stop(self:CompileRecorder,
         r.rnns, r.rnn_parts = rnn[0].around, ', '.join(dict.fromkeys(type(c.module).__name__ for c in rnn))
     self.read_marks(wait=True)
     remove_compile_callbacks(self._on_start, self._on_end)
-    recompile_limit_logger.removeHandler(self.log_handler)
+    recompile_limit_logger.removeFilter(self._on_log)
     self.collect(self.during)
     self.report.precompiled += precompiled_loads() - self.loads0
     self.training = None
 
 # %% ../nbs/01_report.ipynb #99ebc51f
 @patch
-def _on_log(self:CompileRecorder, record:logging.LogRecord):
-    "Turn TorchDynamo's 'hit config.recompile_limit' warning into a fallback event and a Python warning"
-    if (hit := recompile_limit_hit(record)) is None: return
+def _on_log(self:CompileRecorder, record:logging.LogRecord)->bool:
+    "Turn TorchDynamo's 'hit config.recompile_limit' warning into a fallback event and a Python warning, in its place (`False`); let any other record by"
+    if (hit := recompile_limit_hit(record)) is None: return True
     limit_type, limit, func, reason = hit
     frame = self.model_name if func is None else self._name(*func)
     ev = CompileEvent('fallback', frame, 0., plain_reason(reason), reason, self.during)
     self.report.events.append(ev)
-    warnings.warn(f"torch.compile gave up on {ev.frame} after {limit} recompiles ({limit_type}) and runs it eagerly "
-                  f"from now on. Last cause: {ev.reason or 'unknown'}. To fix: {_fix(ev.reason)}.")
+    msg = (f"torch.compile gave up on {ev.frame} after {limit} recompiles ({limit_type}) and runs it eagerly "
+           f"from now on. Last cause: {ev.reason or 'unknown'}. To fix: {_fix(ev.reason)}.")
+    # Shown at the line of the user's code whose value the failed guard checks, where TorchDynamo names one
+    if (at := guarded_code(reason)) and not at[0].startswith(_library_dirs): warnings.warn_explicit(msg, UserWarning, at[0], int(at[1]))
+    else: warnings.warn(msg)
+    return False
 
 @patch
 def _on_start(self:CompileRecorder, *args): self.compiling, self.started = True, time.perf_counter()
@@ -552,7 +561,8 @@ def collect(self:CompileRecorder, during:str=''):
 def during(self:CompileRecorder)->str:
     "The batch running now, for the events compiled during it"
     if self.training is None: return ''
-    return f"training batch {len(self.report.batch_times)+len(self.report.eager_times)-self.batches0+1}" if self.training else 'validation'
+    if not self.training: return 'evaluation outside a fit' if self.outside else 'validation'
+    return f"training batch {len(self.report.batch_times)+len(self.report.eager_times)-self.batches0+1}"
 
 # %% ../nbs/01_report.ipynb #74dbef00
 @patch
@@ -570,6 +580,7 @@ def batch_start(self:CompileRecorder,
     xb:tuple=(), # Its inputs
     eager:bool=False, # It runs eagerly to measure the eager step
     valid_eager:bool=False, # A validation batch of a training fit run eagerly, too few left to pay back its graph
+    outside:bool=False, # A batch of an evaluation outside a training fit (`get_preds`, `validate`)
 ):
     "Start timing a batch of inputs `xb`"
     r, shapes = self.report, _shapes(xb)
@@ -581,6 +592,7 @@ def batch_start(self:CompileRecorder,
     # On a GPU whose events time the batches, the batches' copy ahead times the waits for the DataLoader (`Prefetch`)
     if training and self.batch_end is not None and self.clock is None: self.report.data_waits.append(now - self.batch_end)
     self.batch_t, self.compiling, self.training, self.shapes, self.eager, self.batch_end = now, False, training, shapes, eager, None
+    self.outside = outside
     self.part = ''
     if training and not eager and self.clock is not None: self.mark = _event(self.clock, self.spare)
 

@@ -122,6 +122,20 @@ def test_guard_failures_are_recognised_in_torch_s_words():
     k = _fresh_compiled(lambda x, l: x * len(l))
     reasons = _recompile_reasons(k, lambda: k(torch.ones(1), [1, 2]), lambda: k(torch.ones(1), [1, 2, 3]))
     assert guard_failure(reasons[0]) == ('length', ('l', '2')), reasons
+    m = nn.Sequential(nn.ReLU())
+    m.f = torch.relu
+    def calls_f(m, x): return m.f(m[0](x))
+    c = torch.compile(own_function(calls_f, 'internals_identity_call'), backend='eager')
+    def swap(name, new):
+        def call():
+            setattr(m, name, new) if name == 'f' else m.__setitem__(0, new)
+            c(m, torch.ones(2))
+        return call
+    # A function the model calls, replaced; a layer, replaced by one of another type. Some versions name only the type's class
+    reasons = _recompile_reasons(c, swap('f', torch.relu), swap('f', torch.tanh), swap(0, nn.GELU()))
+    kinds = [guard_failure(r) for r in reasons]
+    assert [k for k,v in kinds] == ['identity', 'type'] and kinds[0][1][0] == "m.f" and kinds[1][1] in (
+        ("m._modules['0']", 'torch.nn.modules.activation.ReLU'), ("m._modules['0']", None)), reasons
     assert guard_failure('something TorchDynamo never said') is None
 
 def test_a_dynamic_graphs_stride_guard_is_recognised():

@@ -235,3 +235,6 @@ def test_the_report_counts_the_epochs_its_fits_trained():
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
     r = learn.compiler.report
     assert r.fit_steps == 3*steps + len(dls.train) and len(dls.train) != steps and r.fit_epochs == 4
+    # An evaluation outside a fit trains nothing, and `lr_find` puts the weights back: neither counts
+    with learn.no_bar(), learn.no_logging(): learn.get_preds(); learn.validate(); learn.lr_find(num_it=5, show_plot=False)
+    assert (r.fit_steps, r.fit_epochs) == (3*steps + len(dls.train), 4)

@@ -1,5 +1,5 @@
 "What the compiler did is visible: report, warnings, explain, the crash ladder, clear errors"
-import importlib.util, logging, re, shutil, pytest, torch
+import importlib.util, inspect, logging, re, shutil, pytest, torch
 from functools import partial
 from torch import nn
 import matplotlib; matplotlib.use('Agg')
@@ -13,7 +13,7 @@ from fastai.callback.core import Callback
 from fastxtend_compile import *
 from fastxtend_compile.report import CompileRecorder
 from fastxtend_compile.core import cannot_compile_reason, EagerPolicy
-from fastxtend_compile.internals import compiled_call
+from fastxtend_compile.internals import compiled_call, recompile_limit_logger, recompile_limit_hit
 from conftest import two_conv_cnn, digits_dls
 
 BACKEND = 'aot_eager'
@@ -106,11 +106,48 @@ def test_fallback_on_a_python_value_guard_warns():
         def before_batch(self): self.learn.model.scale = float(self.iter) + 0.5
     learn = synth_learner(cbs=ChangeScale()).compile(backend='eager')
     learn.model = Scaled()
-    with torch._dynamo.config.patch(recompile_limit=2), pytest.warns(UserWarning, match=r"torch.compile gave up on Scaled after 2 recompiles") as rec:
-        learn.fit(1)
+    seen = [] # What reaches the handlers of TorchDynamo's logger: its own warning, beside the library's, would
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = seen.append
+    recompile_limit_logger.addHandler(handler)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=2), pytest.warns(UserWarning, match=r"torch.compile gave up on Scaled after 2 recompiles") as rec:
+            learn.fit(1)
+    finally: recompile_limit_logger.removeHandler(handler)
     fb = learn.compiler.report.fallbacks[0]
     assert fb.reason.startswith("a guard on the Python value `module.scale` failed") and fb.during.startswith('training batch')
-    assert 'dynamic=True' not in str(rec[0].message) # Advice for shapes doesn't apply
+    w = [w for w in rec if 'gave up' in str(w.message)]
+    assert len(w) == 1 and 'dynamic=True' not in str(w[0].message) # Advice for shapes doesn't apply
+    # Shown at the line of `forward` that reads the value, in place of TorchDynamo's own warning
+    assert (w[0].filename, w[0].lineno) == (__file__, inspect.getsourcelines(Scaled.forward)[1])
+    assert not [r for r in seen if recompile_limit_hit(r)], [r.getMessage()[:200] for r in seen]
+
+def test_a_function_or_layer_replaced_between_fits_is_named():
+    class Act(nn.Module):
+        def __init__(self): super().__init__(); self.lin, self.f = nn.Linear(1,1), torch.relu
+        def forward(self, x): return self.f(self.lin(x))
+    learn = synth_learner().compile(backend='eager')
+    learn.model = Act()
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1)
+        learn.model.f = torch.tanh # Another function
+        learn.fit(1)
+        learn.model.lin = nn.Sequential(nn.Linear(1,1)) # A layer of another type
+        learn.fit(1)
+    reasons = [e.reason for e in learn.compiler.report.recompiles if e.during.startswith('training')]
+    assert len(reasons) == 2 and reasons[0].startswith("`module.f` was replaced by another object"), reasons
+    assert reasons[1] == ("`module._modules['lin']` was replaced by an object of another type (it was a Linear): the model recompiles "
+                          "for each; set them before the fit"), reasons
+
+def test_a_compile_outside_a_fit_is_named_so(digits):
+    "A `get_preds` after the fit compiles for its own batch size: named an evaluation outside a fit, not the fit's validation"
+    learn = Learner(digits, two_conv_cnn()).compile(backend='eager', compile_valid=True)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    r, n = learn.compiler.report, len(learn.compiler.report.events)
+    assert [e.during for e in r.events] == ['training batch 1', 'validation'], r.events
+    dl = digits.test_dl(digits.valid.items[:12], bs=3) # Another batch size, seen more than once: a recompile
+    with learn.no_bar(): learn.get_preds(dl=dl)
+    assert [(e.kind, e.during) for e in r.events[n:]] == [('recompile', 'evaluation outside a fit')], r.events
 
 def test_long_compile_is_announced(digits, capsys):
     learn = Learner(digits, two_conv_cnn()).compile(backend=BACKEND, compile_valid=True)
