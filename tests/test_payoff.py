@@ -81,7 +81,7 @@ def test_regional_compiles_a_vision_learners_residual_blocks_once_per_shape_and_
     with learn.no_bar(): learn.validate()
     assert r.graphs == 14 and len(r.recompiles) == 7 and not r.fallbacks, r
     assert {e.frame for e in r.events} == {'BasicBlock'}
-    assert f"recompile of BasicBlock during validation, 7 times, {sum(e.seconds for e in r.recompiles):.2f}s in all: " in r.summary()
+    assert f"recompile of BasicBlock during evaluation outside a fit, 7 times, {sum(e.seconds for e in r.recompiles):.2f}s in all: " in r.summary()
     # The smaller last validation batch ran eagerly through every block: one line for the blocks' input shapes
     once = [l for l in r.summary().splitlines() if 'a shape seen once' in l]
     assert len(once) == 1 and len(r.eager_calls) > 1 and "validation or inference call(s) with each of the inputs " in once[0], once
