@@ -13,8 +13,8 @@ import torch
 from torch import nn, Tensor
 import cloudpickle
 
-from .core import CompiledCall, compile_model
-from .internals import inductor_cache_dir, import_inductor, tree_flatten, backend_error
+from .core import CompiledCall, CompileWorkers, compile_model
+from .internals import inductor_cache_dir, import_inductor, start_compile_workers, tree_flatten, backend_error
 
 # %% auto #0
 __all__ = ['autocast_dtype', 'job_payload', 'compile_in_worker', 'error_text', 'write_json', 'read_json', 'serve', 'JobResult',
@@ -162,6 +162,7 @@ def serve(
     device:str, # Device the fit trains on: a GPU's CUDA context starts before the first job
     modules:str='', # Modules of the model's classes, comma-separated, imported before the first job
     inductor:str='1', # '1': import inductor before the first job, as its first compile would; '0': the fit's backend is another
+    pool:str='1', # '1': on a GPU, start inductor's Triton compile processes first, as the fit's process does (`CompileWorkers`)
 ):
     "A worker process: start up, then compile each job whose path (and when it was sent) arrives on stdin; write how it went next to it"
     import importlib
@@ -171,7 +172,12 @@ def serve(
         try: importlib.import_module(m)
         except Exception: pass # The job's unpickling says what is missing
     marks.append(time.time())
-    if inductor == '1': import_inductor()
+    if inductor == '1':
+        # They start up while the rest of inductor imports and the job is traced, rather than after its trace
+        if pool == '1' and torch.device(device).type == 'cuda':
+            try: start_compile_workers()
+            except Exception: pass # Inductor tries again as it compiles, and says why in its own words if it fails
+        import_inductor()
     marks.append(time.time())
     if torch.device(device).type == 'cuda': torch.empty(1, device=device)
     ready = time.time()
@@ -320,7 +326,8 @@ class Worker:
         if (priority := _below(self.nice)) is not None: env['FXC_WORKER_PRIORITY'] = str(priority)
         self.log = os.path.join(self.tmp, 'worker.log')
         with open(self.log, 'w') as log:
-            self.proc = subprocess.Popen([sys.executable, '-c', _OWN_PRIORITY + (self.code or type(self).code), str(device), ','.join(modules), str(int(inductor))],
+            self.proc = subprocess.Popen([sys.executable, '-c', _OWN_PRIORITY + (self.code or type(self).code), str(device), ','.join(modules), str(int(inductor)),
+                                          str(int(CompileWorkers.on))],
                                          env=env, cwd=os.getcwd(), stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True, text=True)
         _set_priority(self.proc.pid, priority)
