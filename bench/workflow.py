@@ -43,7 +43,8 @@ Each workflow builds its data and `Learner` the way a fastai user does and runs 
                   (`GCFreeze.on = False`), so its full collections visit every object the compiles made; unfrozen-warm
                   starts from tiers-cold's cache, as tiers-warm does
     unwarmed-cold   as tiers-cold, with inductor's Triton compile processes started by inductor once TorchDynamo
-                  has traced the graph, not as the fit's first compile starts (`CompileWorkers.on = False`)
+                  has traced the graph, not as the fit's first compile starts, nor as a worker process starts up
+                  (`CompileWorkers.on = False`)
     noprefetch-cold   as tiers-cold, with no training batch copied ahead: the DataLoader copies each in the fit's
                   thread, as fastai does
     Every other compiled arm passes background=False: it compiles in the fit's path.
@@ -93,7 +94,7 @@ KINDS = {
     'unfrozen':   (dict(background=True), "as *tiers*, with Python's collector left unfrozen during the fit (`GCFreeze.on = False`): "
                    "its full collections visit every object", ('cold', 'warm')),
     'unwarmed':   (dict(background=True), "as *tiers*, with inductor's Triton compile processes started by inductor once TorchDynamo "
-                   "has traced the graph, not as the fit's first compile starts (`CompileWorkers.on = False`)", ('cold',)),
+                   "has traced the graph, not as the fit's first compile starts, nor as a worker process starts up (`CompileWorkers.on = False`)", ('cold',)),
     'bar':        (dict(background=True), "`learn.compile(background=True)` on *tiers-cold*'s cache, as *tiers-warm*, with fastai's progress bar shown, as users train", ('warm',)),
     'noprefetch': (dict(background=True), "as *tiers*, with no batch copied ahead: the `DataLoader` copies each in the fit's thread, as "
                    "fastai does", ('cold',)),

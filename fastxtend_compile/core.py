@@ -136,7 +136,7 @@ def cannot_compile_reason(
 # %% ../nbs/00_core.ipynb #c0a7e1f2
 class CompileWorkers:
     "Start inductor's Triton compile processes as a compile in the fit's process starts, before TorchDynamo traces: its kernels then find them ready"
-    on = True # Start them early, on a CUDA GPU; `False` leaves them to inductor, which starts them once TorchDynamo has traced
+    on = True # Start them early, on a CUDA GPU (a worker process's too, as it starts up); `False` leaves them to inductor, which starts them once TorchDynamo has traced
     def __init__(self): self.watching = False # Called at each compile of this fit
     def __getstate__(self): return {'watching': False}
 
