@@ -17,8 +17,10 @@ __all__ = ['MARGIN', 'SAVING', 'COLD_S', 'WARM_SHARE', 'WARM_S', 'WORKER_HANDOVE
 MARGIN = 0.03 # The share of a step a tier must save in an A/B to be kept, and a compiled step to have paid: less is within a step's noise
 
 # The rule's priors, in one place: what it takes where no fit has recorded the number for the model state (`WarmStarts`)
-SAVING = 0.2 # The share of a step a compiled one saves: until a fit measured it (`recorded_saving`)
-# A cold compile's cost to the fit's path, until one is recorded: with a step `SAVING` faster, a fit with under 30 s of
+# The share of a step a compiled one saves, until a fit measured it (`recorded_saving`): a transformer's compiled kernels
+# ran its eager GPU work about a third shorter (bench/results/constants.md)
+SAVING = 0.35
+# A cold compile's cost to the fit's path, until one is recorded: with a step `SAVING` faster, a fit with under 17 s of
 # eager steps left once a cold worker hands its code over trains eagerly, without a worker
 COLD_S = 6.
 # A warm compile traces the model and loads its kernels from inductor's cache, where a cold one also writes and builds

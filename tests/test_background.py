@@ -376,7 +376,7 @@ def test_a_cold_compile_pays_back_only_with_the_batches_left_after_the_workers_h
     assert judge(aside, st, learn) == (batches == 4000)
     if batches == 2000:
         assert st.stage is Stage.SHORT and [n.text for n in aside.notes] == ["trained eagerly: the fit's 1992 training batches left, "
-            "about 40s eagerly, are too few to pay back a compile (under 57s; `background=False` compiles in the fit's path)"], aside.notes
+            "about 40s eagerly, are too few to pay back a compile (under 44s; `background=False` compiles in the fit's path)"], aside.notes
 
 def test_the_probe_times_the_eager_step_once_for_the_verdict_and_the_hand_overs_timing(tmp_path, monkeypatch):
     "A fit's slow first batch (its loader starting) moves neither the probe's median step nor what the hand-over's timing takes off"
@@ -413,12 +413,12 @@ def test_a_state_compiled_before_compiles_warm_where_the_share_its_code_saved_pa
         assert not judge(aside, st, learn)
         aside.probed(0.004)
     learn.iter = n
-    # 2800 batches of 4ms left, 11.2s eagerly: 40% saved pays back 3s (7.5s of steps), 20% (no saving measured) would not
-    assert judge(aside, st, learn) == (saving == 0.4)
-    if saving != 0.4:
-        needed = 3. / (SAVING if saving is None else MARGIN)
+    # 2800 batches of 4ms left, 11.2s eagerly: 40% saved pays back 3s (7.5s of steps), and so does the prior (8.6s at 35%)
+    # where no saving was measured; a measured loss, weighed as `MARGIN`, would need 100s
+    assert SAVING * 11.2 > 3. and judge(aside, st, learn) == (saving != -0.1)
+    if saving == -0.1:
         assert [n.text for n in aside.notes] == [f"trained eagerly: the fit's 2800 training batches left, about 11s eagerly, are too "
-                                                 f"few to pay back even a warm compile of 3.0s (under {needed:.0f}s)"], aside.notes
+                                                 f"few to pay back even a warm compile of 3.0s (under {3. / MARGIN:.0f}s)"], aside.notes
 
 def test_a_fit_records_the_share_of_a_step_its_one_compiled_training_state_saved(tmp_path, monkeypatch):
     "The share is the fit's compiled step against its eager one, kept for the one training state it compiled, by the process that timed both"
