@@ -290,6 +290,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                              'fastxtend_compile/core.py'),
                                         'fastxtend_compile.core.CompileWorkers.start': ( 'core.html#compileworkers.start',
                                                                                          'fastxtend_compile/core.py'),
+                                        'fastxtend_compile.core.CompileWorkers.start_now': ( 'core.html#compileworkers.start_now',
+                                                                                             'fastxtend_compile/core.py'),
                                         'fastxtend_compile.core.CompileWorkers.stop': ( 'core.html#compileworkers.stop',
                                                                                         'fastxtend_compile/core.py'),
                                         'fastxtend_compile.core.CompiledCall': ('core.html#compiledcall', 'fastxtend_compile/core.py'),

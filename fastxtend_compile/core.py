@@ -150,12 +150,17 @@ class CompileWorkers:
         add_compile_callbacks(self.compiling)
         self.watching = True
 
-    def compiling(self, *args):
-        "A compile starts: start the compile processes, once for the process"
+    @staticmethod
+    def start_now():
+        "Start the compile processes, once for the process: as a compile of the fit starts, or as a worker process starts up"
         if compile_workers_started(): return
         # Where they can't start now, inductor tries again as it compiles the graph, and says why in its own words if it fails
         try: start_compile_workers()
         except Exception: pass
+
+    def compiling(self, *args):
+        "A compile starts: start the compile processes"
+        self.start_now()
 
     def stop(self):
         "The fit is over"

@@ -14,7 +14,7 @@ from torch import nn, Tensor
 import cloudpickle
 
 from .core import CompiledCall, CompileWorkers, compile_model
-from .internals import inductor_cache_dir, import_inductor, start_compile_workers, tree_flatten, backend_error
+from .internals import inductor_cache_dir, import_inductor, tree_flatten, backend_error
 
 # %% auto #0
 __all__ = ['autocast_dtype', 'job_payload', 'compile_in_worker', 'error_text', 'write_json', 'read_json', 'serve', 'JobResult',
@@ -174,9 +174,7 @@ def serve(
     marks.append(time.time())
     if inductor == '1':
         # They start up while the rest of inductor imports and the job is traced, rather than after its trace
-        if pool == '1' and torch.device(device).type == 'cuda':
-            try: start_compile_workers()
-            except Exception: pass # Inductor tries again as it compiles, and says why in its own words if it fails
+        if pool == '1' and torch.device(device).type == 'cuda': CompileWorkers.start_now()
         import_inductor()
     marks.append(time.time())
     if torch.device(device).type == 'cuda': torch.empty(1, device=device)
