@@ -5,6 +5,7 @@
 # %% ../nbs/08_background.ipynb #88f64dd8
 from __future__ import annotations
 import hashlib, platform, time, warnings
+from statistics import median
 from functools import cached_property
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from .core import model_fingerprint, check_switches
 from .internals import inductor_cache_dir
 from .worker import Worker, Job, JobResult, job_payload, read_json, write_json
 from .state import StateKey, Stage, Probe, ModelState, state_key
-from .payoff import COLD_S, WARM_S, WORKER_HANDOVER_S, batches_left
+from .payoff import COLD_S, WARM_S, WORKER_HANDOVER_S, batches_left, cold_compile
 from .life import advance
 from .agreement import Local, DDP
 from .report import Note, handover_text
@@ -58,6 +59,10 @@ class WarmRecords:
         return f'{self.model_key(model)}-{_digest(repr(state.durable))}'
 
     def get(self, key:str)->dict|None: return read_json(str(self.root()/f'{key}.json'))
+
+    def of_model(self, key:str)->list:
+        "The records of every state of `key`'s model compiled with its settings, `key`'s own included"
+        return [r for f in self.root().glob(f"{key.rpartition('-')[0]}-*.json") if (r := read_json(str(f))) is not None]
 
     def put(self, key:str, **values):
         "Record `values` (seconds) for `key`, keeping what was recorded before"
@@ -144,13 +149,21 @@ class WarmStarts:
         if st.first is not None and (rec := self.get(st.first[1])) is not None: return rec, True
         return self.get(st.record), False
 
-    def compiled(self, record:str, res:JobResult):
-        "A worker compiled `record` cold, or failed to"
-        if res.ok: self.records.put(record, cold_s=res.compile_s)
+    def compiled(self, record:str, res:JobResult, training:bool=True):
+        "A worker compiled `record` cold, a `training` state's or not, or failed to"
+        if res.ok: self.records.put(record, cold_s=res.compile_s, training=training)
 
-    def path(self, record:str, seconds:float):
-        "The fit's path compiled `record` in `seconds`, where nothing was recorded of it: a later fit compiles it at once"
-        if self.get(record) is None: self.records.put(record, path_s=seconds)
+    def path(self, record:str, seconds:float, training:bool=True):
+        "The fit's path compiled `record` in `seconds`, a `training` state's or not, where nothing was recorded of it: a later fit compiles it at once"
+        if self.get(record) is None: self.records.put(record, path_s=seconds, training=training)
+
+    def compile_s(self, *records:str)->float|None:
+        "Seconds a cold compile takes on this machine: the first of `records` recorded, else the median of their model's training states'; `None` where none was"
+        # A record's name holds the model, its settings, torch and the device: another state of the model compiles in about as long
+        for r in records:
+            if (s := cold_compile(self.get(r))) is not None: return s
+        for r in records:
+            if (times := [s for rec in self.records.of_model(r) if rec.get('training') and (s := cold_compile(rec)) is not None]): return median(times)
 
     def in_path(self,
         model:nn.Module, # The model compiled (not DDP's wrapper)
@@ -160,7 +173,7 @@ class WarmStarts:
     ):
         "A batch compiled its model state in the fit's path: a record where it has none, so a later fit compiles it at once"
         if num_distrib() > 1: return # Under DDP the fit's path compiles DDP's graphs, split at its buckets: not the worker's
-        self.path(record := self.key(model, state_key(model, xb, training)), seconds)
+        self.path(record := self.key(model, state_key(model, xb, training)), seconds, training)
         if training: self.trained.add(record)
 
 # %% ../nbs/08_background.ipynb #8c0fef84
@@ -469,7 +482,7 @@ _ACTS = dict(note=_note, probe=_probe, compiling=_compiling, count=_count, relea
              default_first=lambda aside, st, learn, now: st.default_first(),
              idle=lambda aside, st, learn, now: aside.worker.idle(),
              end_fit=lambda aside, st, learn, now, how: st.end_fit(how),
-             record=lambda aside, st, learn, now, res: aside.warm_starts.compiled(st.compiled_record, res),
+             record=lambda aside, st, learn, now, res: aside.warm_starts.compiled(st.compiled_record, res, st.key.training),
              warn=lambda aside, st, learn, now, res: warnings.warn(_failed_warning(res)))
 
 # %% ../nbs/08_background.ipynb #b6d2a962

@@ -8,10 +8,10 @@ import math
 from statistics import median
 
 # %% auto #0
-__all__ = ['MARGIN', 'SAVING', 'COLD_S', 'WARM_SHARE', 'WARM_S', 'WORKER_HANDOVER_S', 'WORKER_SLOWDOWN', 'TIER_TRY_S',
-           'TIER_COMPILE_S', 'AUTOTUNE_SAVING', 'batches_left', 'after_wait', 'validations_after', 'eager_step',
-           'pays_back', 'rest_needed', 'warm_cost', 'recorded_saving', 'tier_saving', 'pick_tier', 'first_saving',
-           'first_tier', 'worker_rest', 'first_in_path', 'cudagraphs_fit', 'faster']
+__all__ = ['MARGIN', 'SAVING', 'COLD_S', 'WARM_SHARE', 'WARM_S', 'TIER_TRY_S', 'TIER_COMPILE_S', 'WORKER_START_S',
+           'WORKER_SLOWDOWN', 'WORKER_HANDOVER_S', 'AUTOTUNE_SAVING', 'batches_left', 'after_wait', 'validations_after',
+           'eager_step', 'pays_back', 'rest_needed', 'cold_compile', 'warm_cost', 'recorded_saving', 'tier_saving',
+           'pick_tier', 'first_saving', 'first_tier', 'worker_rest', 'first_in_path', 'cudagraphs_fit', 'faster']
 
 # %% ../nbs/14_payoff.ipynb #23d4101a
 MARGIN = 0.03 # The share of a step a tier must save in an A/B to be kept, and a compiled step to have paid: less is within a step's noise
@@ -27,12 +27,13 @@ COLD_S = 6.
 # them: a warm compile not yet timed is taken to cost this share of the state's cold one, just above the largest
 # measured on whole fits (bench/results/warm_share/); `WARM_S` where the record holds no compile time at all
 WARM_SHARE, WARM_S = 0.15, 5.
-# How long a cold worker takes from its job to its hand-over (its start-up, then a compile beside the fit), and how much
-# slower a launch-bound eager step runs beside it: as a transformer fit measured them (bench/results/constants.md)
-WORKER_HANDOVER_S, WORKER_SLOWDOWN = 35., 1.3
-# Seconds trying a faster tier costs the fit's path, a prior for its warm compile and the A/B's batches; and a tier's cold
-# compile, in the worker or the fit's path, until one is recorded (bench/results/constants.md)
+# Seconds trying a faster tier costs the fit's path, a prior for its warm compile and the A/B's batches; and a cold
+# compile, in the worker or the fit's path, until this machine recorded one of the model (bench/results/constants.md)
 TIER_TRY_S, TIER_COMPILE_S = 6., 20.
+# A cold worker's start-up before it compiles, and how much slower a launch-bound eager step runs beside it: as a
+# transformer fit measured them (bench/results/constants.md). Its hand-over comes a compile after its start-up
+WORKER_START_S, WORKER_SLOWDOWN = 15., 1.3
+WORKER_HANDOVER_S = WORKER_START_S + TIER_COMPILE_S # Until a compile of the model is recorded
 AUTOTUNE_SAVING = 0.05 # The share of a GPU-bound step that autotuned kernels save
 
 def batches_left(
@@ -82,14 +83,19 @@ def rest_needed(
     "Seconds of steps as they run now that pay back `cost_s`: below them a fit keeps what it runs"
     return cost_s / saving
 
+def cold_compile(
+    rec:dict|None, # A state's warm record (`WarmRecords`)
+)->float|None:
+    "Seconds the recorded state took compiling cold, in a fit's path or in a worker; `None` where no cold compile was recorded"
+    return None if rec is None else rec.get('path_s', rec.get('cold_s'))
+
 def warm_cost(
     rec:dict, # A state's warm record (`WarmRecords`)
     default_s:float, # Seconds taken where the record has no compile time at all
 )->float:
     "Seconds compiling a recorded state again, from inductor's cache, costs the fit's path: as last timed, else `WARM_SHARE` of its cold compile"
     if 'warm_s' in rec: return rec['warm_s']
-    cold_s = rec.get('path_s', rec.get('cold_s')) # Cold, in a fit's path or in a worker
-    return default_s if cold_s is None else WARM_SHARE * cold_s
+    return default_s if (cold_s := cold_compile(rec)) is None else WARM_SHARE * cold_s
 
 def recorded_saving(
     rec:dict|None, # A state's warm record (`WarmRecords`); `None` where it has none
@@ -150,16 +156,17 @@ def worker_rest(
 
 def first_in_path(
     busy:float|None, # The share of an eager training step in which the GPU runs work; `None` where not measured
-    compile_s:float, # Seconds the tier is expected to take compiling cold in the fit's path
+    compile_s:float, # Seconds the tier is expected to take compiling cold, in the fit's path or in the worker
     warm_s:float, # Seconds a hand-over from a worker takes compiling warm in the fit's path
-    handover_s:float=WORKER_HANDOVER_S, # Seconds a cold worker takes from its job to its hand-over
+    start_s:float=WORKER_START_S, # Seconds a cold worker takes to start up, before it compiles
     slowdown:float=WORKER_SLOWDOWN, # How much slower an eager step runs beside the worker compiling
 )->bool:
     "Whether CUDA graphs compiled first cost the fit less compiled in its path than in a worker beside it"
     # In its path the fit stands still for the compile. Beside a worker it runs slowed eager steps where CUDA graphs would
-    # have run shorter ones (`first_saving`), then compiles warm at the hand-over: the more the GPU idles, the more that wait costs
+    # have run shorter ones (`first_saving`) until the hand-over, a start-up and the same compile later, then compiles warm:
+    # the more the GPU idles, the more that wait costs, and the longer the compile, the longer the wait
     if busy is None: return False
-    return compile_s < handover_s * (1 - (1 - first_saving(busy, 1.)) / slowdown) + warm_s
+    return compile_s < (start_s + compile_s) * (1 - (1 - first_saving(busy, 1.)) / slowdown) + warm_s
 
 def cudagraphs_fit(
     free:int, # Bytes free on the GPU now

@@ -149,7 +149,7 @@ class Tiers:
     # tier batches run before the A/B (CUDA graphs record at their first runs); batches of each tier in the A/B, alternating
     settle_batches, time_batches, profile_batches, warmup_batches, ab_batches = 4, 8, 3, 3, 8
     # The payoff rule's priors (`payoff`): a tier is tried where the saving it is expected to bring over the batches left
-    # once it compiled (in `compile_guess_s`, until the state's cold compile is recorded) pays back `try_cost_s`
+    # once it compiled (in `compile_guess_s`, until this machine recorded a cold compile of the model) pays back `try_cost_s`
     try_cost_s, compile_guess_s = TIER_TRY_S, TIER_COMPILE_S
     pick = staticmethod(pick_tier) # The policy that picks a state's tier from its measured step
     def __init__(self,
@@ -400,16 +400,23 @@ class _TierFacts:
     probe_batches, warm_s = property(lambda self: self.t.aside.probe_batches), property(lambda self: self.t.aside.warm_s)
     measures = property(lambda self: _BusyMeter.measures(self.t.device)) # The device's work can be measured
     first_batches, first_for, first_in_path = (property(lambda self, k=k: getattr(self.t.first, k)) for k in ('batches', 'choose', 'in_path'))
-    compile_guess_s = property(lambda self: self.t.compile_guess_s)
     offering = property(lambda self: self.t.first.offer(self.st) is not None) # This rank offers the ranks its tier compiled first
 
     def cached(self, name:str)->bool: return self.t.aside.warm_starts.get(self.t.record(self.model, self.st, name)) is not None
     def left(self, wait_s:float, step_s:float)->int: return batches_left(self.learn, wait_s, step_s)
 
+    def compile_s(self, *records:str)->float:
+        "Seconds a cold compile of `records` takes, as this machine recorded it (`WarmStarts.compile_s`); the prior where it didn't"
+        return s if (s := self.t.aside.warm_starts.compile_s(*records)) is not None else self.t.compile_guess_s
+
     @property
     def cold_s(self)->float:
-        "Seconds the state's default compiled in the worker; the prior where unrecorded"
-        return (self.t.aside.warm_starts.get(self.st.record) or {}).get('cold_s', self.t.compile_guess_s)
+        "Seconds the state's default takes compiling cold"
+        return self.compile_s(self.st.record)
+
+    def tier_compile_s(self, name:str)->float:
+        "Seconds tier `name` takes compiling cold: as recorded of it, else of the default's code"
+        return self.compile_s(self.t.record(self.model, self.st, name), self.st.record)
 
     @cached_property
     def polled(self)->JobResult|None: return self.t.aside.poll(self.run.job) # The tier's job, once done

@@ -94,7 +94,7 @@ def test_compiled_code_takes_over_from_the_worker_and_trains_like_eager(cold_cac
     assert any(cold_cache.rglob('*')) # The worker filled the cache the fit compiled from
     records = [json.loads(f.read_text()) for f in (cold_cache/WarmRecords.folder).glob('*.json')]
     # The state compiled, how long it took, and the share of a step its code saved, as the report measured
-    assert len(records) == 1 and set(records[0]) == {'cold_s', 'warm_s', 'saving', 'compiled_s', 'eager_s'}, records
+    assert len(records) == 1 and set(records[0]) == {'cold_s', 'training', 'warm_s', 'saving', 'compiled_s', 'eager_s'} and records[0]['training'], records
     assert records[0]['saving'] == pytest.approx(1 - cb.report.compiled_step / cb.report.eager_step)
     assert_fit_close(eager.model, comp.model)
 
@@ -232,7 +232,7 @@ def test_a_compile_in_the_fits_path_is_a_warm_start_for_the_background_in_a_new_
     "A cache filled by `background=False` is a warm start: the next process compiles at once after its probe, with no worker"
     r = _fit(True, background=False).compiler.report
     records = [json.loads(f.read_text()) for f in (cold_cache/WarmRecords.folder).glob('*.json')]
-    assert len(records) == 1 and set(records[0]) == {'path_s', 'saving', 'compiled_s', 'eager_s'} and records[0]['path_s'] > 0, records # The training state
+    assert len(records) == 1 and set(records[0]) == {'path_s', 'training', 'saving', 'compiled_s', 'eager_s'} and records[0]['path_s'] > 0, records # The training state
     assert records[0]['saving'] == pytest.approx(1 - r.compiled_step / r.eager_step)
     env = {**os.environ, 'TORCHINDUCTOR_CACHE_DIR': str(cold_cache), 'OMP_NUM_THREADS': '1'}
     out = subprocess.run([sys.executable, '-c', _NEXT_PROCESS, os.path.dirname(__file__)], capture_output=True, text=True, env=env)
@@ -430,7 +430,8 @@ def test_a_fit_records_the_share_of_a_step_its_one_compiled_training_state_saved
     warm.in_path(model, x, True, 9.)
     warm.in_path(model, x, False, 2.) # Validation's state: not the training step measured
     warm.measured(0.006, 0.010)
-    assert warm.get(record(True)) == {'path_s': 9., 'saving': pytest.approx(0.4), 'compiled_s': 0.006, 'eager_s': 0.010} and warm.get(record(False)) == {'path_s': 2.}
+    assert warm.get(record(True)) == {'path_s': 9., 'training': True, 'saving': pytest.approx(0.4), 'compiled_s': 0.006, 'eager_s': 0.010}
+    assert warm.get(record(False)) == {'path_s': 2., 'training': False}
     warm.measured(0.001, 0.010) # A fit that compiled no training state records nothing
     assert warm.get(record(True))['saving'] == pytest.approx(0.4)
     warm.time(record(True), 1., 0, SimpleNamespace(epoch=0, iter=0, training=True)) # A later fit compiles it warm
@@ -441,6 +442,24 @@ def test_a_fit_records_the_share_of_a_step_its_one_compiled_training_state_saved
     warm.time(record(True), 1., 0, SimpleNamespace(epoch=0, iter=0, training=True))
     warm.measured(0.012, 0.010) # Slower than eager: recorded as it was measured
     assert warm.get(record(True))['saving'] == pytest.approx(-0.2)
+
+def test_a_cold_compile_is_expected_to_take_what_this_machine_recorded_of_the_model(tmp_path, monkeypatch):
+    "A state's own recorded cold compile, in a worker or the fit's path; else its model's other training states', with the same settings; else none"
+    from fastxtend_compile.worker import JobResult
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
+    model, warm = nn.Linear(2, 2), BackgroundCompile({'backend': 'eager'}).warm_starts
+    record = lambda bs, training=True, settings=None: warm.key(model, state_key(model, (torch.randn(bs, 2),), training), settings)
+    assert warm.compile_s(record(1)) is None # Nothing recorded on this machine
+    warm.in_path(model, (torch.randn(1, 2),), False, 2.) # An evaluation state: a forward alone
+    assert warm.compile_s(record(1)) is None
+    warm.compiled(record(2), JobResult(True, forward_s=3., backward_s=6., took_s=20.))
+    warm.in_path(model, (torch.randn(4, 2),), True, 13.)
+    assert warm.compile_s(record(1)) == 11. # The median of the two training states'
+    assert warm.compile_s(record(4)) == 13. and warm.compile_s(record(1), record(2)) == 9. # Its own: a worker's compile
+    assert warm.compile_s(record(1, settings={'backend': 'eager', 'mode': 'reduce-overhead'})) is None # Other settings: another compile
+    assert warm.compile_s(record(1, settings={'backend': 'eager', 'mode': 'reduce-overhead'}), record(1)) == 11.
+    warm.compiled(record(5), JobResult(False, 'failed'))
+    assert warm.get(record(5)) is None
 
 def test_the_next_training_batch_after_an_epochs_last_is_the_next_epochs_first():
     from types import SimpleNamespace

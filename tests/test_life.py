@@ -135,7 +135,7 @@ def tier_facts(**kw):
         profiled=None, free=80*2**30, together=False, agreed=None, leader=True, tier_for=pick_tier, graphs=lambda name: name == 'reduce-overhead',
         cached=lambda name: False, left=lambda wait_s, step_s: 10_000, cold_s=20., res=None, has_job=False, polled=None, was_kept=None,
         probe_s=0.02, fallback=False, default_cached=True, fallback_res=None, probed=True, picked=False, seen=8, probe_batches=8,
-        measures=True, first_batches=3, first_for=first_tier, first_in_path=first_in_path, compile_guess_s=20., warm_s=5.), **kw})
+        measures=True, first_batches=3, first_for=first_tier, first_in_path=first_in_path, tier_compile_s=lambda name: 20., warm_s=5.), **kw})
 
 FIRST = dict(first=True, first_gone=False) # A tier compiled first, before the default's code
 LAUNCH = dict(profiled=(0.03, 2**30)) # The GPU ran work 30% of the default's step: CUDA graphs pay
@@ -252,6 +252,14 @@ def test_an_eager_step_measured_says_which_tier_goes_first_and_why():
         "no tier compiled first: the GPU ran work 50% of the eager 20.0 ms step, so CUDA graphs would save about 13.5 ms of it, 5.4s "
         "over the 400 training batches left, under the 6s trying them costs the fit; the default's code goes first"]
     assert [a[0] for a in acts(left=lambda wait_s, step_s: 290, try_cost_s=6.)] == ['hold', 'picked'] # 5.8s: not measured
+
+def test_cuda_graphs_compile_first_where_the_compile_this_machine_recorded_costs_the_fit_least():
+    "The GPU busy 95% of a 20 ms eager step: the prior's 20 s compile stops the fit for less than a worker would cost; a recorded 40 s, more"
+    def path(busy, compile_s):
+        facts = tier_facts(profiled=(busy*0.02, 2**30), tier_compile_s=lambda name: compile_s, **EAGER_20MS)
+        return next(a for a in advance(P, 'tier', facts)[1] if a[0] == 'first')[2]
+    assert path(0.95, 20.) and not path(0.95, 40.) # Beside the worker: 35 s and 55 s to its hand-over, steps 1.3x slower
+    assert path(0.3, 40.) # CUDA graphs save most of a step whose GPU idles: standing still for them costs the fit least
 
 def test_a_tier_picked_first_is_a_fact_of_the_verdict():
     "The probe's verdict knows the GPU's share of the eager step where CUDA graphs were picked to compile first, and only there"

@@ -298,10 +298,12 @@ def test_the_tier_policy_follows_the_measured_step():
     assert first_tier(0.98, step_s=0.014, batches=10**6, cost_s=6.) is None and first_tier(None, 0.014, 3000, 6.) is None
     assert cudagraphs_fit(3 << 30, 2 << 30) and not cudagraphs_fit(2 << 30, 2 << 30)
     assert faster([9., 9.5, 9.], [10., 10., 10.]) and not faster([9.8, 9.9, 9.8], [10., 10., 10.])
-    # A worker's 35 s to its hand-over beside steps 1.3x slower, against standing still for the compile: the more the GPU
-    # idles, the more the wait for the worker costs
+    # A worker's hand-over, its start-up and the compile after it, beside steps 1.3x slower, against standing still for
+    # the compile: the more the GPU idles, the more the wait for the worker costs
     assert first_in_path(0.1, compile_s=20., warm_s=5.) and first_in_path(0.6, compile_s=20., warm_s=5.)
-    assert not first_in_path(0.95, compile_s=30., warm_s=5.) and not first_in_path(0.1, compile_s=45., warm_s=5.)
+    assert first_in_path(0.95, compile_s=20., warm_s=5.) and not first_in_path(0.95, compile_s=30., warm_s=5.) # 23.6 s, 28.6 s
+    # A longer compile makes the worker's wait as much longer: a step whose GPU idles most of it still compiles in the path
+    assert first_in_path(0.1, compile_s=45., warm_s=5.) and not first_in_path(1., compile_s=45., warm_s=5.) # 62 s, 35 s
     assert not first_in_path(None, compile_s=1., warm_s=5.) # Unmeasured: the worker, which never stops the fit
 
 def test_a_tier_runs_training_calls_alone_and_drops_whole():
