@@ -405,6 +405,8 @@ def child(spec:dict)->dict:
         def before_train(self): self.t_train = time.perf_counter()
         def before_batch(self):
             if self.training:
+                # The first fit's first training batches, each one's start: their pace, whatever runs them (a probe's eager batches)
+                if self.fit_i == 0 and self.epoch == 0 and self.rec['batches'] < 40: self.rec.setdefault('starts', []).append(time.perf_counter())
                 wait = time.perf_counter() - end.mark
                 if not self.rec['batches']: self.rec['first_wait_s'] = wait # The iterator's start (workers forked) and its first batch
                 self.rec['data_wait_s'] += wait
@@ -502,6 +504,7 @@ def child(spec:dict)->dict:
                 fallbacks=get('fallbacks', len), graph_breaks=get('graph_breaks'),
                 eager_calls=get('eager_calls', lambda d: sum(d.values())), compiled_step_s=get('compiled_step'),
                 eager_step_s=get('eager_step'), report_data_share=get('data_share'),
+                eager_times=get('eager_times', lambda v: [round(t, 5) for t in v]), # Each eager batch timed alone: the probe's first
                 compiled_batches=get('batch_times', len),
                 events=get('events', lambda es: [dict(kind=e.kind, frame=e.frame, seconds=e.seconds, reason=e.reason, during=e.during) for e in es]),
                 gc=get('gc_pauses', lambda v: dict(n=len(v), s=round(sum(v), 3))),
