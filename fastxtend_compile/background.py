@@ -18,7 +18,7 @@ from .core import model_fingerprint, check_switches
 from .internals import inductor_cache_dir
 from .worker import Worker, Job, JobResult, job_payload, read_json, write_json
 from .state import StateKey, Stage, Probe, ModelState, state_key
-from .payoff import COLD_S, WARM_S, WORKER_HANDOVER_S, batches_left, cold_compile
+from .payoff import COLD_S, WARM_S, batches_left, cold_compile, worker_handover
 from .life import advance
 from .agreement import Local, DDP
 from .report import Note, handover_text
@@ -94,7 +94,7 @@ class _Facts:
     step_s = property(lambda self: self.st.probe.step_s) # The eager step its probe timed
     cold_s = property(lambda self: self.aside.cold_cost_s)
     warm_s = property(lambda self: self.aside.warm_s)
-    handover_s = property(lambda self: self.aside.handover_s)
+    handover_s = property(lambda self: self.aside.handover_s(self.st)) # From its job, were a cold worker to compile it
     fallback = property(lambda self: self.st.tier.fallback is not None) # The default's job waits behind a tier compiled first
     has_result = property(lambda self: self.st.result is not None)
     tier_kept, tier_first = property(lambda self: self.st.tier.kept), property(lambda self: self.st.tier.first) # Kept; picked to compile first
@@ -239,7 +239,7 @@ class BackgroundCompile:
     "Compile a model state in a worker process, into the on-disk caches, while the fit trains eagerly; then take over warm"
     # Eager batches timed before a state is judged; and the payoff rule's priors (`payoff`), where nothing is recorded:
     # a `cold_cost_s` of 0 compiles every state without timing it first
-    probe_batches, cold_cost_s, warm_s, handover_s = 8, COLD_S, WARM_S, WORKER_HANDOVER_S
+    probe_batches, cold_cost_s, warm_s = 8, COLD_S, WARM_S
     default_on = ('cuda',) # Device types where `background=None` compiles in a worker: beside the fit, not in its path
     def __init__(self,
         settings:dict, # `torch.compile` settings, from `compile_settings`
@@ -302,9 +302,14 @@ class BackgroundCompile:
         "Whether `key`'s compile began beside the fit (found worth it, in the worker, or done), or its code runs"
         return (st := self.states.get(key)) is not None and (st.stage in (Stage.JUDGED, Stage.COMPILING, Stage.DONE) or st.stage.compiled)
 
-    def cold(self, key:StateKey, model:nn.Module)->bool:
-        "Whether the worker would compile `key` cold: inductor's cache holds no code of it"
-        return self.ranks.evaluates and self.warm_starts.cached(self.state(key, model))[0] is None
+    def handover_s(self, st:ModelState)->float:
+        "Seconds a cold worker takes from a job of `st` to its hand-over: a start-up, then the compile this machine recorded of the model"
+        return worker_handover(self.warm_starts.compile_s(st.record))
+
+    def cold_wait(self, key:StateKey, model:nn.Module)->float|None:
+        "Seconds from a job of `key` to its hand-over, where the worker would compile it cold (inductor's cache holds no code of it); else `None`"
+        st = self.state(key, model)
+        return self.handover_s(st) if self.ranks.evaluates and self.warm_starts.cached(st)[0] is None else None
 
 # %% ../nbs/08_background.ipynb #25110aeb
 @patch

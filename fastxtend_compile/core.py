@@ -502,8 +502,8 @@ def _judge_validation(self:EagerPolicy, learn,
     epochs = max(getattr(learn, 'n_epoch', 1) - getattr(learn, 'epoch', 0), 1) # This epoch's and those after it
     # Compiled cold by the worker, beside the fit, its code runs the validations after the worker hands it over, and the
     # fit's path pays only the hand-over's warm compile
-    worker = aside is not None and aside.cold(key, model)
-    if worker: epochs = validations_after(epochs, aside.handover_s, _epoch_s(learn))
+    wait_s = None if aside is None else aside.cold_wait(key, model)
+    if worker := wait_s is not None: epochs = validations_after(epochs, wait_s, _epoch_s(learn))
     batches = getattr(learn, 'n_iter', 1) * epochs
     return 'compile' if self.pays is not None and batches and self.pays(batches, warm=worker) else 'eager'
 

@@ -11,7 +11,8 @@ from statistics import median
 __all__ = ['MARGIN', 'SAVING', 'COLD_S', 'WARM_SHARE', 'WARM_S', 'TIER_TRY_S', 'TIER_COMPILE_S', 'WORKER_START_S',
            'WORKER_SLOWDOWN', 'WORKER_HANDOVER_S', 'AUTOTUNE_SAVING', 'batches_left', 'after_wait', 'validations_after',
            'eager_step', 'pays_back', 'rest_needed', 'cold_compile', 'warm_cost', 'recorded_saving', 'tier_saving',
-           'pick_tier', 'first_saving', 'first_tier', 'worker_rest', 'first_in_path', 'cudagraphs_fit', 'faster']
+           'pick_tier', 'first_saving', 'first_tier', 'worker_handover', 'worker_rest', 'first_in_path',
+           'cudagraphs_fit', 'faster']
 
 # %% ../nbs/14_payoff.ipynb #23d4101a
 MARGIN = 0.03 # The share of a step a tier must save in an A/B to be kept, and a compiled step to have paid: less is within a step's noise
@@ -145,6 +146,13 @@ def first_tier(
     if busy is None or busy > 1 - margin: return None
     return 'reduce-overhead' if pays_back(batches, first_saving(busy, step_s), cost_s) else None
 
+def worker_handover(
+    compile_s:float|None, # Seconds a cold compile of the model takes, as this machine recorded it (`WarmStarts.compile_s`); `None` where it recorded none
+    start_s:float=WORKER_START_S, # Seconds a cold worker takes to start up, before it compiles
+)->float:
+    "Seconds a cold worker takes from its job to its hand-over: its start-up, then the compile (`TIER_COMPILE_S` where none is recorded)"
+    return start_s + (TIER_COMPILE_S if compile_s is None else compile_s)
+
 def worker_rest(
     left:int, # The fit's training batches left
     step_s:float, # Seconds of an eager step
@@ -166,7 +174,7 @@ def first_in_path(
     # have run shorter ones (`first_saving`) until the hand-over, a start-up and the same compile later, then compiles warm:
     # the more the GPU idles, the more that wait costs, and the longer the compile, the longer the wait
     if busy is None: return False
-    return compile_s < (start_s + compile_s) * (1 - (1 - first_saving(busy, 1.)) / slowdown) + warm_s
+    return compile_s < worker_handover(compile_s, start_s) * (1 - (1 - first_saving(busy, 1.)) / slowdown) + warm_s
 
 def cudagraphs_fit(
     free:int, # Bytes free on the GPU now

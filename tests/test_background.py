@@ -70,7 +70,7 @@ class MeasuredEagerly(Callback):
 def test_the_probes_eager_batches_are_the_reports_eager_step(no_records, monkeypatch):
     "A new state's probe times its eager batches alone once, for the background's verdict and the report: no eager batch after the hand-over"
     monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 1e-9) # The probe runs, and any fit pays back the compile
-    monkeypatch.setattr(BackgroundCompile, 'handover_s', 0) # Its code serves the fit's rest from the job on
+    monkeypatch.setattr(BackgroundCompile, 'handover_s', lambda self, st: 0.) # Its code serves the fit's rest from the job on
     spy, n = MeasuredEagerly(), BackgroundCompile.probe_batches
     comp = _fit(True, cbs=[spy, WaitForWorker(at=n)], epochs=1)
     r = comp.compiler.report
@@ -103,7 +103,7 @@ def test_a_validation_worth_its_hand_overs_warm_compile_compiles_in_the_worker_a
     "Judged on the warm compile its hand-over costs the fit's path alone, the fit's validation compiles cold in the worker beside the fit"
     asked = []
     monkeypatch.setattr(CompileReport, 'pays_back', lambda self, batches, warm=False: asked.append(warm) or warm)
-    monkeypatch.setattr(BackgroundCompile, 'handover_s', 0.) # Every validation counts, in a fit this short
+    monkeypatch.setattr(BackgroundCompile, 'handover_s', lambda self, st: 0.) # Every validation counts, in a fit this short
     eager = _fit(False)
     comp = _fit(True, cbs=[WaitForWorker(at=2), WaitForWorker(at=0, training=False)])
     r, valid = comp.compiler.report, len(comp.dls.valid)
@@ -378,6 +378,21 @@ def test_a_cold_compile_pays_back_only_with_the_batches_left_after_the_workers_h
         assert st.stage is Stage.SHORT and [n.text for n in aside.notes] == ["trained eagerly: the fit's 1992 training batches left, "
             "about 40s eagerly, are too few to pay back a compile (under 44s; `background=False` compiles in the fit's path)"], aside.notes
 
+@pytest.mark.parametrize('recorded_s,worth', [(None, True), (10., True), (100., False)])
+def test_a_cold_compiles_hand_over_comes_a_start_up_and_the_models_recorded_compile_after_its_job(tmp_path, monkeypatch, recorded_s, worth):
+    "A fit whose rest pays back a compile handed over after the prior's 35s trains eagerly where this machine recorded the model compiling for 100s"
+    from types import SimpleNamespace
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
+    learn = SimpleNamespace(n_epoch=1, n_iter=4000, epoch=0, iter=0, training=True)
+    aside, model = BackgroundCompile({'backend': 'eager'}), nn.Linear(2, 2)
+    other = aside.state(state_key(model, (torch.randn(2, 2),), True), model) # Another batch size: another training state
+    if recorded_s is not None: aside.warm_starts.records.put(other.record, path_s=recorded_s, training=True)
+    st, n = aside.state(state_key(model, (torch.randn(1, 2),), True), model), BackgroundCompile.probe_batches
+    for i in range(n): judge(aside, st, learn); aside.probed(0.02)
+    learn.iter = n
+    # 3992 batches of 20 ms left, 26 ms beside the worker: a hand-over after 15+100s comes after the fit's last
+    assert judge(aside, st, learn) == worth and (st.stage is Stage.SHORT) == (not worth)
+
 def test_the_probe_times_the_eager_step_once_for_the_verdict_and_the_hand_overs_timing(tmp_path, monkeypatch):
     "A fit's slow first batch (its loader starting) moves neither the probe's median step nor what the hand-over's timing takes off"
     from types import SimpleNamespace
@@ -591,19 +606,23 @@ def test_an_unfinished_evaluation_compile_is_reported_as_one():
         "the fit ended before the worker process finished compiling for evaluation, sent at epoch 0, batch 0"]
 
 def test_an_evaluation_state_is_cold_until_inductors_cache_has_its_code_and_started_once_worth_compiling(tmp_path, monkeypatch):
-    "What a fit's validation verdict asks of the background: whether the worker would compile its state cold, and whether its compile began"
+    "What a fit's validation verdict asks of the background: when a cold worker would hand its code over, if it would compile it cold, and whether its compile began"
+    from fastxtend_compile.payoff import WORKER_HANDOVER_S, WORKER_START_S
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
     aside, model = BackgroundCompile({'backend': 'eager'}), nn.Linear(2, 2)
     key = aside.batch_key(model, (torch.randn(1, 2),), False)
-    assert aside.cold(key, model) and not aside.started(key)
+    assert aside.cold_wait(key, model) == WORKER_HANDOVER_S and not aside.started(key) # Nothing recorded: the prior's hand-over
+    trained = aside.state(aside.batch_key(model, (torch.randn(4, 2),), True), model)
+    aside.warm_starts.records.put(trained.record, path_s=40., training=True) # The model's training state compiled in a fit's path
+    assert aside.cold_wait(key, model) == WORKER_START_S + 40. # A start-up, then the model's recorded compile
     st = aside.states[key]
     for stage, started in ((Stage.SHORT, False), (Stage.FAILED, False), (Stage.JUDGED, True), (Stage.COMPILING, True), (Stage.READY, True)):
         st.stage = stage
         assert aside.started(key) == started, stage
     aside.warm_starts.records.put(st.record, cold_s=9.) # A worker compiled it in an earlier fit: inductor's cache has its code
-    assert not aside.cold(key, model)
+    assert aside.cold_wait(key, model) is None
     aside.ranks.evaluates = False # Under DDP evaluation runs eagerly: no worker compiles it
-    assert not aside.cold(aside.batch_key(model, (torch.randn(3, 2),), False), model)
+    assert aside.cold_wait(aside.batch_key(model, (torch.randn(3, 2),), False), model) is None
 
 @pytest.mark.background_default
 def test_a_fit_compiles_in_the_background_on_a_cuda_gpu_by_default_or_as_asked_and_not_where_compiled_autograd_compiles_ddps_backwards():

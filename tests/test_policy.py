@@ -103,13 +103,12 @@ def test_validations_after_a_wait_are_those_an_epoch_apart_from_this_one_on():
     assert validations_after(6, 35., None) == 0 # No epoch timed: none counted
 
 class ColdAside(Aside):
-    "An `Aside` that judges evaluation: a worker would compile a state cold (`cold`), or began to (`started`)"
-    handover_s = 35.
+    "An `Aside` that judges evaluation: a worker would compile a state cold (`cold_wait`), or began to (`started`)"
     def __init__(self, cold=True):
         super().__init__(evaluation=True)
         self.is_cold, self.began = cold, False
     def started(self, key): return self.began
-    def cold(self, key, model): return self.is_cold
+    def cold_wait(self, key, model): return 35. if self.is_cold else None # A worker's hand-over, 35s after its job
 
 def test_a_fits_validation_compiled_by_the_worker_counts_the_batches_after_its_hand_over_and_keeps_a_compile_begun():
     def first_validation(p, epoch_s):
