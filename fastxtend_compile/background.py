@@ -94,7 +94,6 @@ class _Facts:
     step_s = property(lambda self: self.st.probe.step_s) # The eager step its probe timed
     cold_s = property(lambda self: self.aside.cold_cost_s)
     warm_s = property(lambda self: self.aside.warm_s)
-    handover_s = property(lambda self: self.aside.handover_s(self.st)) # From its job, were a cold worker to compile it
     fallback = property(lambda self: self.st.tier.fallback is not None) # The default's job waits behind a tier compiled first
     has_result = property(lambda self: self.st.result is not None)
     tier_kept, tier_first = property(lambda self: self.st.tier.kept), property(lambda self: self.st.tier.first) # Kept; picked to compile first
@@ -106,6 +105,11 @@ class _Facts:
     def cached(self)->tuple:
         "(record, whether the faster tier's) of the code inductor's cache has for the state (`WarmStarts.cached`)"
         return self.aside.warm_starts.cached(self.st)
+
+    @cached_property
+    def handover_s(self)->float:
+        "Seconds from its job to the hand-over, were a cold worker to compile it (`BackgroundCompile.handover_s`): the records read once a move"
+        return self.aside.handover_s(self.st)
 
 class _WarmTimer:
     "Times a warm compile in the fit's path from its batch to a later one of the same epoch and phase"

@@ -390,8 +390,11 @@ def test_a_cold_compiles_hand_over_comes_a_start_up_and_the_models_recorded_comp
     st, n = aside.state(state_key(model, (torch.randn(1, 2),), True), model), BackgroundCompile.probe_batches
     for i in range(n): judge(aside, st, learn); aside.probed(0.02)
     learn.iter = n
+    read, handover_s = [], aside.handover_s
+    aside.handover_s = lambda st: read.append(st) or handover_s(st)
     # 3992 batches of 20 ms left, 26 ms beside the worker: a hand-over after 15+100s comes after the fit's last
     assert judge(aside, st, learn) == worth and (st.stage is Stage.SHORT) == (not worth)
+    assert read == [st] # The records are read once for the verdict, and its note where it trains eagerly
 
 def test_the_probe_times_the_eager_step_once_for_the_verdict_and_the_hand_overs_timing(tmp_path, monkeypatch):
     "A fit's slow first batch (its loader starting) moves neither the probe's median step nor what the hand-over's timing takes off"
