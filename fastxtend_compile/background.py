@@ -18,7 +18,7 @@ from .core import model_fingerprint, check_switches
 from .internals import inductor_cache_dir
 from .worker import Worker, Job, JobResult, job_payload, read_json, write_json
 from .state import StateKey, Stage, Probe, ModelState, state_key
-from .payoff import COLD_S, WARM_S, batches_left, cold_compile, worker_handover
+from .payoff import COLD_S, WARM_S, batches_left, cold_compile, worker_handover, eval_pays, warm_cost
 from .life import advance
 from .agreement import Local, DDP
 from .report import Note, handover_text
@@ -125,6 +125,22 @@ class _WarmTimer:
         if (learn.epoch, learn.training) != (epoch, training) or learn.iter <= it: return None
         return record, note, max(now - start - (learn.iter - it)*(step_s or 0.), 0.)
 
+class _EvalTimes:
+    "Times a fit's evaluation batches, eager and compiled, each state's apart: from a batch's start to the next one's"
+    least = 3 # Batches of a kind a state needs timed: their median leaves out one that compiled
+    def __init__(self): self.last, self.times = None, {} # (record, compiled, start) of the batch running; seconds by (record, compiled)
+
+    def batch(self, record:str|None, compiled:bool, now:float):
+        "A batch starts at `now`: of evaluation state `record`, `compiled` or eager; `None` for a training batch. The evaluation batch before it ends"
+        # An evaluation's last batch is left out: what follows it is the epoch's end, not another batch
+        if self.last is not None and record is not None: self.times.setdefault(self.last[:2], []).append(now - self.last[2])
+        self.last = None if record is None else (record, compiled, now)
+
+    def take(self)->dict:
+        "{(record, compiled): the median seconds of its batches} of those timed often enough, emptied for the next fit"
+        times, self.last, self.times = self.times, None, {}
+        return {k: median(v) for k,v in times.items() if len(v) >= self.least}
+
 # %% ../nbs/08_background.ipynb #6bb21e7a
 class WarmStarts:
     "The one writer of warm records: what each compile of a fit took, kept in inductor's cache so later fits compile at once"
@@ -137,8 +153,9 @@ class WarmStarts:
         self.timer = _WarmTimer() # Times a hand-over's warm compile in the fit's path
         self.times_warm = True # This process records warm compiles: under DDP, rank 0 alone, which timed the eager step
         self.trained = set() # The records of the training states this fit compiled, for the share of a step their code saves
+        self.evals = _EvalTimes() # Times the fit's evaluation batches, eager and compiled, for their states' records
 
-    def __getstate__(self): return {**self.__dict__, 'timer': _WarmTimer(), 'trained': set()}
+    def __getstate__(self): return {**self.__dict__, 'timer': _WarmTimer(), 'trained': set(), 'evals': _EvalTimes()}
 
     def key(self, model:nn.Module, state:StateKey, settings:dict|None=None)->str:
         "The record of `state` compiled with `settings` (`None`: the model's own)"
@@ -232,11 +249,16 @@ def measured(self:WarmStarts,
     compiled_s:float|None, # The fit's compiled training step (`CompileReport.compiled_step`)
     eager_s:float|None, # Its eager step, measured in the same fit (`CompileReport.eager_step`)
 ):
-    "The fit's steps, measured: where it compiled one training state, its record keeps them, and the share of a step the code saved"
+    "The fit's steps, measured: where it compiled one training state, its record keeps them and the share of a step the code saved; each evaluation state's keeps its batches' times"
     # A later fit of the state, in any process, weighs compiling it by this share (`recorded_saving`)
-    trained, self.trained = self.trained, set()
-    if not (self.times_warm and len(trained) == 1 and compiled_s and eager_s): return
-    self.records.put(trained.pop(), saving=1 - compiled_s/eager_s, compiled_s=compiled_s, eager_s=eager_s)
+    trained, self.trained, evals = self.trained, set(), self.evals.take()
+    if not self.times_warm: return
+    if len(trained) == 1 and compiled_s and eager_s:
+        self.records.put(trained.pop(), saving=1 - compiled_s/eager_s, compiled_s=compiled_s, eager_s=eager_s)
+    # An evaluation state's record keeps its batches' times, eager and compiled (`eval_pays`): once its code was compiled
+    # (a record with no compile would say inductor's cache has code it hasn't)
+    for record in {r for r,_ in evals if self.get(r) is not None}:
+        self.records.put(record, **{k: s for k,c in (('eager_s', False), ('compiled_s', True)) if (s := evals.get((record, c))) is not None})
 
 # %% ../nbs/08_background.ipynb #f47c974a
 class BackgroundCompile:
@@ -314,6 +336,25 @@ class BackgroundCompile:
         "Seconds from a job of `key` to its hand-over, where the worker would compile it cold (inductor's cache holds no code of it); else `None`"
         st = self.state(key, model)
         return self.handover_s(st) if self.ranks.evaluates and self.warm_starts.cached(st)[0] is None else None
+
+    def eval_batch(self,
+        key:StateKey, # The batch's model state
+        model:nn.Module, # The model being compiled (not DDP's wrapper)
+        compiled:bool|None, # An evaluation batch runs compiled, or eagerly; `None`: a training batch
+    ):
+        "A batch starts: an evaluation batch is timed to the next one's start, for its state's record"
+        self.warm_starts.evals.batch(None if compiled is None else self.state(key, model).record, bool(compiled), time.perf_counter())
+
+    def pays_eval(self,
+        key:StateKey, # The evaluation's model state
+        model:nn.Module, # The model being compiled (not DDP's wrapper)
+        batches:int, # Its batches that would run the compiled code
+    )->bool|None:
+        "Whether `batches` batches of evaluation state `key` pay back its warm compile, as fits timed them (`eval_pays`); `None` where none did"
+        rec = self.warm_starts.get(self.state(key, model).record)
+        if (paid := eval_pays(rec, batches, self.warm_s)) is False and not any(n.kind == 'eval_slow' for n in self.notes):
+            self.notes.append(Note('eval_slow', eager_s=rec['eager_s'], compiled_s=rec['compiled_s'], batches=batches, warm_s=warm_cost(rec, self.warm_s)))
+        return paid
 
 # %% ../nbs/08_background.ipynb #25110aeb
 @patch

@@ -250,7 +250,7 @@ def before_batch(self:CompilerCallback):
     key = None if p.aside is None else p.aside.batch_key(model, self.learn.xb, self.training) # Once a batch, for every part that asks
     p.start_batch(self.learn, key, measure=rec.wants_eager_step(getattr(self.learn, 'n_iter', 0)), whole_backward=self.ddp.in_backward)
     if self.training: self.ddp.before_batch(not p.eager)
-    if p.timed: rec.batch_start(self.training, self.learn.xb, p.measuring or p.probing, p.valid_eager, outside=not (self.training or p.trained))
+    if p.timed: rec.batch_start(self.training, self.learn.xb, p.measuring or p.probing, p.valid_unpaid, outside=not (self.training or p.trained))
 
 @patch
 def __call__(self:CompilerCallback, event_name:str):

@@ -293,7 +293,7 @@ class EagerPolicy:
         self.trained = False # This fit ran a training batch
         self.measuring = False # This training batch runs eagerly, to measure the eager step
         self.valid_eager = False # This validation batch of a training fit runs eagerly: its batches left in the fit wouldn't pay back its graph
-        self.validation = None # How this validation of a training fit runs: 'eager', 'compiled' (its graph exists) or 'compile'
+        self.validation = None # How this validation of a training fit runs: 'eager', 'measured' (eager, by its own timed batches), 'compiled' (its graph exists) or 'compile'
         self.waiting = False # This batch runs eagerly while its compiled code is made outside the fit's path
         self.probing = False # This training batch, run eagerly, is timed alone for a new model state's probe: the eager step
         self.evaluating = False # This batch of an evaluation outside a fit or of `lr_find` runs eagerly: its graph wouldn't pay back
@@ -313,6 +313,11 @@ class EagerPolicy:
     def eager(self)->bool:
         "Whether the batch running runs eagerly, whatever its inputs"
         return self.measuring or self.valid_eager or self.waiting or self.evaluating
+
+    @property
+    def valid_unpaid(self)->bool:
+        "Whether this validation batch runs eagerly as too few to pay back its graph by the fit's training steps, not by its own timed batches"
+        return self.valid_eager and self.validation == 'eager'
 
     @property
     def timed(self)->bool:
@@ -367,7 +372,7 @@ def start_batch(self:EagerPolicy,
     self.measuring = training and measure and not whole_backward and not self.evaluating
     model = _get_model(learn.model) # The model being compiled, not DDP's wrapper
     validation = self._validation(learn, key, model) if not training and self.trained else None
-    self.valid_eager = validation == 'eager'
+    self.valid_eager = validation in ('eager', 'measured')
     self.one_off = _last_batch(learn) and not (training and whole_backward)
     # The compile outside the fit's path is asked about batches whose graph the fit would compile: not a validation's
     # whose graph exists, nor one run eagerly (an evaluation's last batch, a one-off, runs eagerly in `runs_eagerly`).
@@ -377,6 +382,7 @@ def start_batch(self:EagerPolicy,
             and not (self.evaluating or self.measuring or (self.one_off and not training)) and validation in (None, 'compile'))
     self.waiting = asks and self.aside.runs_eagerly(learn, key, model)
     self.probing = self.waiting and training and self.aside.probing
+    if self.aside is not None and key is not None: self.aside.eval_batch(key, model, None if training else not self.eager) # Timed for its record
     if self.aside is not None and training: self.aside.agree(learn, key, model) # Under DDP, at every rank's same batches
     if self.tiers is not None: self.tiers.before_batch(learn, self.eager, key, model) # Once its compiled code runs
     if self.evaluating and training: self.eager_lr_find += 1
@@ -494,12 +500,15 @@ def _judge_validation(self:EagerPolicy, learn,
     key=None, # The validation's model state, where a compile outside the fit's path would make its code
     model:nn.Module|None=None, # The model being compiled (not DDP's wrapper)
 )->str:
-    "'compiled' where its graph exists, 'compile' where `compile_valid`, its compile began, or the batches that would run it pay it back; else 'eager'"
+    "'compiled' where its graph exists, 'compile' where `compile_valid`, its compile began, or the batches that would run it pay it back; else 'eager', or 'measured' where its own timed batches said so"
     if self._compiled_already(False): return 'compiled'
     if self.compile_valid: return 'compile'
     aside = self.aside if key is not None else None
     if aside is not None and aside.started(key): return 'compile' # Begun beside the fit: its code takes over once ready
     epochs = max(getattr(learn, 'n_epoch', 1) - getattr(learn, 'epoch', 0), 1) # This epoch's and those after it
+    # Where a fit timed the state's batches eager and compiled, they judge it: a validation may wait on its DataLoader
+    if aside is not None and (paid := aside.pays_eval(key, model, getattr(learn, 'n_iter', 1) * epochs)) is not None:
+        return 'compile' if paid else 'measured'
     # Compiled cold by the worker, beside the fit, its code runs the validations after the worker hands it over, and the
     # fit's path pays only the hand-over's warm compile
     wait_s = None if aside is None else aside.cold_wait(key, model)

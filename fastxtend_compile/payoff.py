@@ -10,8 +10,8 @@ from statistics import median
 # %% auto #0
 __all__ = ['MARGIN', 'SAVING', 'COLD_S', 'WARM_SHARE', 'WARM_S', 'TIER_TRY_S', 'TIER_COMPILE_S', 'WORKER_START_S',
            'WORKER_SLOWDOWN', 'WORKER_HANDOVER_S', 'AUTOTUNE_SAVING', 'batches_left', 'after_wait', 'validations_after',
-           'eager_step', 'pays_back', 'rest_needed', 'cold_compile', 'warm_cost', 'recorded_saving', 'tier_saving',
-           'pick_tier', 'first_saving', 'first_tier', 'worker_handover', 'worker_rest', 'first_in_path',
+           'eager_step', 'pays_back', 'rest_needed', 'cold_compile', 'warm_cost', 'recorded_saving', 'eval_pays',
+           'tier_saving', 'pick_tier', 'first_saving', 'first_tier', 'worker_handover', 'worker_rest', 'first_in_path',
            'cudagraphs_fit', 'faster']
 
 # %% ../nbs/14_payoff.ipynb #23d4101a
@@ -107,6 +107,17 @@ def recorded_saving(
     saving = (rec or {}).get('saving')
     if saving is not None: return max(saving, MARGIN)
     return SAVING if first_busy is None else first_saving(first_busy, 1.)
+
+def eval_pays(
+    rec:dict|None, # An evaluation state's warm record (`WarmRecords`)
+    batches:int, # The state's batches that would run its compiled code: the fit's validation batches left
+    default_s:float=WARM_S, # Seconds a warm compile takes where the record has no compile time
+)->bool|None:
+    "Whether `batches` evaluation batches pay back compiling the state warm, by its batch times a fit measured eager and compiled; `None` where none did"
+    # An evaluation batch waits on its DataLoader and its metrics as much as on the model: its own times judge it, not the
+    # share of a training step a compile saves
+    if rec is None or 'eager_s' not in rec or 'compiled_s' not in rec: return None
+    return pays_back(batches, rec['eager_s'] - rec['compiled_s'], warm_cost(rec, default_s))
 
 # %% ../nbs/14_payoff.ipynb #c2606ebc
 def tier_saving(

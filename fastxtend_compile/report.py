@@ -715,6 +715,12 @@ def _took_over(training:bool, res, eager_batches:int, at:tuple, ranks:dict|None,
     return (f"compiled{_phase(training)} in a worker process in {res.took_s:.1f}s while {eager_batches} training batch(es) ran "
             f"eagerly; the compiled code took over at {_at(at)}{_together(ranks, worker=True)} ({profile_text(res)})" + _path_took(took_s))
 
+def _eval_slow(eager_s:float, compiled_s:float, batches:int, warm_s:float)->str:
+    saved = (f"{(eager_s - compiled_s)*batches:.2f}s over the {batches} left, under the {warm_s:.1f}s of a warm compile"
+             if compiled_s < eager_s else "no faster")
+    return (f"ran eagerly, validation within the fit: a fit timed its batches at {eager_s*1e3:.1f} ms eager and "
+            f"{compiled_s*1e3:.1f} ms compiled, {saved}; `compile_valid=True` compiles it")
+
 def _first_failed(res)->str:
     return (f"the faster tier compiled first in the worker process failed after {res.took_s:.1f}s ({res.error}); the default's "
             "code, compiled next, takes over")
@@ -789,7 +795,7 @@ def _ran(name:str, batches:int, since:tuple, until:str='')->str:
 # Each kind of `Note`, in words
 _NOTES = dict(
     shapes_change=_shapes_change, too_short=_too_short, warm=_warm, in_path=_in_path, took_over=_took_over, first_failed=_first_failed,
-    unfinished=_unfinished, failed=_failed,
+    unfinished=_unfinished, failed=_failed, eval_slow=_eval_slow,
     eval_eager=lambda: "ran eagerly, evaluation within the fit: under DDP the background compiles the training states alone",
     unsent=lambda error: f"compiled in the fit's path: {unsent_text(error)}",
     ddp_compiled_autograd=lambda: ("compiled in the fit's path: with `ddp_compiled_autograd=True` each backward compiles with "

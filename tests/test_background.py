@@ -112,6 +112,9 @@ def test_a_validation_worth_its_hand_overs_warm_compile_compiles_in_the_worker_a
     assert len(evaluation) == 1 and "the compiled code took over at epoch 0, batch 1" in evaluation[0], r.background
     assert sum(e.during.startswith('validation') for e in r.events) == 1 # Its graph, compiled warm at the hand-over
     assert r.eager_valid == 0 # Waiting for the worker is not "too few to pay back"
+    # Its compiled batches were timed for its record; its one eager batch, before the hand-over, too few to say
+    rec = comp.compiler.aside.warm_starts.get(next(s.record for k,s in comp.compiler.aside.states.items() if not k.training and s.stage.compiled))
+    assert rec['compiled_s'] > 0 and 'eager_s' not in rec, rec
     for a, b in zip(eager.recorder.values, comp.recorder.values): assert_close_to(torch.tensor(b[:2]), torch.tensor(a[:2]), FIT_TOL, 'losses')
     assert_fit_close(eager.model, comp.model)
 
@@ -626,6 +629,33 @@ def test_an_evaluation_state_is_cold_until_inductors_cache_has_its_code_and_star
     assert aside.cold_wait(key, model) is None
     aside.ranks.evaluates = False # Under DDP evaluation runs eagerly: no worker compiles it
     assert aside.cold_wait(aside.batch_key(model, (torch.randn(3, 2),), False), model) is None
+
+def test_an_evaluation_states_batches_are_timed_eager_and_compiled_recorded_once_compiled_and_judge_its_later_validations(tmp_path, monkeypatch):
+    "Each evaluation batch is timed to the next one's start; the fit's end records their medians where the state's code was compiled"
+    import fastxtend_compile.background as bg
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
+    aside, model = BackgroundCompile({'backend': 'eager'}), nn.Linear(2, 2)
+    key, train = aside.batch_key(model, (torch.randn(4, 2),), False), aside.batch_key(model, (torch.randn(4, 2),), True)
+    def fit():
+        "A training batch, an eager validation, a training batch, a compiled one, a training batch: each validation's first batch slow"
+        clock = iter([0., 1., 2., 2.01, 2.02, 2.03, 3., 4., 4.5, 4.506, 4.512, 4.518, 5.])
+        monkeypatch.setattr(bg.time, 'perf_counter', lambda: next(clock))
+        for compiled in (None, *[False]*5, None, *[True]*5, None): aside.eval_batch(train if compiled is None else key, model, compiled)
+        monkeypatch.undo()
+        monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
+        aside.warm_starts.measured(None, None)
+    record = aside.state(key, model).record
+    fit()
+    assert aside.warm_starts.get(record) is None # Never compiled: no record that says inductor's cache has its code
+    aside.warm_starts.records.put(record, cold_s=9., warm_s=1.4, training=False)
+    fit()
+    rec = aside.warm_starts.get(record)
+    assert rec['eager_s'] == pytest.approx(0.01) and rec['compiled_s'] == pytest.approx(0.006) # Medians: the slow first batches left out
+    assert aside.pays_eval(key, model, 600) is True and aside.take_notes() == [] # 2.4s saved pays back its 1.4s warm compile
+    assert aside.pays_eval(key, model, 300) is False and aside.pays_eval(key, model, 200) is False
+    assert [n.text for n in aside.take_notes()] == [
+        "ran eagerly, validation within the fit: a fit timed its batches at 10.0 ms eager and 6.0 ms compiled, 1.20s over the 300 left, "
+        "under the 1.4s of a warm compile; `compile_valid=True` compiles it"]
 
 @pytest.mark.background_default
 def test_a_fit_compiles_in_the_background_on_a_cuda_gpu_by_default_or_as_asked_and_not_where_compiled_autograd_compiles_ddps_backwards():

@@ -20,6 +20,7 @@ class Aside:
         return (learn.training or self.evaluation) and not self.ready
     def agree(self, learn, key, model): pass # One process: no ranks to agree with
     def probed(self, seconds): self.probes.append(seconds)
+    def eval_batch(self, key, model, compiled): pass # Evaluation batches are not timed here
 
 def validation(p, n_iter=4, **kwargs):
     "Run a training batch, then a validation of `n_iter` batches; `p`'s eager and timed decision for each validation batch"
@@ -109,6 +110,7 @@ class ColdAside(Aside):
         self.is_cold, self.began = cold, False
     def started(self, key): return self.began
     def cold_wait(self, key, model): return 35. if self.is_cold else None # A worker's hand-over, 35s after its job
+    def pays_eval(self, key, model, batches): return None # No fit timed its batches
 
 def test_a_fits_validation_compiled_by_the_worker_counts_the_batches_after_its_hand_over_and_keeps_a_compile_begun():
     def first_validation(p, epoch_s):
@@ -129,6 +131,25 @@ def test_a_fits_validation_compiled_by_the_worker_counts_the_batches_after_its_h
     p.start_fit(aside, pays=lambda n, warm=False: seen.append(n) or False)
     aside.began = True # An earlier validation's compile began: this one hands over once its code is ready, whatever is left
     assert not first_validation(p, 10.) and seen == [] and aside.asked == [True, False]
+
+class TimedAside(ColdAside):
+    "A `ColdAside` whose evaluation state's batches a fit timed, eager and compiled: they say `paid`"
+    def __init__(self, paid):
+        super().__init__(cold=False)
+        self.paid, self.judged, self.timed, self.ready = paid, [], [], True # Its code runs, once judged worth it
+    def pays_eval(self, key, model, batches): return self.judged.append(batches) or self.paid
+    def eval_batch(self, key, model, compiled): self.timed.append(compiled)
+
+def test_a_fits_validation_whose_batches_were_timed_is_judged_by_them_and_each_batch_is_timed_as_it_runs():
+    for paid, eager, pays_asked in ((True, False, []), (False, True, []), (None, True, [24])):
+        p, aside, asked = EagerPolicy(compile_valid=False), TimedAside(paid), []
+        p.start_fit(aside, pays=lambda n, warm=False: asked.append(n) or False)
+        p.start_batch(batch(n_epoch=6), key='train'); p.end_batch(True)
+        with torch.no_grad(): p.start_batch(batch(training=False, n_iter=4, n_epoch=6), key='valid')
+        # 4 batches in each of the 6 validations left; the training steps' payoff is asked only where no fit timed them
+        assert (p.valid_eager, aside.judged, asked) == (eager, [24], pays_asked), paid
+        assert p.valid_unpaid == (paid is None) # Run eagerly by their own times: not "too few to pay back" by the training step's
+        assert aside.timed == [None, not eager] # A training batch, then a validation batch, compiled or eager
 
 def test_a_probes_eager_batch_is_timed_and_its_time_goes_to_the_probe():
     "An eager batch the compile outside the fit's path probes is the report's eager step: timed, its seconds handed back"
