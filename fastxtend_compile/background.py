@@ -127,19 +127,21 @@ class _WarmTimer:
 
 class _EvalTimes:
     "Times a fit's evaluation batches, eager and compiled, each state's apart: from a batch's start to the next one's"
-    least = 3 # Batches of a kind a state needs timed: their median leaves out one that compiled
-    def __init__(self): self.last, self.times = None, {} # (record, compiled, start) of the batch running; seconds by (record, compiled)
+    least = 3 # Batches of a kind a state needs timed
+    def __init__(self): self.last, self.times = None, {} # (record, compiled, start, first of its run) of the batch running; seconds by (record, compiled)
 
     def batch(self, record:str|None, compiled:bool, now:float):
         "A batch starts at `now`: of evaluation state `record`, `compiled` or eager; `None` for a training batch. The evaluation batch before it ends"
-        # An evaluation's last batch is left out: what follows it is the epoch's end, not another batch
-        if self.last is not None and record is not None: self.times.setdefault(self.last[:2], []).append(now - self.last[2])
-        self.last = None if record is None else (record, compiled, now)
+        # Left out: the first batch of a run of one kind, where its code compiles; and an evaluation's last batch, which the
+        # epoch's end follows, not another batch. The mean of the rest counts the waits for a DataLoader that falls behind
+        last, kind = self.last, (record, compiled)
+        if last is not None and record is not None and not last[3]: self.times.setdefault(last[:2], []).append(now - last[2])
+        self.last = None if record is None else (*kind, now, last is None or last[:2] != kind)
 
     def take(self)->dict:
-        "{(record, compiled): the median seconds of its batches} of those timed often enough, emptied for the next fit"
+        "{(record, compiled): the mean seconds of its batches} of those timed often enough, emptied for the next fit"
         times, self.last, self.times = self.times, None, {}
-        return {k: median(v) for k,v in times.items() if len(v) >= self.least}
+        return {k: sum(v)/len(v) for k,v in times.items() if len(v) >= self.least}
 
 # %% ../nbs/08_background.ipynb #6bb21e7a
 class WarmStarts:

@@ -630,15 +630,26 @@ def test_an_evaluation_state_is_cold_until_inductors_cache_has_its_code_and_star
     aside.ranks.evaluates = False # Under DDP evaluation runs eagerly: no worker compiles it
     assert aside.cold_wait(aside.batch_key(model, (torch.randn(3, 2),), False), model) is None
 
+def test_evaluation_batches_are_timed_in_runs_of_one_kind_leaving_out_each_runs_first_and_an_evaluations_last():
+    from fastxtend_compile.background import _EvalTimes
+    t = _EvalTimes()
+    # A validation: 4 batches eager while a worker compiles, then its code takes over, compiling 1s at the first compiled batch
+    for now, compiled in ((0., False), (.1, False), (.2, False), (.3, False), (.4, True), (1.4, True), (1.5, True), (1.6, True), (1.7, True), (1.8, True)):
+        t.batch('r', compiled, now)
+    t.batch(None, False, 9.) # A training batch: the validation's last batch ended with its epoch
+    assert t.take() == {('r', False): pytest.approx(.1), ('r', True): pytest.approx(.1)} and t.take() == {}
+    for now in (0., .1, .2, .3): t.batch('r', True, now) # Two batches timed: too few to say
+    assert t.take() == {}
+
 def test_an_evaluation_states_batches_are_timed_eager_and_compiled_recorded_once_compiled_and_judge_its_later_validations(tmp_path, monkeypatch):
-    "Each evaluation batch is timed to the next one's start; the fit's end records their medians where the state's code was compiled"
+    "Each evaluation batch is timed to the next one's start; the fit's end records their means where the state's code was compiled"
     import fastxtend_compile.background as bg
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
     aside, model = BackgroundCompile({'backend': 'eager'}), nn.Linear(2, 2)
     key, train = aside.batch_key(model, (torch.randn(4, 2),), False), aside.batch_key(model, (torch.randn(4, 2),), True)
     def fit():
         "A training batch, an eager validation, a training batch, a compiled one, a training batch: each validation's first batch slow"
-        clock = iter([0., 1., 2., 2.01, 2.02, 2.03, 3., 4., 4.5, 4.506, 4.512, 4.518, 5.])
+        clock = iter([0., 1., 2., 2.01, 2.02, 2.03, 3., 4., 4.5, 4.506, 4.512, 4.518, 5.]) # The last batches' ends: the epochs' ends
         monkeypatch.setattr(bg.time, 'perf_counter', lambda: next(clock))
         for compiled in (None, *[False]*5, None, *[True]*5, None): aside.eval_batch(train if compiled is None else key, model, compiled)
         monkeypatch.undo()
@@ -650,7 +661,7 @@ def test_an_evaluation_states_batches_are_timed_eager_and_compiled_recorded_once
     aside.warm_starts.records.put(record, cold_s=9., warm_s=1.4, training=False)
     fit()
     rec = aside.warm_starts.get(record)
-    assert rec['eager_s'] == pytest.approx(0.01) and rec['compiled_s'] == pytest.approx(0.006) # Medians: the slow first batches left out
+    assert rec['eager_s'] == pytest.approx(0.01) and rec['compiled_s'] == pytest.approx(0.006) # Means, the first batch of each run left out
     assert aside.pays_eval(key, model, 600) is True and aside.take_notes() == [] # 2.4s saved pays back its 1.4s warm compile
     assert aside.pays_eval(key, model, 300) is False and aside.pays_eval(key, model, 200) is False
     assert [n.text for n in aside.take_notes()] == [
