@@ -339,24 +339,27 @@ class BackgroundCompile:
         st = self.state(key, model)
         return self.handover_s(st) if self.ranks.evaluates and self.warm_starts.cached(st)[0] is None else None
 
-    def eval_batch(self,
-        key:StateKey, # The batch's model state
-        model:nn.Module, # The model being compiled (not DDP's wrapper)
-        compiled:bool|None, # An evaluation batch runs compiled, or eagerly; `None`: a training batch
-    ):
-        "A batch starts: an evaluation batch is timed to the next one's start, for its state's record"
-        self.warm_starts.evals.batch(None if compiled is None else self.state(key, model).record, bool(compiled), time.perf_counter())
+# %% ../nbs/08_background.ipynb #82bab339
+@patch
+def eval_batch(self:BackgroundCompile,
+    key:StateKey, # The batch's model state
+    model:nn.Module, # The model being compiled (not DDP's wrapper)
+    compiled:bool|None, # An evaluation batch runs compiled, or eagerly; `None`: a training batch
+):
+    "A batch starts: an evaluation batch is timed to the next one's start, for its state's record"
+    self.warm_starts.evals.batch(None if compiled is None else self.state(key, model).record, bool(compiled), time.perf_counter())
 
-    def pays_eval(self,
-        key:StateKey, # The evaluation's model state
-        model:nn.Module, # The model being compiled (not DDP's wrapper)
-        batches:int, # Its batches that would run the compiled code
-    )->bool|None:
-        "Whether `batches` batches of evaluation state `key` pay back its warm compile, as fits timed them (`eval_pays`); `None` where none did"
-        rec = self.warm_starts.get(self.state(key, model).record)
-        if (paid := eval_pays(rec, batches, self.warm_s)) is False and not any(n.kind == 'eval_slow' for n in self.notes):
-            self.notes.append(Note('eval_slow', eager_s=rec['eager_s'], compiled_s=rec['compiled_s'], batches=batches, warm_s=warm_cost(rec, self.warm_s)))
-        return paid
+@patch
+def pays_eval(self:BackgroundCompile,
+    key:StateKey, # The evaluation's model state
+    model:nn.Module, # The model being compiled (not DDP's wrapper)
+    batches:int, # Its batches that would run the compiled code
+)->bool|None:
+    "Whether `batches` batches of evaluation state `key` pay back its warm compile, as fits timed them (`eval_pays`); `None` where none did"
+    rec = self.warm_starts.get(self.state(key, model).record)
+    if (paid := eval_pays(rec, batches, self.warm_s)) is False and not any(n.kind == 'eval_slow' for n in self.notes):
+        self.notes.append(Note('eval_slow', eager_s=rec['eager_s'], compiled_s=rec['compiled_s'], batches=batches, warm_s=warm_cost(rec, self.warm_s)))
+    return paid
 
 # %% ../nbs/08_background.ipynb #25110aeb
 @patch

@@ -108,6 +108,7 @@ def recorded_saving(
     if saving is not None: return max(saving, MARGIN)
     return SAVING if first_busy is None else first_saving(first_busy, 1.)
 
+# %% ../nbs/14_payoff.ipynb #aefa9962
 def eval_pays(
     rec:dict|None, # An evaluation state's warm record (`WarmRecords`)
     batches:int, # The state's batches that would run its compiled code: the fit's validation batches left
