@@ -18,7 +18,7 @@ from .core import model_fingerprint, check_switches
 from .internals import inductor_cache_dir
 from .worker import Worker, Job, JobResult, job_payload, read_json, write_json
 from .state import StateKey, Stage, Probe, ModelState, state_key
-from .payoff import COLD_S, WARM_S, batches_left, cold_compile, worker_handover, eval_pays, warm_cost
+from .payoff import COLD_S, WARM_S, TIER_COMPILE_S, batches_left, cold_compile, worker_handover, eval_pays, warm_cost
 from .life import advance
 from .agreement import Local, DDP
 from .report import Note, handover_text
@@ -146,6 +146,7 @@ class _EvalTimes:
 # %% ../nbs/08_background.ipynb #6bb21e7a
 class WarmStarts:
     "The one writer of warm records: what each compile of a fit took, kept in inductor's cache so later fits compile at once"
+    compile_guess_s = TIER_COMPILE_S # The payoff rule's prior for a cold compile of a model this machine recorded none of
     def __init__(self,
         settings:dict, # The model's `torch.compile` settings, from `compile_settings`
         regional:bool=False, # Only the model's repeated blocks are compiled
@@ -180,13 +181,14 @@ class WarmStarts:
         "The fit's path compiled `record` in `seconds`, a `training` state's or not, where nothing was recorded of it: a later fit compiles it at once"
         if self.get(record) is None: self.records.put(record, path_s=seconds, training=training)
 
-    def compile_s(self, *records:str)->float|None:
-        "Seconds a cold compile takes on this machine: the first of `records` recorded, else the median of their model's training states'; `None` where none was"
+    def compile_s(self, *records:str)->float:
+        "Seconds a cold compile takes on this machine: the first of `records` recorded, else the median of their model's training states'; else `compile_guess_s`"
         # A record's name holds the model, its settings, torch and the device: another state of the model compiles in about as long
         for r in records:
             if (s := cold_compile(self.get(r))) is not None: return s
         for r in records:
             if (times := [s for rec in self.records.of_model(r) if rec.get('training') and (s := cold_compile(rec)) is not None]): return median(times)
+        return self.compile_guess_s
 
     def in_path(self,
         model:nn.Module, # The model compiled (not DDP's wrapper)
@@ -347,7 +349,9 @@ def eval_batch(self:BackgroundCompile,
     compiled:bool|None, # An evaluation batch runs compiled, or eagerly; `None`: a training batch
 ):
     "A batch starts: an evaluation batch is timed to the next one's start, for its state's record"
-    self.warm_starts.evals.batch(None if compiled is None else self.state(key, model).record, bool(compiled), time.perf_counter())
+    evals = self.warm_starts.evals
+    if compiled is None and evals.last is None: return # A training batch, no evaluation batch before it to end
+    evals.batch(None if compiled is None else self.state(key, model).record, bool(compiled), time.perf_counter())
 
 @patch
 def pays_eval(self:BackgroundCompile,

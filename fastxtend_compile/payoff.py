@@ -159,11 +159,11 @@ def first_tier(
     return 'reduce-overhead' if pays_back(batches, first_saving(busy, step_s), cost_s) else None
 
 def worker_handover(
-    compile_s:float|None, # Seconds a cold compile of the model takes, as this machine recorded it (`WarmStarts.compile_s`); `None` where it recorded none
+    compile_s:float, # Seconds a cold compile of the model takes, as this machine recorded it, else the prior `TIER_COMPILE_S` (`WarmStarts.compile_s`)
     start_s:float=WORKER_START_S, # Seconds a cold worker takes to start up, before it compiles
 )->float:
-    "Seconds a cold worker takes from its job to its hand-over: its start-up, then the compile (`TIER_COMPILE_S` where none is recorded)"
-    return start_s + (TIER_COMPILE_S if compile_s is None else compile_s)
+    "Seconds a cold worker takes from its job to its hand-over: its start-up, then the compile"
+    return start_s + compile_s
 
 def worker_rest(
     left:int, # The fit's training batches left

@@ -15,7 +15,7 @@ from .core import uses_cudagraphs, compiled_call, CompiledCall, EagerPolicy
 from .internals import gpu_sleep
 from .worker import error_text, JobResult
 from .state import StateKey, Stage, TierRun
-from .payoff import TIER_TRY_S, TIER_COMPILE_S, batches_left, pick_tier, first_tier, first_in_path, cudagraphs_fit
+from .payoff import TIER_TRY_S, batches_left, pick_tier, first_tier, first_in_path, cudagraphs_fit
 from .background import BackgroundCompile, position
 from .life import advance
 from .report import Note
@@ -149,8 +149,8 @@ class Tiers:
     # tier batches run before the A/B (CUDA graphs record at their first runs); batches of each tier in the A/B, alternating
     settle_batches, time_batches, profile_batches, warmup_batches, ab_batches = 4, 8, 3, 3, 8
     # The payoff rule's priors (`payoff`): a tier is tried where the saving it is expected to bring over the batches left
-    # once it compiled (in `compile_guess_s`, until this machine recorded a cold compile of the model) pays back `try_cost_s`
-    try_cost_s, compile_guess_s = TIER_TRY_S, TIER_COMPILE_S
+    # once it compiled (as long as this machine recorded the model compiling cold, `WarmStarts.compile_s`) pays back `try_cost_s`
+    try_cost_s = TIER_TRY_S
     pick = staticmethod(pick_tier) # The policy that picks a state's tier from its measured step
     def __init__(self,
         settings:dict, # The model's `torch.compile` settings, from `compile_settings`
@@ -406,8 +406,8 @@ class _TierFacts:
     def left(self, wait_s:float, step_s:float)->int: return batches_left(self.learn, wait_s, step_s)
 
     def compile_s(self, *records:str)->float:
-        "Seconds a cold compile of `records` takes, as this machine recorded it (`WarmStarts.compile_s`); the prior where it didn't"
-        return s if (s := self.t.aside.warm_starts.compile_s(*records)) is not None else self.t.compile_guess_s
+        "Seconds a cold compile of `records` takes, as this machine recorded it; the prior where it didn't (`WarmStarts.compile_s`)"
+        return self.t.aside.warm_starts.compile_s(*records)
 
     @property
     def cold_s(self)->float:

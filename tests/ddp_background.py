@@ -15,7 +15,7 @@ import torch
 from fastai.callback.core import Callback
 from fastai.torch_core import rank_distrib, num_distrib, distrib_barrier
 from fastxtend_compile import *
-from fastxtend_compile.background import BackgroundCompile
+from fastxtend_compile.background import BackgroundCompile, WarmStarts
 from fastxtend_compile.worker import Worker
 from fastxtend_compile.agreement import DDP
 from fastxtend_compile import tiers, background, life
@@ -96,10 +96,10 @@ class SlowEager(nn.Sequential):
 
 def path_first(compiled=True, batches=48):
     "A fit of `SlowEager` whose eager step rank 0 finds idle: the tier, the default's arithmetic, compiled first in the fit's path"
-    saved = [(o, k, getattr(o, k)) for o,ks in ((Tiers, ('default_on', 'settle_batches', 'time_batches', 'warmup_batches', 'compile_guess_s')),
+    saved = [(o, k, getattr(o, k)) for o,ks in ((Tiers, ('default_on', 'settle_batches', 'time_batches', 'warmup_batches')), (WarmStarts, ('compile_guess_s',)),
              (tiers.FirstTier, ('choose', 'in_path')), (tiers, ('_BusyMeter', 'why_no_tiers')),
              (BackgroundCompile, ('cold_cost_s', 'handover_s')), (life, ('warm_cost',)), (learner_module, ('model',))) for k in ks]
-    Tiers.default_on, Tiers.settle_batches, Tiers.time_batches, Tiers.warmup_batches, Tiers.compile_guess_s = ('cpu',), 1, 3, 1, 1e-3
+    Tiers.default_on, Tiers.settle_batches, Tiers.time_batches, Tiers.warmup_batches, WarmStarts.compile_guess_s = ('cpu',), 1, 3, 1, 1e-3
     tiers.FirstTier.choose = staticmethod(lambda busy, *_: 'plain' if busy == 0 else None)
     tiers.FirstTier.in_path = staticmethod(lambda busy, compile_s, warm_s: True)
     tiers._BusyMeter, tiers.why_no_tiers = _IdleMeter, lambda settings: None # The test's backends have no modes

@@ -465,19 +465,20 @@ def test_a_fit_records_the_share_of_a_step_its_one_compiled_training_state_saved
     assert warm.get(record(True))['saving'] == pytest.approx(-0.2)
 
 def test_a_cold_compile_is_expected_to_take_what_this_machine_recorded_of_the_model(tmp_path, monkeypatch):
-    "A state's own recorded cold compile, in a worker or the fit's path; else its model's other training states', with the same settings; else none"
+    "A state's own recorded cold compile, in a worker or the fit's path; else its model's other training states', with the same settings; else the prior"
+    from fastxtend_compile.payoff import TIER_COMPILE_S
     from fastxtend_compile.worker import JobResult
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
     model, warm = nn.Linear(2, 2), BackgroundCompile({'backend': 'eager'}).warm_starts
     record = lambda bs, training=True, settings=None: warm.key(model, state_key(model, (torch.randn(bs, 2),), training), settings)
-    assert warm.compile_s(record(1)) is None # Nothing recorded on this machine
+    assert warm.compile_s(record(1)) == TIER_COMPILE_S # Nothing recorded on this machine: the payoff rule's prior
     warm.in_path(model, (torch.randn(1, 2),), False, 2.) # An evaluation state: a forward alone
-    assert warm.compile_s(record(1)) is None
+    assert warm.compile_s(record(1)) == TIER_COMPILE_S
     warm.compiled(record(2), JobResult(True, forward_s=3., backward_s=6., took_s=20.))
     warm.in_path(model, (torch.randn(4, 2),), True, 13.)
     assert warm.compile_s(record(1)) == 11. # The median of the two training states'
     assert warm.compile_s(record(4)) == 13. and warm.compile_s(record(1), record(2)) == 9. # Its own: a worker's compile
-    assert warm.compile_s(record(1, settings={'backend': 'eager', 'mode': 'reduce-overhead'})) is None # Other settings: another compile
+    assert warm.compile_s(record(1, settings={'backend': 'eager', 'mode': 'reduce-overhead'})) == TIER_COMPILE_S # Other settings: another compile
     assert warm.compile_s(record(1, settings={'backend': 'eager', 'mode': 'reduce-overhead'}), record(1)) == 11.
     warm.compiled(record(5), JobResult(False, 'failed'))
     assert warm.get(record(5)) is None
@@ -648,10 +649,11 @@ def test_an_evaluation_states_batches_are_timed_eager_and_compiled_recorded_once
     aside, model = BackgroundCompile({'backend': 'eager'}), nn.Linear(2, 2)
     key, train = aside.batch_key(model, (torch.randn(4, 2),), False), aside.batch_key(model, (torch.randn(4, 2),), True)
     def fit():
-        "A training batch, an eager validation, a training batch, a compiled one, a training batch: each validation's first batch slow"
-        clock = iter([0., 1., 2., 2.01, 2.02, 2.03, 3., 4., 4.5, 4.506, 4.512, 4.518, 5.]) # The last batches' ends: the epochs' ends
+        "Training batches, an eager validation, training batches, a compiled one, a training batch: each validation's first batch slow"
+        # The clock is read once a batch of the validations, and once by the training batch that ends each: no more
+        clock = iter([1., 2., 2.01, 2.02, 2.03, 3., 4., 4.5, 4.506, 4.512, 4.518, 5.]) # The last batches' ends: the epochs' ends
         monkeypatch.setattr(bg.time, 'perf_counter', lambda: next(clock))
-        for compiled in (None, *[False]*5, None, *[True]*5, None): aside.eval_batch(train if compiled is None else key, model, compiled)
+        for compiled in (None, None, *[False]*5, None, None, *[True]*5, None): aside.eval_batch(train if compiled is None else key, model, compiled)
         monkeypatch.undo()
         monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
         aside.warm_starts.measured(None, None)

@@ -189,14 +189,14 @@ def test_a_launch_bound_eager_step_has_cuda_graphs_compiled_first(tmp_path, monk
 
 def test_a_launch_bound_eager_step_compiles_cuda_graphs_first_in_the_fits_path(tmp_path, monkeypatch):
     "Where the fit's rest pays back a compile in its path, CUDA graphs compile there at the probe's verdict, with no worker"
-    from fastxtend_compile.background import BackgroundCompile
+    from fastxtend_compile.background import BackgroundCompile, WarmStarts
     from fastxtend_compile.tiers import Tiers, FirstTier
     from test_tiers import TierBatches
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
     monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 1e-9)
     monkeypatch.setattr(BackgroundCompile, 'handover_s', lambda self, st: 0.) # Its code serves the fit's rest from the job on
     monkeypatch.setattr(Tiers, 'try_cost_s', 0)
-    monkeypatch.setattr(Tiers, 'compile_guess_s', 1e-3) # Any fit pays back a compile in its path
+    monkeypatch.setattr(WarmStarts, 'compile_guess_s', 1e-3) # Any fit pays back a compile in its path
     eager = fit(epochs=4)
     seen = TierBatches()
     comp = fit(dict(background=True), cbs=[seen], epochs=4)

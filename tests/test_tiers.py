@@ -9,7 +9,7 @@ from fastxtend_compile import *
 from fastxtend_compile import tiers, background, life
 from fastxtend_compile.tiers import Tiers, why_no_tiers
 from fastxtend_compile.payoff import pick_tier, first_tier, cudagraphs_fit, faster, first_in_path
-from fastxtend_compile.background import BackgroundCompile
+from fastxtend_compile.background import BackgroundCompile, WarmStarts
 from fastxtend_compile.internals import compiled_call
 from conftest import two_conv_cnn, digits_dls, EAGER_PRECISION, assert_fit_close
 from test_background import WaitForWorker, _leftovers, no_records # noqa: F401 (a fixture)
@@ -178,7 +178,7 @@ def path_tiers(first_tiers, monkeypatch):
     def use(name, settings):
         first_tiers(name, settings)
         monkeypatch.setattr(tiers.FirstTier, 'in_path', staticmethod(first_in_path))
-        monkeypatch.setattr(Tiers, 'compile_guess_s', 1e-3) # Paid back by a digits fit on the CPU
+        monkeypatch.setattr(WarmStarts, 'compile_guess_s', 1e-3) # Paid back by a digits fit on the CPU
     return use
 
 @pytest.mark.slow
