@@ -358,11 +358,13 @@ def pays_eval(self:BackgroundCompile,
     key:StateKey, # The evaluation's model state
     model:nn.Module, # The model being compiled (not DDP's wrapper)
     batches:int, # Its batches that would run the compiled code
+    within:bool=True, # A validation within a training fit; else an evaluation outside one (`get_preds`, `validate`)
 )->bool|None:
     "Whether `batches` batches of evaluation state `key` pay back its warm compile, as fits timed them (`eval_pays`); `None` where none did"
     rec = self.warm_starts.get(self.state(key, model).record)
     if (paid := eval_pays(rec, batches, self.warm_s)) is False and not any(n.kind == 'eval_slow' for n in self.notes):
-        self.notes.append(Note('eval_slow', eager_s=rec['eager_s'], compiled_s=rec['compiled_s'], batches=batches, warm_s=warm_cost(rec, self.warm_s)))
+        self.notes.append(Note('eval_slow', eager_s=rec['eager_s'], compiled_s=rec['compiled_s'], batches=batches, warm_s=warm_cost(rec, self.warm_s),
+                               within=within))
     return paid
 
 # %% ../nbs/08_background.ipynb #25110aeb

@@ -299,7 +299,7 @@ class EagerPolicy:
         self.evaluating = False # This batch of an evaluation outside a fit or of `lr_find` runs eagerly: its graph wouldn't pay back
         self.one_off = False # This batch is a one-off, not worth a graph of its own: the last, often smaller, one
         self.pays = None # `pays(batches, warm)`: whether that many batches are expected to pay back a graph's compile, cold or warm (the report's)
-        self.unpaid = None # Whether this evaluation outside a fit, or `lr_find`, runs eagerly: decided at its first batch
+        self.unpaid = None # Whether this evaluation outside a fit, or `lr_find`, runs eagerly, decided at its first batch: 'measured' where by its own timed batches
         self.eager_eval = 0 # Batches of this evaluation outside a fit run eagerly, their graph not compiled and not worth it
         self.eager_lr_find = 0 # Batches of this `lr_find` run eagerly, alike
         self.graph_step = None # In a batch, whether its CUDA graphs' step began; `None` outside one: each call begins one
@@ -367,10 +367,9 @@ def start_batch(self:EagerPolicy,
 ):
     "Decide how the batch starting runs, the one decision a batch: eagerly or compiled, which tier, and whether it is a one-off"
     # An eager backward would all-reduce each gradient alone: not DDP's eager step, and not a training batch to leave out
-    training = learn.training
-    self.evaluating = self._unpaid(learn, training)
+    training, model = learn.training, _get_model(learn.model) # The model being compiled, not DDP's wrapper
+    self.evaluating = self._unpaid(learn, training, key, model)
     self.measuring = training and measure and not whole_backward and not self.evaluating
-    model = _get_model(learn.model) # The model being compiled, not DDP's wrapper
     validation = self._validation(learn, key, model) if not training and self.trained else None
     self.valid_eager = validation in ('eager', 'measured')
     self.one_off = _last_batch(learn) and not (training and whole_backward)
@@ -386,7 +385,7 @@ def start_batch(self:EagerPolicy,
     if self.aside is not None and training: self.aside.agree(learn, key, model) # Under DDP, at every rank's same batches
     if self.tiers is not None: self.tiers.before_batch(learn, self.eager, key, model) # Once its compiled code runs
     if self.evaluating and training: self.eager_lr_find += 1
-    elif self.evaluating: self.eager_eval += 1
+    elif self.evaluating and self.unpaid is True: self.eager_eval += 1 # Not 'measured': the report's note says why
     self.graph_step = False
 
 @patch
@@ -458,22 +457,28 @@ def _last_batch(learn)->bool:
     return n is not None and getattr(learn, 'iter', None) == n - 1
 
 @patch
-def _unpaid(self:EagerPolicy, learn, training:bool)->bool:
+def _unpaid(self:EagerPolicy, learn, training:bool, key=None, model:nn.Module|None=None)->bool:
     "Whether this batch of an evaluation outside a training fit, or of an `lr_find`, runs eagerly: its graph wouldn't pay back"
     # A graph compiled in the fit's path costs seconds to minutes; the few hundred batches of a `get_preds` or an
     # `lr_find` seldom save as much. They run their graph where it is compiled already, and compile it only where the
     # report's measurements say their batches pay it back (`compile_valid=True` always compiles evaluation). Decided
     # at the fit's first batch: a training fit's first batch trains, and its validation is judged by `_validation`
-    if self.unpaid is None: self.unpaid = self._judge(learn, training)
-    return self.unpaid
+    if self.unpaid is None: self.unpaid = self._judge(learn, training, key, model)
+    return bool(self.unpaid)
 
 @patch
-def _judge(self:EagerPolicy, learn, training:bool)->bool:
-    "Whether the fit starting is an evaluation outside a training fit, or an `lr_find`, whose graph wouldn't pay back"
+def _judge(self:EagerPolicy, learn, training:bool,
+    key=None, # The batch's model state, where a compile outside the fit's path knows it
+    model:nn.Module|None=None, # The model being compiled (not DDP's wrapper)
+)->bool|str:
+    "Whether the fit starting is an evaluation outside a training fit, or an `lr_find`, whose graph wouldn't pay back: 'measured' where an evaluation's own timed batches said so"
     finder = _lr_finder(learn) if training else None
     if (training and finder is None) or self.trained or (not training and self.compile_valid): return False
     if self._compiled_already(training): return False
     batches = finder.num_it if finder is not None else getattr(learn, 'n_iter', 1)
+    # Where a fit timed the evaluation state's batches eager and compiled, they judge it, as they judge a fit's validation
+    if not training and self.aside is not None and key is not None:
+        if (paid := self.aside.pays_eval(key, model, batches, within=False)) is not None: return False if paid else 'measured'
     return self.pays is None or not self.pays(batches)
 
 @patch

@@ -669,6 +669,10 @@ def test_an_evaluation_states_batches_are_timed_eager_and_compiled_recorded_once
     assert [n.text for n in aside.take_notes()] == [
         "ran eagerly, validation within the fit: a fit timed its batches at 10.0 ms eager and 6.0 ms compiled, 1.20s over the 300 left, "
         "under the 1.4s of a warm compile; `compile_valid=True` compiles it"]
+    assert aside.pays_eval(key, model, 200, within=False) is False # A `get_preds` of 200 batches
+    assert [n.text for n in aside.take_notes()] == [
+        "ran eagerly, evaluation outside a fit (`get_preds`, `validate`): a fit timed its batches at 10.0 ms eager and 6.0 ms compiled, "
+        "0.80s over its 200, under the 1.4s of a warm compile; `compile_valid=True` compiles it"]
 
 @pytest.mark.background_default
 def test_a_fit_compiles_in_the_background_on_a_cuda_gpu_by_default_or_as_asked_and_not_where_compiled_autograd_compiles_ddps_backwards():

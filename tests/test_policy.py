@@ -110,7 +110,7 @@ class ColdAside(Aside):
         self.is_cold, self.began = cold, False
     def started(self, key): return self.began
     def cold_wait(self, key, model): return 35. if self.is_cold else None # A worker's hand-over, 35s after its job
-    def pays_eval(self, key, model, batches): return None # No fit timed its batches
+    def pays_eval(self, key, model, batches, within=True): return None # No fit timed its batches
 
 def test_a_fits_validation_compiled_by_the_worker_counts_the_batches_after_its_hand_over_and_keeps_a_compile_begun():
     def first_validation(p, epoch_s):
@@ -137,7 +137,7 @@ class TimedAside(ColdAside):
     def __init__(self, paid):
         super().__init__(cold=False)
         self.paid, self.judged, self.timed, self.ready = paid, [], [], True # Its code runs, once judged worth it
-    def pays_eval(self, key, model, batches): return self.judged.append(batches) or self.paid
+    def pays_eval(self, key, model, batches, within=True): return self.judged.append((batches, within)) or self.paid
     def eval_batch(self, key, model, compiled): self.timed.append(compiled)
 
 def test_a_fits_validation_whose_batches_were_timed_is_judged_by_them_and_each_batch_is_timed_as_it_runs():
@@ -147,9 +147,22 @@ def test_a_fits_validation_whose_batches_were_timed_is_judged_by_them_and_each_b
         p.start_batch(batch(n_epoch=6), key='train'); p.end_batch(True)
         with torch.no_grad(): p.start_batch(batch(training=False, n_iter=4, n_epoch=6), key='valid')
         # 4 batches in each of the 6 validations left; the training steps' payoff is asked only where no fit timed them
-        assert (p.valid_eager, aside.judged, asked) == (eager, [24], pays_asked), paid
+        assert (p.valid_eager, aside.judged, asked) == (eager, [(24, True)], pays_asked), paid
         assert p.valid_unpaid == (paid is None) # Run eagerly by their own times: not "too few to pay back" by the training step's
         assert aside.timed == [None, not eager] # A training batch, then a validation batch, compiled or eager
+
+def test_an_evaluation_outside_a_fit_whose_batches_were_timed_is_judged_by_them_and_not_counted_as_too_few():
+    for paid, eager, pays_asked, counted in ((True, False, [], 0), (False, True, [], 0), (None, True, [10], 2)):
+        p, aside, asked = EagerPolicy(compile_valid=False), TimedAside(paid), []
+        p.start_fit(aside, pays=lambda n: asked.append(n) or False)
+        for i in range(2):
+            with torch.no_grad(): p.start_batch(batch(training=False, iter=i, n_iter=10), key='valid')
+            assert p.evaluating == p.eager == eager, paid
+            p.end_batch(False)
+        # Judged once, at its first batch, by its 10 batches; the training steps' payoff is asked only where no fit timed them
+        assert (aside.judged, asked) == ([(10, False)], pays_asked), paid
+        # Run eagerly by their own times: the report's note says so, not "too few to pay back" by the training step's saving
+        assert p.eager_eval == counted, paid
 
 def test_a_probes_eager_batch_is_timed_and_its_time_goes_to_the_probe():
     "An eager batch the compile outside the fit's path probes is the report's eager step: timed, its seconds handed back"
