@@ -262,7 +262,7 @@ def measured(self:WarmStarts,
     # An evaluation state's record keeps its batches' times, eager and compiled (`eval_pays`): once its code was compiled
     # (a record with no compile would say inductor's cache has code it hasn't)
     for record in {r for r,_ in evals if self.get(r) is not None}:
-        self.records.put(record, **{k: s for k,c in (('eager_s', False), ('compiled_s', True)) if (s := evals.get((record, c))) is not None})
+        self.records.put(record, **{k: s for k,c in (('eager_batch_s', False), ('compiled_batch_s', True)) if (s := evals.get((record, c))) is not None})
 
 # %% ../nbs/08_background.ipynb #f47c974a
 class BackgroundCompile:
@@ -363,7 +363,7 @@ def pays_eval(self:BackgroundCompile,
     "Whether `batches` batches of evaluation state `key` pay back its warm compile, as fits timed them (`eval_pays`); `None` where none did"
     rec = self.warm_starts.get(self.state(key, model).record)
     if (paid := eval_pays(rec, batches, self.warm_s)) is False and not any(n.kind == 'eval_slow' for n in self.notes):
-        self.notes.append(Note('eval_slow', eager_s=rec['eager_s'], compiled_s=rec['compiled_s'], batches=batches, warm_s=warm_cost(rec, self.warm_s),
+        self.notes.append(Note('eval_slow', eager_s=rec['eager_batch_s'], compiled_s=rec['compiled_batch_s'], batches=batches, warm_s=warm_cost(rec, self.warm_s),
                                within=within))
     return paid
 

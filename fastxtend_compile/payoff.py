@@ -117,8 +117,8 @@ def eval_pays(
     "Whether `batches` evaluation batches pay back compiling the state warm, by its batch times a fit measured eager and compiled; `None` where none did"
     # An evaluation batch waits on its DataLoader and its metrics as much as on the model: its own times judge it, not the
     # share of a training step a compile saves
-    if rec is None or 'eager_s' not in rec or 'compiled_s' not in rec: return None
-    return pays_back(batches, rec['eager_s'] - rec['compiled_s'], warm_cost(rec, default_s))
+    if rec is None or 'eager_batch_s' not in rec or 'compiled_batch_s' not in rec: return None
+    return pays_back(batches, rec['eager_batch_s'] - rec['compiled_batch_s'], warm_cost(rec, default_s))
 
 # %% ../nbs/14_payoff.ipynb #c2606ebc
 def tier_saving(

@@ -114,7 +114,7 @@ def test_a_validation_worth_its_hand_overs_warm_compile_compiles_in_the_worker_a
     assert r.eager_valid == 0 # Waiting for the worker is not "too few to pay back"
     # Its compiled batches were timed for its record; its one eager batch, before the hand-over, too few to say
     rec = comp.compiler.aside.warm_starts.get(next(s.record for k,s in comp.compiler.aside.states.items() if not k.training and s.stage.compiled))
-    assert rec['compiled_s'] > 0 and 'eager_s' not in rec, rec
+    assert rec['compiled_batch_s'] > 0 and 'eager_batch_s' not in rec, rec
     for a, b in zip(eager.recorder.values, comp.recorder.values): assert_close_to(torch.tensor(b[:2]), torch.tensor(a[:2]), FIT_TOL, 'losses')
     assert_fit_close(eager.model, comp.model)
 
@@ -663,7 +663,7 @@ def test_an_evaluation_states_batches_are_timed_eager_and_compiled_recorded_once
     aside.warm_starts.records.put(record, cold_s=9., warm_s=1.4, training=False)
     fit()
     rec = aside.warm_starts.get(record)
-    assert rec['eager_s'] == pytest.approx(0.01) and rec['compiled_s'] == pytest.approx(0.006) # Means, the first batch of each run left out
+    assert rec['eager_batch_s'] == pytest.approx(0.01) and rec['compiled_batch_s'] == pytest.approx(0.006) # Means, the first batch of each run left out
     assert aside.pays_eval(key, model, 600) is True and aside.take_notes() == [] # 2.4s saved pays back its 1.4s warm compile
     assert aside.pays_eval(key, model, 300) is False and aside.pays_eval(key, model, 200) is False
     assert [n.text for n in aside.take_notes()] == [
