@@ -250,7 +250,7 @@ def before_batch(self:CompilerCallback):
     key = None if p.aside is None else p.aside.batch_key(model, self.learn.xb, self.training) # Once a batch, for every part that asks
     p.start_batch(self.learn, key, measure=rec.wants_eager_step(getattr(self.learn, 'n_iter', 0)), whole_backward=self.ddp.in_backward)
     if self.training: self.ddp.before_batch(not p.eager)
-    if p.timed: rec.batch_start(self.training, self.learn.xb, p.measuring or p.probing, p.valid_unpaid, outside=not (self.training or p.trained))
+    if p.timed: rec.batch_start(self.training, self.learn.xb, p.measuring or p.probing, outside=not (self.training or p.trained))
 
 @patch
 def __call__(self:CompilerCallback, event_name:str):
@@ -338,7 +338,7 @@ def restore(self:CompilerCallback):
         self.aside.stop() # A worker still compiling, and its files
         self.compile_recorder.note_background(*self.aside.take_notes(), *self.tiers.take_notes())
         p = self.policy
-        self.compile_recorder.stop(p.compiled_calls(), eager_eval=p.eager_eval, eager_lr_find=p.eager_lr_find,
+        self.compile_recorder.stop(p.compiled_calls(), eager_valid=p.eager_valid, eager_eval=p.eager_eval, eager_lr_find=p.eager_lr_find,
                                    gc_pauses=self.collector.stop(), trained=fit_trained(self.learn), **self.ddp.averaged())
         self.aside.warm_starts.measured(self.report.compiled_step, self.report.eager_step)
         self.policy.stop()

@@ -300,7 +300,8 @@ class EagerPolicy:
         self.one_off = False # This batch is a one-off, not worth a graph of its own: the last, often smaller, one
         self.pays = None # `pays(batches, warm)`: whether that many batches are expected to pay back a graph's compile, cold or warm (the report's)
         self.unpaid = None # Whether this evaluation outside a fit, or `lr_find`, runs eagerly, decided at its first batch: 'measured' where by its own timed batches
-        self.eager_eval = 0 # Batches of this evaluation outside a fit run eagerly, their graph not compiled and not worth it
+        self.eager_valid = 0 # Batches of this fit's validations run eagerly, their graph not compiled and not worth it
+        self.eager_eval = 0 # Batches of this evaluation outside a fit run eagerly, alike
         self.eager_lr_find = 0 # Batches of this `lr_find` run eagerly, alike
         self.graph_step = None # In a batch, whether its CUDA graphs' step began; `None` outside one: each call begins one
         self.tier = None # (name, settings over the model's) of the faster tier this training batch's calls run (`Tiers`); `None`: the model's own
@@ -313,11 +314,6 @@ class EagerPolicy:
     def eager(self)->bool:
         "Whether the batch running runs eagerly, whatever its inputs"
         return self.measuring or self.valid_eager or self.waiting or self.evaluating
-
-    @property
-    def valid_unpaid(self)->bool:
-        "Whether this validation batch runs eagerly as too few to pay back its graph by the fit's training steps, not by its own timed batches"
-        return self.valid_eager and self.validation == 'eager'
 
     @property
     def timed(self)->bool:
@@ -354,7 +350,7 @@ def start_fit(self:EagerPolicy,
     tiers=None, # The fit's faster tiers (`Tiers`), which choose a training batch's tier once its compiled code runs
 ):
     "A fit starts: it has trained no batch yet"
-    self.trained, self.aside, self.pays, self.unpaid, self.eager_eval, self.eager_lr_find = False, aside, pays, None, 0, 0
+    self.trained, self.aside, self.pays, self.unpaid, self.eager_valid, self.eager_eval, self.eager_lr_find = False, aside, pays, None, 0, 0, 0
     self.tiers = tiers
     self.validation = None
 
@@ -384,9 +380,17 @@ def start_batch(self:EagerPolicy,
     if self.aside is not None and key is not None: self.aside.eval_batch(key, model, None if training else not self.eager) # Timed for its record
     if self.aside is not None and training: self.aside.agree(learn, key, model) # Under DDP, at every rank's same batches
     if self.tiers is not None: self.tiers.before_batch(learn, self.eager, key, model) # Once its compiled code runs
-    if self.evaluating and training: self.eager_lr_find += 1
-    elif self.evaluating and self.unpaid is True: self.eager_eval += 1 # Not 'measured': the report's note says why
+    self._count_unpaid(training)
     self.graph_step = False
+
+@patch
+def _count_unpaid(self:EagerPolicy, training:bool):
+    "Count this batch for the report where it runs eagerly as too few to pay back its graph by the training step's saving"
+    # Not one judged by its own timed batches ('measured'): the report's note on them says why
+    if self.evaluating and self.unpaid is True:
+        if training: self.eager_lr_find += 1
+        else: self.eager_eval += 1
+    elif self.valid_eager and self.validation == 'eager': self.eager_valid += 1
 
 @patch
 def end_batch(self:EagerPolicy,

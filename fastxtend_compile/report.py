@@ -456,6 +456,7 @@ def stop(self:CompileRecorder,
     ddp_reducer:str|None=None, # Why DDP's reducer averaged the fit's compiled batches' gradients; `None` where this library did
     ddp_joined:int=0, # Compiled batches whose gradients DDP's reducer averaged under its `join()`, where this library averaged the others
     ddp_trial:dict|None=None, # Where DDP's reducer and this library's all-reduce were tried in turn: the verdict (`GradSync.found`)
+    eager_valid:int=0, # Batches of the fit's validations run eagerly, too few left in the fit to pay back their graph
     eager_eval:int=0, # Batches of an evaluation outside a fit run eagerly, too few to pay back their graph
     eager_lr_find:int=0, # Batches of an `lr_find` run eagerly, alike
     gc_pauses:list=(), # Seconds of each full garbage collection during the fit
@@ -465,6 +466,7 @@ def stop(self:CompileRecorder,
     r = self.report
     r.fit_steps, r.fit_epochs = r.fit_steps + trained[0], r.fit_epochs + trained[1]
     r.gc_pauses += gc_pauses
+    r.eager_valid += eager_valid
     r.eager_eval += eager_eval
     r.eager_lr_find += eager_lr_find
     r.ddp_backward_graphs, r.ddp_reducer, r.ddp_joined, r.ddp_trial = ddp_backward_graphs, ddp_reducer, ddp_joined, ddp_trial
@@ -579,14 +581,12 @@ def batch_start(self:CompileRecorder,
     training:bool, # A training batch
     xb:tuple=(), # Its inputs
     eager:bool=False, # It runs eagerly to measure the eager step
-    valid_eager:bool=False, # A validation batch of a training fit run eagerly, too few left to pay back its graph
     outside:bool=False, # A batch of an evaluation outside a training fit (`get_preds`, `validate`)
 ):
     "Start timing a batch of inputs `xb`"
     r, shapes = self.report, _shapes(xb)
     if eager: self.step_shapes = shapes
     if eager and not r.eager_times: r.measured_from = len(r.batch_times)
-    if valid_eager: self.report.eager_valid += 1
     if eager and self.sync is not None: self.sync() # Time the eager step alone, not the work queued before it
     now = time.perf_counter()
     # On a GPU whose events time the batches, the batches' copy ahead times the waits for the DataLoader (`Prefetch`)

@@ -53,7 +53,7 @@ def test_a_fits_validation_compiles_where_the_fits_validation_batches_left_pay_b
     runs = [validation(p, epoch=e, n_epoch=4) for e in range(4)]
     assert asked == [16, 12, 8, 4]
     compiled, eager = [(False, False, True)]*4, [(True, True, True)]*4 # Eager ones are timed: the report counts them
-    assert runs == [compiled, compiled, eager, eager] and not p.evaluating and not p.eager_eval
+    assert runs == [compiled, compiled, eager, eager] and not p.evaluating and not p.eager_eval and p.eager_valid == 8 # Counted for the report
     p.stop()
     p.start_fit(pays=None) # Nothing measured: eager
     assert validation(p) == eager
@@ -148,7 +148,7 @@ def test_a_fits_validation_whose_batches_were_timed_is_judged_by_them_and_each_b
         with torch.no_grad(): p.start_batch(batch(training=False, n_iter=4, n_epoch=6), key='valid')
         # 4 batches in each of the 6 validations left; the training steps' payoff is asked only where no fit timed them
         assert (p.valid_eager, aside.judged, asked) == (eager, [(24, True)], pays_asked), paid
-        assert p.valid_unpaid == (paid is None) # Run eagerly by their own times: not "too few to pay back" by the training step's
+        assert p.eager_valid == (paid is None) # Run eagerly by their own times: not "too few to pay back" by the training step's
         assert aside.timed == [None, not eager] # A training batch, then a validation batch, compiled or eager
 
 def test_an_evaluation_outside_a_fit_whose_batches_were_timed_is_judged_by_them_and_not_counted_as_too_few():
