@@ -411,6 +411,7 @@ def stop(self:EagerPolicy):
     self.end_batch(False)
     self.aside, self.tiers, self.pays, self.unpaid, self.validation, self.tier_error = None, None, None, None, None, None
 
+# %% ../nbs/00_core.ipynb #9e716158
 @patch
 def run_tier(self:EagerPolicy,
     name:str, # The faster tier this training batch's compiled calls run
