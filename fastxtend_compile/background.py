@@ -138,6 +138,11 @@ class _EvalTimes:
         if last is not None and record is not None and not last[3]: self.times.setdefault(last[:2], []).append(now - last[2])
         self.last = None if record is None else (*kind, now, last is None or last[:2] != kind)
 
+    @property
+    def pending(self)->bool:
+        "Whether an evaluation batch runs, its time ending at the next batch's start"
+        return self.last is not None
+
     def take(self)->dict:
         "{(record, compiled): the mean seconds of its batches} of those timed often enough, emptied for the next fit"
         times, self.last, self.times = self.times, None, {}
@@ -350,7 +355,7 @@ def eval_batch(self:BackgroundCompile,
 ):
     "A batch starts: an evaluation batch is timed to the next one's start, for its state's record"
     evals = self.warm_starts.evals
-    if compiled is None and evals.last is None: return # A training batch, no evaluation batch before it to end
+    if compiled is None and not evals.pending: return # A training batch, no evaluation batch before it to end
     evals.batch(None if compiled is None else self.state(key, model).record, bool(compiled), time.perf_counter())
 
 @patch

@@ -293,13 +293,13 @@ class EagerPolicy:
         self.trained = False # This fit ran a training batch
         self.measuring = False # This training batch runs eagerly, to measure the eager step
         self.valid_eager = False # This validation batch of a training fit runs eagerly: its batches left in the fit wouldn't pay back its graph
-        self.validation = None # How this validation of a training fit runs: 'eager', 'measured' (eager, by its own timed batches), 'compiled' (its graph exists) or 'compile'
+        self.validation = None # How this validation of a training fit runs, decided at its first batch (`_verdict`)
         self.waiting = False # This batch runs eagerly while its compiled code is made outside the fit's path
         self.probing = False # This training batch, run eagerly, is timed alone for a new model state's probe: the eager step
         self.evaluating = False # This batch of an evaluation outside a fit or of `lr_find` runs eagerly: its graph wouldn't pay back
         self.one_off = False # This batch is a one-off, not worth a graph of its own: the last, often smaller, one
         self.pays = None # `pays(batches, warm)`: whether that many batches are expected to pay back a graph's compile, cold or warm (the report's)
-        self.unpaid = None # Whether this evaluation outside a fit, or `lr_find`, runs eagerly, decided at its first batch: 'measured' where by its own timed batches
+        self.evaluation = None # How this evaluation outside a training fit, or `lr_find`, runs, decided at its first batch (`_verdict`); '' for a training fit
         self.eager_valid = 0 # Batches of this fit's validations run eagerly, their graph not compiled and not worth it
         self.eager_eval = 0 # Batches of this evaluation outside a fit run eagerly, alike
         self.eager_lr_find = 0 # Batches of this `lr_find` run eagerly, alike
@@ -350,9 +350,8 @@ def start_fit(self:EagerPolicy,
     tiers=None, # The fit's faster tiers (`Tiers`), which choose a training batch's tier once its compiled code runs
 ):
     "A fit starts: it has trained no batch yet"
-    self.trained, self.aside, self.pays, self.unpaid, self.eager_valid, self.eager_eval, self.eager_lr_find = False, aside, pays, None, 0, 0, 0
-    self.tiers = tiers
-    self.validation = None
+    self.trained, self.aside, self.pays, self.eager_valid, self.eager_eval, self.eager_lr_find = False, aside, pays, 0, 0, 0
+    self.tiers, self.validation, self.evaluation = tiers, None, None
 
 @patch
 def start_batch(self:EagerPolicy,
@@ -364,10 +363,10 @@ def start_batch(self:EagerPolicy,
     "Decide how the batch starting runs, the one decision a batch: eagerly or compiled, which tier, and whether it is a one-off"
     # An eager backward would all-reduce each gradient alone: not DDP's eager step, and not a training batch to leave out
     training, model = learn.training, _get_model(learn.model) # The model being compiled, not DDP's wrapper
-    self.evaluating = self._unpaid(learn, training, key, model)
+    self.evaluating = self._evaluation(learn, training, key, model) in _RUN_EAGERLY
     self.measuring = training and measure and not whole_backward and not self.evaluating
     validation = self._validation(learn, key, model) if not training and self.trained else None
-    self.valid_eager = validation in ('eager', 'measured')
+    self.valid_eager = validation in _RUN_EAGERLY
     self.one_off = _last_batch(learn) and not (training and whole_backward)
     # The compile outside the fit's path is asked about batches whose graph the fit would compile: not a validation's
     # whose graph exists, nor one run eagerly (an evaluation's last batch, a one-off, runs eagerly in `runs_eagerly`).
@@ -385,9 +384,9 @@ def start_batch(self:EagerPolicy,
 
 @patch
 def _count_unpaid(self:EagerPolicy, training:bool):
-    "Count this batch for the report where it runs eagerly as too few to pay back its graph by the training step's saving"
+    "Count this batch for the report where it runs eagerly as too few to pay back its graph by the training step's saving ('eager')"
     # Not one judged by its own timed batches ('measured'): the report's note on them says why
-    if self.evaluating and self.unpaid is True:
+    if self.evaluation == 'eager':
         if training: self.eager_lr_find += 1
         else: self.eager_eval += 1
     elif self.valid_eager and self.validation == 'eager': self.eager_valid += 1
@@ -409,7 +408,7 @@ def end_batch(self:EagerPolicy,
 def stop(self:EagerPolicy):
     "The fit ended or raised: calls outside a fit run as their shapes say"
     self.end_batch(False)
-    self.aside, self.tiers, self.pays, self.unpaid, self.validation, self.tier_error = None, None, None, None, None, None
+    self.aside, self.tiers, self.pays, self.evaluation, self.validation, self.tier_error = None, None, None, None, None, None
 
 # %% ../nbs/00_core.ipynb #9e716158
 @patch
@@ -461,30 +460,19 @@ def _last_batch(learn)->bool:
     n = getattr(learn, 'n_iter', None)
     return n is not None and getattr(learn, 'iter', None) == n - 1
 
-@patch
-def _unpaid(self:EagerPolicy, learn, training:bool, key=None, model:nn.Module|None=None)->bool:
-    "Whether this batch of an evaluation outside a training fit, or of an `lr_find`, runs eagerly: its graph wouldn't pay back"
-    # A graph compiled in the fit's path costs seconds to minutes; the few hundred batches of a `get_preds` or an
-    # `lr_find` seldom save as much. They run their graph where it is compiled already, and compile it only where the
-    # report's measurements say their batches pay it back (`compile_valid=True` always compiles evaluation). Decided
-    # at the fit's first batch: a training fit's first batch trains, and its validation is judged by `_validation`
-    if self.unpaid is None: self.unpaid = self._judge(learn, training, key, model)
-    return bool(self.unpaid)
+# How an evaluation or an `lr_find` runs: 'compiled' (its graph exists), 'compile', or eagerly, 'eager' (too few batches to pay
+# back its graph by the training step's saving) or 'measured' (by its own batch times, as a fit timed them)
+_RUN_EAGERLY = ('eager', 'measured')
 
 @patch
-def _judge(self:EagerPolicy, learn, training:bool,
-    key=None, # The batch's model state, where a compile outside the fit's path knows it
-    model:nn.Module|None=None, # The model being compiled (not DDP's wrapper)
-)->bool|str:
-    "Whether the fit starting is an evaluation outside a training fit, or an `lr_find`, whose graph wouldn't pay back: 'measured' where an evaluation's own timed batches said so"
-    finder = _lr_finder(learn) if training else None
-    if (training and finder is None) or self.trained or (not training and self.compile_valid): return False
-    if self._compiled_already(training): return False
-    batches = finder.num_it if finder is not None else getattr(learn, 'n_iter', 1)
-    # Where a fit timed the evaluation state's batches eager and compiled, they judge it, as they judge a fit's validation
-    if not training and self.aside is not None and key is not None:
-        if (paid := self.aside.pays_eval(key, model, batches, within=False)) is not None: return False if paid else 'measured'
-    return self.pays is None or not self.pays(batches)
+def _evaluation(self:EagerPolicy, learn, training:bool, key=None, model:nn.Module|None=None)->str:
+    "How this batch's fit runs if it is an evaluation outside a training fit, or an `lr_find`, decided at its first batch (`_verdict`); '' for a training fit"
+    # A graph compiled in the fit's path costs seconds to minutes; the few hundred batches of a `get_preds` or an
+    # `lr_find` seldom save as much. A training fit's first batch trains, and its validations are judged each (`_validation`)
+    if self.evaluation is None:
+        outside = not self.trained and (not training or _lr_finder(learn) is not None)
+        self.evaluation = self._verdict(learn, training, key, model) if outside else ''
+    return self.evaluation
 
 @patch
 def _compiled_already(self:EagerPolicy, training:bool)->bool:
@@ -493,11 +481,10 @@ def _compiled_already(self:EagerPolicy, training:bool)->bool:
 
 @patch
 def _validation(self:EagerPolicy, learn, key=None, model:nn.Module|None=None)->str:
-    "How this validation of a training fit runs, decided at its first batch: 'compiled', 'compile' or 'eager'"
-    # A fit's validation is a few batches an epoch, often waiting for the DataLoader: its graph (a recompile for the
-    # evaluation phase, each freeze state) is compiled, as evaluation outside a fit is, only where the report's
-    # measurements say the fit's validation batches that would run it, this epoch's included, pay it back
-    if self.validation is None: self.validation = self._judge_validation(learn, key, model)
+    "How this validation of a training fit runs, decided at its first batch (`_verdict`)"
+    # A few batches an epoch, often waiting for the DataLoader: its graph (a recompile for the evaluation phase, each freeze
+    # state) compiles only where the fit's validation batches that would run it, this epoch's included, pay it back
+    if self.validation is None: self.validation = self._verdict(learn, False, key, model, within=True)
     return self.validation
 
 def _epoch_s(learn)->float|None:
@@ -506,25 +493,31 @@ def _epoch_s(learn)->float|None:
     return None if start is None else time.time() - start
 
 @patch
-def _judge_validation(self:EagerPolicy, learn,
-    key=None, # The validation's model state, where a compile outside the fit's path would make its code
+def _verdict(self:EagerPolicy, learn,
+    training:bool, # An `lr_find`; else an evaluation
+    key=None, # The batch's model state, where a compile outside the fit's path knows it
     model:nn.Module|None=None, # The model being compiled (not DDP's wrapper)
+    within:bool=False, # A validation within a training fit: its batches are the fit's validation batches left
 )->str:
-    "'compiled' where its graph exists, 'compile' where `compile_valid`, its compile began, or the batches that would run it pay it back; else 'eager', or 'measured' where its own timed batches said so"
-    if self._compiled_already(False): return 'compiled'
+    "'compiled' where its graph exists; 'compile' where `compile_valid`, its compile began beside the fit, or the batches that would run it pay it back; else 'eager', or 'measured' where its own timed batches said so"
+    if self._compiled_already(training): return 'compiled'
+    if training: return self._paid(_lr_finder(learn).num_it)
     if self.compile_valid: return 'compile'
     aside = self.aside if key is not None else None
-    if aside is not None and aside.started(key): return 'compile' # Begun beside the fit: its code takes over once ready
-    epochs = max(getattr(learn, 'n_epoch', 1) - getattr(learn, 'epoch', 0), 1) # This epoch's and those after it
-    # Where a fit timed the state's batches eager and compiled, they judge it: a validation may wait on its DataLoader
-    if aside is not None and (paid := aside.pays_eval(key, model, getattr(learn, 'n_iter', 1) * epochs)) is not None:
-        return 'compile' if paid else 'measured'
-    # Compiled cold by the worker, beside the fit, its code runs the validations after the worker hands it over, and the
-    # fit's path pays only the hand-over's warm compile
-    wait_s = None if aside is None else aside.cold_wait(key, model)
+    if within and aside is not None and aside.started(key): return 'compile' # Begun beside the fit: its code takes over once ready
+    n, epochs = getattr(learn, 'n_iter', 1), max(getattr(learn, 'n_epoch', 1) - getattr(learn, 'epoch', 0), 1) if within else 1
+    # Where a fit timed the state's batches eager and compiled, they judge it: an evaluation batch may wait on its DataLoader
+    if aside is not None and (paid := aside.pays_eval(key, model, n*epochs, within)) is not None: return 'compile' if paid else 'measured'
+    # Compiled cold by the worker beside the fit, its code runs the validations after the worker hands it over, and the
+    # fit's path pays only the hand-over's warm compile. An evaluation outside a fit compiles in its path: it would end first
+    wait_s = aside.cold_wait(key, model) if within and aside is not None else None
     if worker := wait_s is not None: epochs = validations_after(epochs, wait_s, _epoch_s(learn))
-    batches = getattr(learn, 'n_iter', 1) * epochs
-    return 'compile' if self.pays is not None and batches and self.pays(batches, warm=worker) else 'eager'
+    return self._paid(n*epochs, worker)
+
+@patch
+def _paid(self:EagerPolicy, batches:int, warm:bool=False)->str:
+    "'compile' where `batches` pay back their graph's compile (`warm`: a warm one alone) by the training step's saving, as the report measured it; else 'eager'"
+    return 'compile' if self.pays is not None and batches and self.pays(batches, warm=warm) else 'eager'
 
 # %% ../nbs/00_core.ipynb #f126ba32
 def _shapes(leaves:list)->tuple:

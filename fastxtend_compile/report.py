@@ -716,9 +716,8 @@ def _took_over(training:bool, res, eager_batches:int, at:tuple, ranks:dict|None,
             f"eagerly; the compiled code took over at {_at(at)}{_together(ranks, worker=True)} ({profile_text(res)})" + _path_took(took_s))
 
 def _eval_slow(eager_s:float, compiled_s:float, batches:int, warm_s:float, within:bool=True)->str:
-    saved = (f"{(eager_s - compiled_s)*batches:.2f}s over {'the' if within else 'its'} {batches}{' left' if within else ''}, under the "
-             f"{warm_s:.1f}s of a warm compile" if compiled_s < eager_s else "no faster")
-    what = "validation within the fit" if within else "evaluation outside a fit (`get_preds`, `validate`)"
+    what, of = ("validation within the fit", f"the {batches} left") if within else ("evaluation outside a fit (`get_preds`, `validate`)", f"its {batches}")
+    saved = f"{(eager_s - compiled_s)*batches:.2f}s over {of}, under the {warm_s:.1f}s of a warm compile" if compiled_s < eager_s else "no faster"
     return (f"ran eagerly, {what}: a fit timed its batches at {eager_s*1e3:.1f} ms eager and "
             f"{compiled_s*1e3:.1f} ms compiled, {saved}; `compile_valid=True` compiles it")
 

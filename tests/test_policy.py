@@ -154,7 +154,7 @@ def test_a_fits_validation_whose_batches_were_timed_is_judged_by_them_and_each_b
 def test_an_evaluation_outside_a_fit_whose_batches_were_timed_is_judged_by_them_and_not_counted_as_too_few():
     for paid, eager, pays_asked, counted in ((True, False, [], 0), (False, True, [], 0), (None, True, [10], 2)):
         p, aside, asked = EagerPolicy(compile_valid=False), TimedAside(paid), []
-        p.start_fit(aside, pays=lambda n: asked.append(n) or False)
+        p.start_fit(aside, pays=lambda n, warm=False: asked.append(n) or False)
         for i in range(2):
             with torch.no_grad(): p.start_batch(batch(training=False, iter=i, n_iter=10), key='valid')
             assert p.evaluating == p.eager == eager, paid
@@ -205,7 +205,7 @@ def test_evaluation_outside_a_fit_compiles_only_where_its_batches_pay_back():
     model, p = nn.Linear(4, 2), EagerPolicy(compile_valid=False)
     p.watch(compile_model(model, policy=p, backend='aot_eager'))
     asked = []
-    def pays(n): return asked.append(n) or n >= 100
+    def pays(n, warm=False): return asked.append(n) or n >= 100
     # Nothing measured (`pays` None), too few batches to pay, enough: decided at the first batch, for the whole evaluation
     for n_iter, judge, eager in ((10, None, True), (10, pays, True), (100, pays, False)):
         p.start_fit(Aside(), pays=judge)
