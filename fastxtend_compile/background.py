@@ -18,7 +18,7 @@ from .core import model_fingerprint, check_switches
 from .internals import inductor_cache_dir
 from .worker import Worker, Job, JobResult, job_payload, read_json, write_json
 from .state import StateKey, Stage, Probe, ModelState, state_key
-from .payoff import COLD_S, WARM_S, TIER_COMPILE_S, batches_left, cold_compile, worker_handover, eval_pays, warm_cost
+from .payoff import WARM_S, TIER_COMPILE_S, batches_left, cold_compile, cold_cost, worker_handover, eval_pays, warm_cost
 from .life import advance
 from .agreement import Local, DDP
 from .report import Note, handover_text
@@ -83,7 +83,7 @@ class _Facts:
     agrees = property(lambda self: self.aside.ranks.agrees) # The ranks act on a state together, once agreed
     rank = property(lambda self: self.aside.ranks.rank)
     leader = property(lambda self: self.aside.ranks.leader) # This rank runs its device's worker
-    probe_all = property(lambda self: self.aside.cold_cost_s <= 0) # Every state compiles, unprobed
+    probe_all = property(lambda self: self.aside.cold_cost_s == 0) # Every state compiles, unprobed
     probe_batches = property(lambda self: self.aside.probe_batches)
     seen = property(lambda self: self.st.probe.seen if self.aside.last_probed is self.st else 0) # Its probe's batches, timed in a row
     changes = property(lambda self: self.aside.changes + (self.aside.last_probed is not self.st)) # How often the state probed changed
@@ -92,7 +92,6 @@ class _Facts:
     path = property(lambda self: self.st.tier.path) # A tier compiled first compiles in the fit's path
     left = property(lambda self: batches_left(self.learn))
     step_s = property(lambda self: self.st.probe.step_s) # The eager step its probe timed
-    cold_s = property(lambda self: self.aside.cold_cost_s)
     warm_s = property(lambda self: self.aside.warm_s)
     fallback = property(lambda self: self.st.tier.fallback is not None) # The default's job waits behind a tier compiled first
     has_result = property(lambda self: self.st.result is not None)
@@ -110,6 +109,11 @@ class _Facts:
     def handover_s(self)->float:
         "Seconds from its job to the hand-over, were a cold worker to compile it (`BackgroundCompile.handover_s`): the records read once a move"
         return self.aside.handover_s(self.st)
+
+    @property
+    def cold_s(self)->float:
+        "Seconds a cold compile of the state in the worker costs the fit's path (`cold_cost`); `cold_cost_s` where the fit sets it"
+        return cold_cost(self.handover_s) if self.aside.cold_cost_s is None else self.aside.cold_cost_s
 
 class _WarmTimer:
     "Times a warm compile in the fit's path from its batch to a later one of the same epoch and phase"
@@ -272,9 +276,10 @@ def measured(self:WarmStarts,
 # %% ../nbs/08_background.ipynb #f47c974a
 class BackgroundCompile:
     "Compile a model state in a worker process, into the on-disk caches, while the fit trains eagerly; then take over warm"
-    # Eager batches timed before a state is judged; and the payoff rule's priors (`payoff`), where nothing is recorded:
-    # a `cold_cost_s` of 0 compiles every state without timing it first
-    probe_batches, cold_cost_s, warm_s = 8, COLD_S, WARM_S
+    # Eager batches timed before a state is judged; and the payoff rule's prior (`payoff`) where nothing is recorded.
+    # `cold_cost_s`, seconds a cold compile costs the fit's path, where set: `None` derives it from this machine's records
+    # (`cold_cost`); 0 compiles every state without timing it first
+    probe_batches, cold_cost_s, warm_s = 8, None, WARM_S
     default_on = ('cuda',) # Device types where `background=None` compiles in a worker: beside the fit, not in its path
     def __init__(self,
         settings:dict, # `torch.compile` settings, from `compile_settings`

@@ -8,10 +8,10 @@ import math
 from statistics import median
 
 # %% auto #0
-__all__ = ['MARGIN', 'SAVING', 'COLD_S', 'WARM_SHARE', 'WARM_S', 'TIER_TRY_S', 'TIER_COMPILE_S', 'WORKER_START_S',
-           'WORKER_SLOWDOWN', 'WORKER_HANDOVER_S', 'AUTOTUNE_SAVING', 'batches_left', 'after_wait', 'validations_after',
-           'eager_step', 'pays_back', 'rest_needed', 'cold_compile', 'warm_cost', 'recorded_saving', 'eval_pays',
-           'tier_saving', 'pick_tier', 'first_saving', 'first_tier', 'worker_handover', 'worker_rest', 'first_in_path',
+__all__ = ['MARGIN', 'SAVING', 'WARM_SHARE', 'WARM_S', 'TIER_TRY_S', 'TIER_COMPILE_S', 'WORKER_START_S', 'WORKER_SLOWDOWN',
+           'WORKER_HANDOVER_S', 'AUTOTUNE_SAVING', 'batches_left', 'after_wait', 'validations_after', 'eager_step',
+           'pays_back', 'rest_needed', 'cold_compile', 'warm_cost', 'recorded_saving', 'eval_pays', 'tier_saving',
+           'pick_tier', 'first_saving', 'first_tier', 'worker_handover', 'worker_rest', 'cold_cost', 'first_in_path',
            'cudagraphs_fit', 'faster']
 
 # %% ../nbs/14_payoff.ipynb #23d4101a
@@ -21,9 +21,6 @@ MARGIN = 0.03 # The share of a step a tier must save in an A/B to be kept, and a
 # The share of a step a compiled one saves, until a fit measured it (`recorded_saving`): a transformer's compiled kernels
 # ran its eager GPU work about a third shorter (bench/results/constants.md)
 SAVING = 0.35
-# A cold compile's cost to the fit's path, until one is recorded: with a step `SAVING` faster, a fit with under 17 s of
-# eager steps left once a cold worker hands its code over trains eagerly, without a worker
-COLD_S = 6.
 # A warm compile traces the model and loads its kernels from inductor's cache, where a cold one also writes and builds
 # them: a warm compile not yet timed is taken to cost this share of the state's cold one, just above the largest
 # measured on whole fits (bench/results/warm_share/); `WARM_S` where the record holds no compile time at all
@@ -173,6 +170,16 @@ def worker_rest(
 )->int:
     "The training batches left once a cold worker hands its code over: those before run eagerly, slowed, beside it"
     return after_wait(left, handover_s, step_s * slowdown)
+
+def cold_cost(
+    handover_s:float=WORKER_HANDOVER_S, # Seconds a cold worker takes from its job to its hand-over (`worker_handover`)
+    start_s:float=WORKER_START_S, # Of them, its start-up, before it compiles
+    slowdown:float=WORKER_SLOWDOWN, # How much slower an eager step runs beside the worker compiling
+)->float:
+    "Seconds a cold compile in the worker costs the fit's path: the hand-over's warm compile, and what the eager steps beside the worker lose until it hands over"
+    # The fit's time with the worker, less its eager time, is this cost less the saving of the batches after the hand-over
+    # (`worker_rest`): the batches before it save nothing, and each runs `slowdown` times its eager step
+    return WARM_SHARE * max(handover_s - start_s, 0.) + handover_s * (1 - 1/slowdown)
 
 def first_in_path(
     busy:float|None, # The share of an eager training step in which the GPU runs work; `None` where not measured

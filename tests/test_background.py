@@ -375,11 +375,12 @@ def test_a_cold_compile_pays_back_only_with_the_batches_left_after_the_workers_h
         aside.probed(first if i == 0 else 0.02) # A 20 ms eager step; a first batch of 2s (a GPU's libraries loading) as one
     # By the mean, a 2s first batch would make the step 267 ms: 1892 batches after the hand-over would pay back the compile
     learn.iter = n
-    # 1992 batches left save 8s against a 6s cold compile, but 1346 of them run before the worker's 35s hand-over
+    # 1992 batches left save 14s against the 11s a cold compile costs the fit's path (its 3s warm hand-over, and 35s of eager
+    # steps 1.3x slower beside the worker), but 1346 of them run before the worker's 35s hand-over
     assert judge(aside, st, learn) == (batches == 4000)
     if batches == 2000:
         assert st.stage is Stage.SHORT and [n.text for n in aside.notes] == ["trained eagerly: the fit's 1992 training batches left, "
-            "about 40s eagerly, are too few to pay back a compile (under 44s; `background=False` compiles in the fit's path)"], aside.notes
+            "about 40s eagerly, are too few to pay back a compile (under 59s; `background=False` compiles in the fit's path)"], aside.notes
 
 @pytest.mark.parametrize('recorded_s,worth', [(None, True), (10., True), (100., False)])
 def test_a_cold_compiles_hand_over_comes_a_start_up_and_the_models_recorded_compile_after_its_job(tmp_path, monkeypatch, recorded_s, worth):
@@ -397,7 +398,20 @@ def test_a_cold_compiles_hand_over_comes_a_start_up_and_the_models_recorded_comp
     aside.handover_s = lambda st: read.append(st) or handover_s(st)
     # 3992 batches of 20 ms left, 26 ms beside the worker: a hand-over after 15+100s comes after the fit's last
     assert judge(aside, st, learn) == worth and (st.stage is Stage.SHORT) == (not worth)
-    assert read == [st] # The records are read once for the verdict, and its note where it trains eagerly
+    assert read == [st] # The records are read once for the verdict, its cost, and its note where it trains eagerly
+
+@pytest.mark.parametrize('compile_s,slowdown', [(20., 1.3), (3., 1.3), (60., 1.1)])
+def test_a_cold_compile_costs_the_fits_path_what_the_fit_loses_to_it_beside_its_eager_steps(compile_s, slowdown):
+    "A fit with the worker takes its eager time, less what the batches after the hand-over save, plus `cold_cost`"
+    from fastxtend_compile.payoff import cold_cost, worker_handover, worker_rest, WARM_SHARE
+    left, step_s, saving = 10_000, 0.02, 0.35
+    handover_s = worker_handover(compile_s)
+    rest = worker_rest(left, step_s, handover_s, slowdown)
+    # Simulated: the eager steps beside the worker, slowed, until its hand-over; its warm compile; the rest, compiled
+    before = left - rest
+    fit_s = before*step_s*slowdown + WARM_SHARE*compile_s + rest*step_s*(1 - saving)
+    assert fit_s == pytest.approx(left*step_s - rest*step_s*saving + cold_cost(handover_s, slowdown=slowdown), abs=step_s*slowdown)
+    assert cold_cost(handover_s, slowdown=1.) == pytest.approx(WARM_SHARE*compile_s) # A worker that slows nothing costs its hand-over alone
 
 def test_the_probe_times_the_eager_step_once_for_the_verdict_and_the_hand_overs_timing(tmp_path, monkeypatch):
     "A fit's slow first batch (its loader starting) moves neither the probe's median step nor what the hand-over's timing takes off"
