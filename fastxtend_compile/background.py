@@ -18,7 +18,7 @@ from .core import model_fingerprint, check_switches
 from .internals import inductor_cache_dir
 from .worker import Worker, Job, JobResult, job_payload, read_json, write_json
 from .state import StateKey, Stage, Probe, ModelState, state_key
-from .payoff import WARM_S, TIER_COMPILE_S, batches_left, cold_compile, cold_cost, worker_handover, eval_pays, warm_cost
+from .payoff import WARM_S, TIER_COMPILE_S, WORKER_START_S, batches_left, cold_compile, cold_cost, worker_handover, eval_pays, warm_cost
 from .life import advance
 from .agreement import Local, DDP
 from .report import Note, handover_text
@@ -113,7 +113,8 @@ class _Facts:
     @property
     def cold_s(self)->float:
         "Seconds a cold compile of the state in the worker costs the fit's path (`cold_cost`); `cold_cost_s` where the fit sets it"
-        return cold_cost(self.handover_s) if self.aside.cold_cost_s is None else self.aside.cold_cost_s
+        if self.aside.cold_cost_s is not None: return self.aside.cold_cost_s
+        return cold_cost(self.handover_s, self.aside.warm_starts.start_s(self.st.record))
 
 class _WarmTimer:
     "Times a warm compile in the fit's path from its batch to a later one of the same epoch and phase"
@@ -155,7 +156,8 @@ class _EvalTimes:
 # %% ../nbs/08_background.ipynb #6bb21e7a
 class WarmStarts:
     "The one writer of warm records: what each compile of a fit took, kept in inductor's cache so later fits compile at once"
-    compile_guess_s = TIER_COMPILE_S # The payoff rule's prior for a cold compile of a model this machine recorded none of
+    # The payoff rule's priors where this machine recorded nothing of the model: a cold compile, and a cold worker's start-up
+    compile_guess_s, start_guess_s = TIER_COMPILE_S, WORKER_START_S
     def __init__(self,
         settings:dict, # The model's `torch.compile` settings, from `compile_settings`
         regional:bool=False, # Only the model's repeated blocks are compiled
@@ -184,7 +186,7 @@ class WarmStarts:
 
     def compiled(self, record:str, res:JobResult, training:bool=True):
         "A worker compiled `record` cold, a `training` state's or not, or failed to"
-        if res.ok: self.records.put(record, cold_s=res.compile_s, training=training)
+        if res.ok: self.records.put(record, cold_s=res.compile_s, training=training, **({'start_s': res.start_s} if res.start_s else {}))
 
     def path(self, record:str, seconds:float, training:bool=True):
         "The fit's path compiled `record` in `seconds`, a `training` state's or not, where nothing was recorded of it: a later fit compiles it at once"
@@ -198,6 +200,12 @@ class WarmStarts:
         for r in records:
             if (times := [s for rec in self.records.of_model(r) if rec.get('training') and (s := cold_compile(rec)) is not None]): return median(times)
         return self.compile_guess_s
+
+    def start_s(self, record:str)->float:
+        "Seconds a cold worker takes to start up on this machine, before it compiles: the median recorded with `record`'s model's states; else `start_guess_s`"
+        # The interpreter, torch, inductor, the model's modules and CUDA: the model's own modules are part of it
+        times = [s for rec in self.records.of_model(record) if (s := rec.get('start_s')) is not None]
+        return median(times) if times else self.start_guess_s
 
     def in_path(self,
         model:nn.Module, # The model compiled (not DDP's wrapper)
@@ -343,8 +351,8 @@ class BackgroundCompile:
         return (st := self.states.get(key)) is not None and (st.stage in (Stage.JUDGED, Stage.COMPILING, Stage.DONE) or st.stage.compiled)
 
     def handover_s(self, st:ModelState)->float:
-        "Seconds a cold worker takes from a job of `st` to its hand-over: a start-up, then the compile this machine recorded of the model"
-        return worker_handover(self.warm_starts.compile_s(st.record))
+        "Seconds a cold worker takes from a job of `st` to its hand-over: its start-up, then its compile, as this machine recorded them of the model"
+        return worker_handover(self.warm_starts.compile_s(st.record), self.warm_starts.start_s(st.record))
 
     def cold_wait(self, key:StateKey, model:nn.Module)->float|None:
         "Seconds from a job of `key` to its hand-over, where the worker would compile it cold (inductor's cache holds no code of it); else `None`"

@@ -136,7 +136,7 @@ def _pick_first(f, gpu_s:float|None, step_bytes:int):
     why = dict(busy=busy, step_s=step_s, of='eager', graphs=True, saving=saving, first=True)
     # Cold, in the fit's path where the fit's rest pays back standing still for it, and a worker would cost more
     compile_s = f.tier_compile_s(name)
-    path = f.first_in_path(busy, compile_s, f.warm_s) and pays_back(left, saving, compile_s) and not f.cached(name)
+    path = f.first_in_path(busy, compile_s, f.warm_s, f.start_s) and pays_back(left, saving, compile_s) and not f.cached(name)
     return (('first', name, path, why, step_bytes if graphs else None),)
 
 def _offered(stage, f):

@@ -414,6 +414,11 @@ class _TierFacts:
         "Seconds the state's default takes compiling cold"
         return self.compile_s(self.st.record)
 
+    @property
+    def start_s(self)->float:
+        "Seconds a cold worker takes to start up, as this machine recorded it of the model (`WarmStarts.start_s`)"
+        return self.t.aside.warm_starts.start_s(self.st.record)
+
     def tier_compile_s(self, name:str)->float:
         "Seconds tier `name` takes compiling cold: as recorded of it, else of the default's code"
         return self.compile_s(self.t.record(self.model, self.st, name), self.st.record)

@@ -101,7 +101,7 @@ def path_first(compiled=True, batches=48):
              (BackgroundCompile, ('cold_cost_s', 'handover_s')), (life, ('warm_cost',)), (learner_module, ('model',))) for k in ks]
     Tiers.default_on, Tiers.settle_batches, Tiers.time_batches, Tiers.warmup_batches, WarmStarts.compile_guess_s = ('cpu',), 1, 3, 1, 1e-3
     tiers.FirstTier.choose = staticmethod(lambda busy, *_: 'plain' if busy == 0 else None)
-    tiers.FirstTier.in_path = staticmethod(lambda busy, compile_s, warm_s: True)
+    tiers.FirstTier.in_path = staticmethod(lambda busy, compile_s, warm_s, start_s: True)
     tiers._BusyMeter, tiers.why_no_tiers = _IdleMeter, lambda settings: None # The test's backends have no modes
     BackgroundCompile.cold_cost_s, BackgroundCompile.handover_s = 1e-9, lambda self, st: 0. # The probe runs, and any fit pays back a compile
     life.warm_cost = lambda rec, default_s: 1e-9 # A warm one too, however long the cold one took on a busy machine

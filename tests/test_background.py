@@ -94,7 +94,7 @@ def test_compiled_code_takes_over_from_the_worker_and_trains_like_eager(cold_cac
     assert any(cold_cache.rglob('*')) # The worker filled the cache the fit compiled from
     records = [json.loads(f.read_text()) for f in (cold_cache/WarmRecords.folder).glob('*.json')]
     # The state compiled, how long it took, and the share of a step its code saved, as the report measured
-    assert len(records) == 1 and set(records[0]) == {'cold_s', 'training', 'warm_s', 'saving', 'compiled_s', 'eager_s'} and records[0]['training'], records
+    assert len(records) == 1 and set(records[0]) == {'cold_s', 'start_s', 'training', 'warm_s', 'saving', 'compiled_s', 'eager_s'} and records[0]['training'], records
     assert records[0]['saving'] == pytest.approx(1 - cb.report.compiled_step / cb.report.eager_step)
     assert_fit_close(eager.model, comp.model)
 
@@ -496,6 +496,22 @@ def test_a_cold_compile_is_expected_to_take_what_this_machine_recorded_of_the_mo
     assert warm.compile_s(record(1, settings={'backend': 'eager', 'mode': 'reduce-overhead'}), record(1)) == 11.
     warm.compiled(record(5), JobResult(False, 'failed'))
     assert warm.get(record(5)) is None
+
+def test_a_cold_workers_hand_over_comes_the_start_up_and_compile_this_machine_recorded_of_the_model(tmp_path, monkeypatch):
+    "A worker's start-up, recorded with each state it compiled, is the next cold worker's for the model; the prior until one is recorded"
+    from fastxtend_compile.payoff import TIER_COMPILE_S, WORKER_START_S, cold_cost
+    from fastxtend_compile.worker import JobResult
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
+    model, aside = nn.Linear(2, 2), BackgroundCompile({'backend': 'eager'})
+    warm, state = aside.warm_starts, lambda bs: aside.state(state_key(model, (torch.randn(bs, 2),), True), model)
+    assert aside.handover_s(state(1)) == WORKER_START_S + TIER_COMPILE_S and warm.start_s(state(1).record) == WORKER_START_S
+    warm.compiled(state(2).record, JobResult(True, start_s=4., forward_s=3., backward_s=6.))
+    warm.compiled(state(3).record, JobResult(True, start_s=6., forward_s=1., backward_s=2.))
+    warm.in_path(model, (torch.randn(4, 2),), True, 13.) # Compiled in the fit's path: no start-up to record
+    assert warm.start_s(state(1).record) == 5. # The median of the two workers' start-ups
+    assert aside.handover_s(state(1)) == 5. + 9. and aside.handover_s(state(3)) == 5. + 3. # Then its compile, as recorded
+    # Its cost to the fit's path is the recorded start-up's too: the warm hand-over is a share of the compile alone
+    assert aside.facts(state(3), None).cold_s == pytest.approx(cold_cost(8., 5.))
 
 def test_the_next_training_batch_after_an_epochs_last_is_the_next_epochs_first():
     from types import SimpleNamespace

@@ -135,7 +135,7 @@ def tier_facts(**kw):
         profiled=None, free=80*2**30, together=False, agreed=None, leader=True, tier_for=pick_tier, graphs=lambda name: name == 'reduce-overhead',
         cached=lambda name: False, left=lambda wait_s, step_s: 10_000, cold_s=20., res=None, has_job=False, polled=None, was_kept=None,
         probe_s=0.02, fallback=False, default_cached=True, fallback_res=None, probed=True, picked=False, seen=8, probe_batches=8,
-        measures=True, first_batches=3, first_for=first_tier, first_in_path=first_in_path, tier_compile_s=lambda name: 20., warm_s=5.), **kw})
+        measures=True, first_batches=3, first_for=first_tier, first_in_path=first_in_path, tier_compile_s=lambda name: 20., warm_s=5., start_s=15.), **kw})
 
 FIRST = dict(first=True, first_gone=False) # A tier compiled first, before the default's code
 LAUNCH = dict(profiled=(0.03, 2**30)) # The GPU ran work 30% of the default's step: CUDA graphs pay

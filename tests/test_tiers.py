@@ -147,7 +147,7 @@ def first_tiers(cpu_tiers, monkeypatch):
     def use(name, settings):
         cpu_tiers(name, settings)
         monkeypatch.setattr(tiers.FirstTier, 'choose', staticmethod(lambda busy, *_: name if busy == 0 else None))
-        monkeypatch.setattr(tiers.FirstTier, 'in_path', staticmethod(lambda busy, compile_s, warm_s: False)) # In the worker
+        monkeypatch.setattr(tiers.FirstTier, 'in_path', staticmethod(lambda busy, compile_s, warm_s, start_s: False)) # In the worker
     return use
 
 # The batch of the probe's verdict, where tiers measure the eager step's GPU work once the probe timed it
