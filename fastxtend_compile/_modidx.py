@@ -1125,7 +1125,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                           'fastxtend_compile.report._in_path': ('report.html#_in_path', 'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report._library_reason': ( 'report.html#_library_reason',
                                                                                         'fastxtend_compile/report.py'),
-                                          'fastxtend_compile.report._median': ('report.html#_median', 'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report._ms': ('report.html#_ms', 'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report._no_first': ('report.html#_no_first', 'fastxtend_compile/report.py'),
                                           'fastxtend_compile.report._no_gain': ('report.html#_no_gain', 'fastxtend_compile/report.py'),

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import logging, re, time, warnings
 from collections import Counter
+from statistics import median_high as _median # Of an even count of times, the higher middle one: a time that was measured
 from pathlib import Path
 from typing import Callable
 from dataclasses import dataclass, field
@@ -89,7 +90,6 @@ def _event(device:torch.device, spare:list):
     e = spare.pop() if spare else torch.cuda.Event(enable_timing=True) # Made once and reused: making one costs the host more than recording it
     e.record(torch.cuda.current_stream(device))
     return e
-def _median(xs:list)->float: return sorted(xs)[len(xs)//2]
 
 def _shape_text(shapes:tuple)->str: return ', '.join('×'.join('n' if n is None else str(n) for n in s) for s in shapes) or 'no tensors'
 
