@@ -6,7 +6,6 @@
 from __future__ import annotations
 import warnings, weakref
 from contextlib import contextmanager
-from functools import partial
 from typing import Callable, Dict, Union
 
 import torch
@@ -192,15 +191,13 @@ def before_fit(self:CompilerCallback):
 @patch
 def _start_parts(self:CompilerCallback, device:torch.device):
     "Start this fit's parts: the collector, the compile processes, the recorder, the DDP strategy, the pace, the matmul precision, precompiling, the background compile, the tiers, the eager policy and the gradient sync"
-    model, rec = self.learn.model, self.compile_recorder
+    model = self.learn.model
     self.collector.start()
     self.workers.start(self.settings, device)
-    rec.model_name, rec.show = type(inner_model(model)).__name__, self._show
     ddp, wrapped = self.ddp.set(model), isinstance(model, DistributedDataParallel)
-    cuda = device.type == 'cuda'
-    rec.start(partial(torch.cuda.synchronize, device) if cuda else None, ddp=ddp, compiled_backward=self.ddp.in_backward,
-              train=self.learn.dls.train, clock=device if cuda else None)
-    self.pace.start(self.learn, device, rec.report)
+    self.compile_recorder.start(device, ddp=ddp, compiled_backward=self.ddp.in_backward, train=self.learn.dls.train,
+                                model_name=type(inner_model(model)).__name__, show=self._show)
+    self.pace.start(self.learn, device, self.report)
     self.precision.set(device)
     self.precompile.set(inner_model(model), ddp=wrapped)
     aside = self.aside if self.aside.start(self._show, device, wrapped, self.ddp.in_backward) else None

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import logging, re, time, warnings
 from collections import Counter
+from functools import partial
 from statistics import median_high as _median # Of an even count of times, the higher middle one: a time that was measured
 from pathlib import Path
 from typing import Callable
@@ -424,13 +425,17 @@ class CompileRecorder:
 # %% ../nbs/01_report.ipynb #2b63bbf0
 @patch
 def start(self:CompileRecorder,
-    sync:Callable|None=None, # Waits for the device, where its work is asynchronous
+    device:torch.device|None=None, # Where the fit trains: on a CUDA GPU the recorder waits for its work where a batch is timed alone, and its events time the compiled training batches, which none waits for
     ddp:bool=False, # The model runs under DDP, as this library sets it up
     compiled_backward:bool=False, # Compiled autograd compiles the backwards (`ddp_compiled_autograd`)
     train=None, # The fit's training `DataLoader`
-    clock:torch.device|None=None, # A CUDA device: its events time the compiled training batches, so that none waits for it
+    model_name:str|None=None, # The model's name for frames compiled from inside torch; `None` keeps the one it has
+    show:Callable|None=None, # Where announcements go, for this fit; `None` keeps where they went
 ):
     "Start recording compiles"
+    cuda = device is not None and device.type == 'cuda'
+    sync, clock = (partial(torch.cuda.synchronize, device), device) if cuda else (None, None)
+    self.model_name, self.show = model_name or self.model_name, show or self.show
     self.compiled_backward, self.compiled_s = compiled_backward, 0.
     self.report.ddp = ddp
     if train is not None: # fastai's DataLoader keeps its worker count on the `_FakeLoader` it iterates with
