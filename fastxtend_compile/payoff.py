@@ -155,6 +155,7 @@ def first_tier(
     if busy is None or busy > 1 - margin: return None
     return 'reduce-overhead' if pays_back(batches, first_saving(busy, step_s), cost_s) else None
 
+# %% ../nbs/14_payoff.ipynb #e9490358
 def worker_handover(
     compile_s:float, # Seconds a cold compile of the model takes, as this machine recorded it, else the prior `TIER_COMPILE_S` (`WarmStarts.compile_s`)
     start_s:float=WORKER_START_S, # Seconds a cold worker takes to start up, before it compiles
