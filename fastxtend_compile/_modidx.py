@@ -166,6 +166,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                               'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background._Facts.handover_s': ( 'background.html#_facts.handover_s',
                                                                                                   'fastxtend_compile/background.py'),
+                                              'fastxtend_compile.background._Facts.start_s': ( 'background.html#_facts.start_s',
+                                                                                               'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background._WarmTimer': ( 'background.html#_warmtimer',
                                                                                            'fastxtend_compile/background.py'),
                                               'fastxtend_compile.background._WarmTimer.__init__': ( 'background.html#_warmtimer.__init__',

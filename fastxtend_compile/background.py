@@ -106,15 +106,19 @@ class _Facts:
         return self.aside.warm_starts.cached(self.st)
 
     @cached_property
+    def start_s(self)->float:
+        "Seconds a cold worker takes to start up, as this machine recorded it of the model (`WarmStarts.start_s`): the records read once a move"
+        return self.aside.warm_starts.start_s(self.st.record)
+
+    @cached_property
     def handover_s(self)->float:
         "Seconds from its job to the hand-over, were a cold worker to compile it (`BackgroundCompile.handover_s`): the records read once a move"
-        return self.aside.handover_s(self.st)
+        return self.aside.handover_s(self.st, self.start_s)
 
     @property
     def cold_s(self)->float:
         "Seconds a cold compile of the state in the worker costs the fit's path (`cold_cost`); `cold_cost_s` where the fit sets it"
-        if self.aside.cold_cost_s is not None: return self.aside.cold_cost_s
-        return cold_cost(self.handover_s, self.aside.warm_starts.start_s(self.st.record))
+        return cold_cost(self.handover_s, self.start_s) if self.aside.cold_cost_s is None else self.aside.cold_cost_s
 
 class _WarmTimer:
     "Times a warm compile in the fit's path from its batch to a later one of the same epoch and phase"
@@ -186,7 +190,7 @@ class WarmStarts:
 
     def compiled(self, record:str, res:JobResult, training:bool=True):
         "A worker compiled `record` cold, a `training` state's or not, or failed to"
-        if res.ok: self.records.put(record, cold_s=res.compile_s, training=training, **({'start_s': res.start_s} if res.start_s else {}))
+        if res.ok: self.records.put(record, cold_s=res.compile_s, start_s=res.start_s, training=training)
 
     def path(self, record:str, seconds:float, training:bool=True):
         "The fit's path compiled `record` in `seconds`, a `training` state's or not, where nothing was recorded of it: a later fit compiles it at once"
@@ -204,7 +208,7 @@ class WarmStarts:
     def start_s(self, record:str)->float:
         "Seconds a cold worker takes to start up on this machine, before it compiles: the median recorded with `record`'s model's states; else `start_guess_s`"
         # The interpreter, torch, inductor, the model's modules and CUDA: the model's own modules are part of it
-        times = [s for rec in self.records.of_model(record) if (s := rec.get('start_s')) is not None]
+        times = [s for rec in self.records.of_model(record) if (s := rec.get('start_s'))] # A worker's start-up is never 0
         return median(times) if times else self.start_guess_s
 
     def in_path(self,
@@ -350,9 +354,13 @@ class BackgroundCompile:
         "Whether `key`'s compile began beside the fit (found worth it, in the worker, or done), or its code runs"
         return (st := self.states.get(key)) is not None and (st.stage in (Stage.JUDGED, Stage.COMPILING, Stage.DONE) or st.stage.compiled)
 
-    def handover_s(self, st:ModelState)->float:
+    def handover_s(self,
+        st:ModelState, # The state a cold worker would compile
+        start_s:float|None=None, # Seconds the worker takes to start up, where read already; `None`: as this machine recorded it of the model
+    )->float:
         "Seconds a cold worker takes from a job of `st` to its hand-over: its start-up, then its compile, as this machine recorded them of the model"
-        return worker_handover(self.warm_starts.compile_s(st.record), self.warm_starts.start_s(st.record))
+        if start_s is None: start_s = self.warm_starts.start_s(st.record)
+        return worker_handover(self.warm_starts.compile_s(st.record), start_s)
 
     def cold_wait(self, key:StateKey, model:nn.Module)->float|None:
         "Seconds from a job of `key` to its hand-over, where the worker would compile it cold (inductor's cache holds no code of it); else `None`"

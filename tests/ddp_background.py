@@ -103,7 +103,7 @@ def path_first(compiled=True, batches=48):
     tiers.FirstTier.choose = staticmethod(lambda busy, *_: 'plain' if busy == 0 else None)
     tiers.FirstTier.in_path = staticmethod(lambda busy, compile_s, warm_s, start_s: True)
     tiers._BusyMeter, tiers.why_no_tiers = _IdleMeter, lambda settings: None # The test's backends have no modes
-    BackgroundCompile.cold_cost_s, BackgroundCompile.handover_s = 1e-9, lambda self, st: 0. # The probe runs, and any fit pays back a compile
+    BackgroundCompile.cold_cost_s, BackgroundCompile.handover_s = 1e-9, lambda self, st, start_s=None: 0. # The probe runs, and any fit pays back a compile
     life.warm_cost = lambda rec, default_s: 1e-9 # A warm one too, however long the cold one took on a busy machine
     learner_module.model = lambda kind: SlowEager(*_model(kind))
     tiers.TIERS['plain'] = dict(backend='aot_eager')

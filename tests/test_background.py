@@ -70,7 +70,7 @@ class MeasuredEagerly(Callback):
 def test_the_probes_eager_batches_are_the_reports_eager_step(no_records, monkeypatch):
     "A new state's probe times its eager batches alone once, for the background's verdict and the report: no eager batch after the hand-over"
     monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 1e-9) # The probe runs, and any fit pays back the compile
-    monkeypatch.setattr(BackgroundCompile, 'handover_s', lambda self, st: 0.) # Its code serves the fit's rest from the job on
+    monkeypatch.setattr(BackgroundCompile, 'handover_s', lambda self, st, start_s=None: 0.) # Its code serves the fit's rest from the job on
     spy, n = MeasuredEagerly(), BackgroundCompile.probe_batches
     comp = _fit(True, cbs=[spy, WaitForWorker(at=n)], epochs=1)
     r = comp.compiler.report
@@ -103,7 +103,7 @@ def test_a_validation_worth_its_hand_overs_warm_compile_compiles_in_the_worker_a
     "Judged on the warm compile its hand-over costs the fit's path alone, the fit's validation compiles cold in the worker beside the fit"
     asked = []
     monkeypatch.setattr(CompileReport, 'pays_back', lambda self, batches, warm=False: asked.append(warm) or warm)
-    monkeypatch.setattr(BackgroundCompile, 'handover_s', lambda self, st: 0.) # Every validation counts, in a fit this short
+    monkeypatch.setattr(BackgroundCompile, 'handover_s', lambda self, st, start_s=None: 0.) # Every validation counts, in a fit this short
     eager = _fit(False)
     comp = _fit(True, cbs=[WaitForWorker(at=2), WaitForWorker(at=0, training=False)])
     r, valid = comp.compiler.report, len(comp.dls.valid)
@@ -395,10 +395,13 @@ def test_a_cold_compiles_hand_over_comes_a_start_up_and_the_models_recorded_comp
     for i in range(n): judge(aside, st, learn); aside.probed(0.02)
     learn.iter = n
     read, handover_s = [], aside.handover_s
-    aside.handover_s = lambda st: read.append(st) or handover_s(st)
+    aside.handover_s = lambda st, start_s=None: read.append(st) or handover_s(st, start_s)
+    starts, start_s = [], aside.warm_starts.start_s
+    aside.warm_starts.start_s = lambda record: starts.append(record) or start_s(record)
     # 3992 batches of 20 ms left, 26 ms beside the worker: a hand-over after 15+100s comes after the fit's last
     assert judge(aside, st, learn) == worth and (st.stage is Stage.SHORT) == (not worth)
-    assert read == [st] # The records are read once for the verdict, its cost, and its note where it trains eagerly
+    # The records are read once for the verdict, its cost, and its note where it trains eagerly: the hand-over and the start-up
+    assert read == [st] and starts == [st.record]
 
 @pytest.mark.parametrize('compile_s,slowdown', [(20., 1.3), (3., 1.3), (60., 1.1)])
 def test_a_cold_compile_costs_the_fits_path_what_the_fit_loses_to_it_beside_its_eager_steps(compile_s, slowdown):

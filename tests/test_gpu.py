@@ -172,7 +172,7 @@ def test_a_launch_bound_eager_step_has_cuda_graphs_compiled_first(tmp_path, monk
     from test_tiers import TierBatches # Waits for each job of the worker, so the hand-overs come within the fit
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
     monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 1e-9) # The eager step probed, and any fit worth a worker
-    monkeypatch.setattr(BackgroundCompile, 'handover_s', lambda self, st: 0.) # Its code serves the fit's rest from the job on
+    monkeypatch.setattr(BackgroundCompile, 'handover_s', lambda self, st, start_s=None: 0.) # Its code serves the fit's rest from the job on
     monkeypatch.setattr(Tiers, 'try_cost_s', 0)
     eager = fit(epochs=4)
     seen = TierBatches()
@@ -194,7 +194,7 @@ def test_a_launch_bound_eager_step_compiles_cuda_graphs_first_in_the_fits_path(t
     from test_tiers import TierBatches
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
     monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 1e-9)
-    monkeypatch.setattr(BackgroundCompile, 'handover_s', lambda self, st: 0.) # Its code serves the fit's rest from the job on
+    monkeypatch.setattr(BackgroundCompile, 'handover_s', lambda self, st, start_s=None: 0.) # Its code serves the fit's rest from the job on
     monkeypatch.setattr(Tiers, 'try_cost_s', 0)
     monkeypatch.setattr(WarmStarts, 'compile_guess_s', 1e-3) # Any fit pays back a compile in its path
     eager = fit(epochs=4)

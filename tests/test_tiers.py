@@ -142,7 +142,7 @@ def test_a_short_fit_tries_no_tier(cpu_tiers, monkeypatch):
 def first_tiers(cpu_tiers, monkeypatch):
     "Tiers on the CPU whose eager probe finds the step launch-bound: the worker compiles the test's tier first"
     monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 1e-9) # The probe runs, and any fit pays back the compile
-    monkeypatch.setattr(BackgroundCompile, 'handover_s', lambda self, st: 0.) # Its code serves the fit's rest from the job on
+    monkeypatch.setattr(BackgroundCompile, 'handover_s', lambda self, st, start_s=None: 0.) # Its code serves the fit's rest from the job on
     monkeypatch.setattr(tiers, '_BusyMeter', _IdleMeter)
     def use(name, settings):
         cpu_tiers(name, settings)
