@@ -120,6 +120,7 @@ class _Facts:
         "Seconds a cold compile of the state in the worker costs the fit's path (`cold_cost`); `cold_cost_s` where the fit sets it"
         return cold_cost(self.handover_s, self.start_s) if self.aside.cold_cost_s is None else self.aside.cold_cost_s
 
+# %% ../nbs/08_background.ipynb #a4ab0373
 class _WarmTimer:
     "Times a warm compile in the fit's path from its batch to a later one of the same epoch and phase"
     def __init__(self): self.timing = None # (record, start, its `Note`, batch, step)
