@@ -5,7 +5,7 @@
 # %% ../nbs/14_payoff.ipynb #8ee3637b
 from __future__ import annotations
 import math
-from statistics import median
+from statistics import median, median_low
 
 # %% auto #0
 __all__ = ['MARGIN', 'SAVING', 'WARM_SHARE', 'WARM_S', 'TIER_TRY_S', 'TIER_COMPILE_S', 'WORKER_START_S', 'WORKER_SLOWDOWN',
@@ -64,7 +64,9 @@ def eager_step(
     times:list, # Seconds of a state's eager training batches, each timed alone, in order
 )->float|None:
     "The eager step: the median batch after the first, which pays one-time set-up (a GPU's libraries loading); `None` before a second"
-    return median(times[1:]) if len(times) > 1 else None
+    # Of an even count the lower middle one: a busy machine only slows a batch down, so one slow batch of a few never
+    # makes the step look longer, nor compiling look to save more, than measured
+    return median_low(times[1:]) if len(times) > 1 else None
 
 def pays_back(
     batches:int, # Batches the faster code would run

@@ -42,8 +42,8 @@ def test_report_records_compiles_and_recompile_reasons(digits, capsys):
     assert re.search(r"torch.compile: 3 graph\(s\) compiled in [\d.]+s, 0 graph break\(s\), 1 recompile\(s\), 0 eager fallback\(s\)", out)
     last = len(digits.valid_ds) % 64 # The smaller last validation batch ran eagerly: no graph for a shape seen once
     assert f"ran eagerly, a shape seen once and not worth a graph: 1 validation or inference call(s) with input {last}×1×8×8" in out
-    # aot_eager runs eager's kernels: no verdict where the fastest eager batch was as fast as the compiled step
-    assert re.search(r"(paid|faster, not paid back yet|did not pay|payoff: not measured enough): compiled step [\d.]+ ms against [\d.]+ ms eager", out)
+    # aot_eager runs eager's kernels: any verdict, as this machine measured them
+    assert re.search(r"(paid|faster, not paid back yet|did not pay): compiled step [\d.]+ ms against [\d.]+ ms eager", out)
 
 def test_the_report_names_mixed_precision_switched_on(digits):
     learn = Learner(digits, two_conv_cnn()).compile(backend='eager')
