@@ -18,7 +18,7 @@ from .core import model_fingerprint, check_switches
 from .internals import inductor_cache_dir
 from .worker import Worker, Job, JobResult, job_payload, read_json, write_json
 from .state import StateKey, Stage, Probe, ModelState, state_key
-from .payoff import WARM_S, TIER_COMPILE_S, WORKER_START_S, batches_left, cold_compile, cold_cost, worker_handover, eval_pays, warm_cost
+from .payoff import TIER_COMPILE_S, WORKER_START_S, batches_left, cold_compile, cold_cost, worker_handover, eval_pays, warm_cost
 from .life import advance
 from .agreement import Local, DDP
 from .report import Note, handover_text
@@ -92,7 +92,6 @@ class _Facts:
     path = property(lambda self: self.st.tier.path) # A tier compiled first compiles in the fit's path
     left = property(lambda self: batches_left(self.learn))
     step_s = property(lambda self: self.st.probe.step_s) # The eager step its probe timed
-    warm_s = property(lambda self: self.aside.warm_s)
     fallback = property(lambda self: self.st.tier.fallback is not None) # The default's job waits behind a tier compiled first
     has_result = property(lambda self: self.st.result is not None)
     tier_kept, tier_first = property(lambda self: self.st.tier.kept), property(lambda self: self.st.tier.first) # Kept; picked to compile first
@@ -104,6 +103,11 @@ class _Facts:
     def cached(self)->tuple:
         "(record, whether the faster tier's) of the code inductor's cache has for the state (`WarmStarts.cached`)"
         return self.aside.warm_starts.cached(self.st)
+
+    @cached_property
+    def compile_s(self)->float:
+        "Seconds a cold compile of the state takes, as this machine recorded it, else of its model (`WarmStarts.compile_s`)"
+        return self.aside.warm_starts.compile_s(self.st.record)
 
     @cached_property
     def start_s(self)->float:
@@ -289,10 +293,9 @@ def measured(self:WarmStarts,
 # %% ../nbs/08_background.ipynb #f47c974a
 class BackgroundCompile:
     "Compile a model state in a worker process, into the on-disk caches, while the fit trains eagerly; then take over warm"
-    # Eager batches timed before a state is judged; and the payoff rule's prior (`payoff`) where nothing is recorded.
-    # `cold_cost_s`, seconds a cold compile costs the fit's path, where set: `None` derives it from this machine's records
-    # (`cold_cost`); 0 compiles every state without timing it first
-    probe_batches, cold_cost_s, warm_s = 8, None, WARM_S
+    # Eager batches timed before a state is judged; and `cold_cost_s`, seconds a cold compile costs the fit's path, where
+    # set: `None` derives it from this machine's records (`cold_cost`); 0 compiles every state without timing it first
+    probe_batches, cold_cost_s = 8, None
     default_on = ('cuda',) # Device types where `background=None` compiles in a worker: beside the fit, not in its path
     def __init__(self,
         settings:dict, # `torch.compile` settings, from `compile_settings`
@@ -388,10 +391,11 @@ def pays_eval(self:BackgroundCompile,
     within:bool=True, # A validation within a training fit; else an evaluation outside one (`get_preds`, `validate`)
 )->bool|None:
     "Whether `batches` batches of evaluation state `key` pay back its warm compile, as fits timed them (`eval_pays`); `None` where none did"
-    rec = self.warm_starts.get(self.state(key, model).record)
-    if (paid := eval_pays(rec, batches, self.warm_s)) is False and not any(n.kind == 'eval_slow' for n in self.notes):
-        self.notes.append(Note('eval_slow', eager_s=rec['eager_batch_s'], compiled_s=rec['compiled_batch_s'], batches=batches, warm_s=warm_cost(rec, self.warm_s),
-                               within=within))
+    record = self.state(key, model).record
+    rec, compile_s = self.warm_starts.get(record), self.warm_starts.compile_s(record)
+    if (paid := eval_pays(rec, batches, compile_s)) is False and not any(n.kind == 'eval_slow' for n in self.notes):
+        self.notes.append(Note('eval_slow', eager_s=rec['eager_batch_s'], compiled_s=rec['compiled_batch_s'], batches=batches,
+                               warm_s=warm_cost(rec, compile_s), within=within))
     return paid
 
 # %% ../nbs/08_background.ipynb #25110aeb

@@ -8,8 +8,8 @@ from __future__ import annotations
 from statistics import median
 
 from .state import Stage
-from .payoff import (MARGIN, WORKER_SLOWDOWN, pays_back, recorded_saving, rest_needed, warm_cost, worker_rest, tier_saving, cudagraphs_fit,
-                     faster, first_saving)
+from .payoff import (MARGIN, WORKER_SLOWDOWN, GRAPHS, pays_back, recorded_saving, rest_needed, warm_cost, worker_rest, tier_saving,
+                     cudagraphs_fit, faster, first_saving)
 from .worker import JobResult
 from .report import Note, unsent_text
 
@@ -48,7 +48,7 @@ def _judge(stage, f):
     default_first = (('default_first',),) if rec is not None and not first else () # Only the default's code is cached
     # A tier compiled first in the fit's path was found to pay back its compile there, by the tier's own saving
     if rec is None and f.path: return _worth(stage, f, rec, True)
-    cost, saving, left, step_s = f.cold_s if rec is None else warm_cost(rec, f.warm_s), recorded_saving(rec, f.first_busy), f.left, f.step_s
+    cost, saving, left, step_s = f.cold_s if rec is None else warm_cost(rec, f.compile_s), recorded_saving(rec, f.first_busy), f.left, f.step_s
     # A cold compile goes to the worker: its code serves only the batches left after its hand-over
     if pays_back(left if rec is not None else worker_rest(left, step_s, f.handover_s), saving*step_s, cost):
         stage, acts = _worth(stage, f, rec, False)
@@ -117,26 +117,25 @@ def _first(f, n):
     if f.seen < f.probe_batches: return Stage.PROBING, (('hold', f.measures),)
     acts = (('hold', False), ('picked',)) # The default goes first, unless the measure picks a tier
     # Not measured where the policy would pick no tier even for a GPU idle through the whole step: no measure could change that
-    if f.first_for(0., f.probe_s, f.left(0., 1.), f.try_cost_s) is None: return Stage.PROBING, acts
+    if f.first_for(0., f.probe_s, f.left(0., 1.), f.try_cost_s(GRAPHS, f.probe_s)) is None: return Stage.PROBING, acts
     if f.profiled is None: return Stage.PROBING, (('measure', f.probe_s, f.first_batches),)
     return Stage.PROBING, acts + (_pick_first(f, *f.profiled) if f.profiled else ())
 
 def _pick_first(f, gpu_s:float|None, step_bytes:int):
     "CUDA graphs compiled first, in the worker or the fit's path, where their saving over the fit's rest pays back trying them, and they fit the GPU"
     # The probe's median step: the fit's rest runs such steps, its lucky fastest one hides idle time CUDA graphs would save
+    if gpu_s is None: return () # Its GPU work unmeasured: the default's code goes first
     step_s, left = f.probe_s, f.left(0., 1.)
-    busy = None if gpu_s is None else min(gpu_s / step_s, 1.)
-    if (name := f.first_for(busy, step_s, left, f.try_cost_s)) is None:
-        # Said where the step was measured: a fit that then trains eagerly, or compiles the default's code, says why not CUDA graphs
-        if busy is None: return ()
-        return (('note', Note('no_first', busy=busy, step_s=step_s, saving_s=first_saving(busy, step_s), left=left, cost_s=f.try_cost_s,
-                              idle=busy <= 1 - MARGIN)),)
-    if (graphs := f.graphs(name)) and not cudagraphs_fit(f.free, step_bytes): return ()
+    busy = min(gpu_s / step_s, 1.)
     saving = first_saving(busy, step_s)
+    cost_s = f.try_cost_s(GRAPHS, saving)
+    if (name := f.first_for(busy, step_s, left, cost_s)) is None: # A fit that then trains eagerly, or compiles the default's code, says why
+        return (('note', Note('no_first', busy=busy, step_s=step_s, saving_s=saving, left=left, cost_s=cost_s, idle=busy <= 1 - MARGIN)),)
+    if (graphs := f.graphs(name)) and not cudagraphs_fit(f.free, step_bytes): return ()
     why = dict(busy=busy, step_s=step_s, of='eager', graphs=True, saving=saving, first=True)
     # Cold, in the fit's path where the fit's rest pays back standing still for it, and a worker would cost more
     compile_s = f.tier_compile_s(name)
-    path = f.first_in_path(busy, compile_s, f.warm_s, f.start_s) and pays_back(left, saving, compile_s) and not f.cached(name)
+    path = f.first_in_path(busy, compile_s, f.tier_warm_s(name), f.start_s) and pays_back(left, saving, compile_s) and not f.cached(name)
     return (('first', name, path, why, step_bytes if graphs else None),)
 
 def _offered(stage, f):
@@ -191,8 +190,8 @@ def _decide(f, busy:float|None, step_s:float, step_bytes:int|None, free:int|None
         return _settled_with(Note('no_room', busy=busy, step_s=step_s, name=name, step_bytes=step_bytes, free=free))
     cached = f.cached(name)
     left = f.left(0. if cached else f.cold_s, step_s) # The batches it would run: uncached, after a compile as long as the default's
-    if not pays_back(left, saving := tier_saving(name, busy, step_s), f.try_cost_s):
-        return _settled_with(Note('no_gain', name=name, saving_s=saving, left=left, cost_s=f.try_cost_s))
+    if not pays_back(left, saving := tier_saving(name, busy, step_s), cost_s := f.try_cost_s(name, saving)):
+        return _settled_with(Note('no_gain', name=name, saving_s=saving, left=left, cost_s=cost_s))
     why = None if busy is None else dict(busy=busy, step_s=step_s, of='default', graphs=f.graphs(name), saving=saving, first=False)
     acts = (('tier', name, why),)
     # Inductor's cache has its code. Under DDP the ranks of a host read one cache; hosts whose caches differ would part

@@ -8,10 +8,10 @@ import math
 from statistics import median, median_low
 
 # %% auto #0
-__all__ = ['MARGIN', 'SAVING', 'WARM_SHARE', 'WARM_S', 'TIER_TRY_S', 'TIER_COMPILE_S', 'WORKER_START_S', 'WORKER_SLOWDOWN',
-           'WORKER_HANDOVER_S', 'AUTOTUNE_SAVING', 'batches_left', 'after_wait', 'validations_after', 'eager_step',
-           'pays_back', 'rest_needed', 'cold_compile', 'warm_cost', 'recorded_saving', 'eval_pays', 'tier_saving',
-           'pick_tier', 'first_saving', 'first_tier', 'worker_handover', 'worker_rest', 'cold_cost', 'first_in_path',
+__all__ = ['MARGIN', 'SAVING', 'WARM_SHARE', 'TIER_COMPILE_S', 'WORKER_START_S', 'WORKER_SLOWDOWN', 'WORKER_HANDOVER_S',
+           'AUTOTUNE_SAVING', 'GRAPHS', 'batches_left', 'after_wait', 'validations_after', 'eager_step', 'pays_back',
+           'rest_needed', 'cold_compile', 'warm_cost', 'recorded_saving', 'eval_pays', 'tier_saving', 'pick_tier',
+           'first_saving', 'first_tier', 'try_cost', 'worker_handover', 'worker_rest', 'cold_cost', 'first_in_path',
            'cudagraphs_fit', 'faster']
 
 # %% ../nbs/14_payoff.ipynb #23d4101a
@@ -23,16 +23,17 @@ MARGIN = 0.03 # The share of a step a tier must save in an A/B to be kept, and a
 SAVING = 0.35
 # A warm compile traces the model and loads its kernels from inductor's cache, where a cold one also writes and builds
 # them: a warm compile not yet timed is taken to cost this share of the state's cold one, just above the largest
-# measured on whole fits (bench/results/warm_share/); `WARM_S` where the record holds no compile time at all
-WARM_SHARE, WARM_S = 0.15, 5.
-# Seconds trying a faster tier costs the fit's path, a prior for its warm compile and the A/B's batches; and a cold
-# compile, in the worker or the fit's path, until this machine recorded one of the model (bench/results/constants.md)
-TIER_TRY_S, TIER_COMPILE_S = 6., 20.
+# measured on whole fits (bench/results/warm_share/)
+WARM_SHARE = 0.15
+# Seconds a cold compile takes, in the worker or the fit's path, until this machine recorded one of the model
+# (bench/results/constants.md)
+TIER_COMPILE_S = 20.
 # A cold worker's start-up before it compiles, and how much slower a launch-bound eager step runs beside it: as a
 # transformer fit measured them (bench/results/constants.md). Its hand-over comes a compile after its start-up
 WORKER_START_S, WORKER_SLOWDOWN = 15., 1.3
 WORKER_HANDOVER_S = WORKER_START_S + TIER_COMPILE_S # Until a compile of the model is recorded
 AUTOTUNE_SAVING = 0.05 # The share of a GPU-bound step that autotuned kernels save
+GRAPHS = 'reduce-overhead' # The tier that runs CUDA graphs: the one a launch-bound eager step compiles first (`first_tier`)
 
 def batches_left(
     learn, # The `Learner` whose training batch this is
@@ -90,12 +91,12 @@ def cold_compile(
     return None if rec is None else rec.get('path_s', rec.get('cold_s'))
 
 def warm_cost(
-    rec:dict, # A state's warm record (`WarmRecords`)
-    default_s:float, # Seconds taken where the record has no compile time at all
+    rec:dict|None, # A state's warm record (`WarmRecords`); `None` where it has none
+    compile_s:float, # Seconds a cold compile of it takes where the record holds none: as recorded of its model, else the prior (`WarmStarts.compile_s`)
 )->float:
-    "Seconds compiling a recorded state again, from inductor's cache, costs the fit's path: as last timed, else `WARM_SHARE` of its cold compile"
-    if 'warm_s' in rec: return rec['warm_s']
-    return default_s if (cold_s := cold_compile(rec)) is None else WARM_SHARE * cold_s
+    "Seconds compiling a state from inductor's cache costs the fit's path: as last timed, else `WARM_SHARE` of its cold compile"
+    if 'warm_s' in (rec := rec or {}): return rec['warm_s']
+    return WARM_SHARE * (compile_s if (cold_s := cold_compile(rec)) is None else cold_s)
 
 def recorded_saving(
     rec:dict|None, # A state's warm record (`WarmRecords`); `None` where it has none
@@ -111,13 +112,13 @@ def recorded_saving(
 def eval_pays(
     rec:dict|None, # An evaluation state's warm record (`WarmRecords`)
     batches:int, # The state's batches that would run its compiled code: the fit's validation batches left
-    default_s:float=WARM_S, # Seconds a warm compile takes where the record has no compile time
+    compile_s:float=TIER_COMPILE_S, # Seconds a cold compile of it takes where the record holds none (`warm_cost`)
 )->bool|None:
     "Whether `batches` evaluation batches pay back compiling the state warm, by its batch times a fit measured eager and compiled; `None` where none did"
     # An evaluation batch waits on its DataLoader and its metrics as much as on the model: its own times judge it, not the
     # share of a training step a compile saves
     if rec is None or 'eager_batch_s' not in rec or 'compiled_batch_s' not in rec: return None
-    return pays_back(batches, rec['eager_batch_s'] - rec['compiled_batch_s'], warm_cost(rec, default_s))
+    return pays_back(batches, rec['eager_batch_s'] - rec['compiled_batch_s'], warm_cost(rec, compile_s))
 
 # %% ../nbs/14_payoff.ipynb #c2606ebc
 def tier_saving(
@@ -127,14 +128,14 @@ def tier_saving(
 )->float:
     "Seconds a step of tier `name` is expected to save: CUDA graphs the GPU's idle time, autotuned kernels `AUTOTUNE_SAVING`"
     if busy is None: return SAVING * step_s
-    return (1 - busy) * step_s if name == 'reduce-overhead' else AUTOTUNE_SAVING * step_s
+    return (1 - busy) * step_s if name == GRAPHS else AUTOTUNE_SAVING * step_s
 
 def pick_tier(
     busy:float|None, # The share of a compiled training step in which the GPU runs work; `None` where not measured
 )->str|None:
     "The tier expected to save the most of this step (`tier_saving`): CUDA graphs where the GPU idles more of it than autotuned kernels would save"
     if busy is None: return None
-    return max(('max-autotune-no-cudagraphs', 'reduce-overhead'), key=lambda name: tier_saving(name, busy, 1.))
+    return max(('max-autotune-no-cudagraphs', GRAPHS), key=lambda name: tier_saving(name, busy, 1.))
 
 def first_saving(
     busy:float, # The share of the eager step in which the GPU runs work
@@ -155,7 +156,16 @@ def first_tier(
     # eager GPU work nearly filled it often waits on the host: the GPU's idle share of the eager step undercounts what CUDA
     # graphs save. Where the GPU idles less than the A/B's margin, no A/B could keep them over the default's code
     if busy is None or busy > 1 - margin: return None
-    return 'reduce-overhead' if pays_back(batches, first_saving(busy, step_s), cost_s) else None
+    return GRAPHS if pays_back(batches, first_saving(busy, step_s), cost_s) else None
+
+def try_cost(
+    warm_s:float, # Seconds the tier takes compiling warm at its switch batch (`warm_cost`)
+    saving_s:float, # Seconds a step of it is expected to save
+    ab_batches:int, # Batches of the default's code its A/B runs beside its own
+)->float:
+    "Seconds trying a faster tier costs the fit's path: its warm compile, and the A/B's batches of the slower default's code"
+    # The batches that pay it back are those after the A/B: `pays_back(left, saving_s, try_cost(...))` is `(left - ab_batches) * saving_s >= warm_s`
+    return warm_s + ab_batches * saving_s
 
 # %% ../nbs/14_payoff.ipynb #e9490358
 def worker_handover(

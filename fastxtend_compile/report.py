@@ -764,11 +764,11 @@ def _no_first(busy:float, step_s:float, saving_s:float, left:int, cost_s:float, 
     share = _share(busy, step_s, 'eager')
     if not idle: return f"no tier compiled first: {share}so CUDA graphs would save too little of it; the default's code goes first"
     return (f"no tier compiled first: {share}so CUDA graphs would save about {saving_s*1e3:.1f} ms of it, {left*saving_s:.1f}s "
-            f"over the {left} training batches left, under the {cost_s:.0f}s trying them costs the fit; the default's code goes first")
+            f"over the {left} training batches left, under the {cost_s:.1f}s trying them costs the fit; the default's code goes first")
 
 def _no_gain(name:str, saving_s:float, left:int, cost_s:float)->str:
     return (f"no faster tier: {name} would save about {saving_s*1e3:.1f} ms a step over the {left} training batches left once it "
-            f"compiled, {left*saving_s:.1f}s in all, under the {cost_s:.0f}s trying it costs the fit")
+            f"compiled, {left*saving_s:.1f}s in all, under the {cost_s:.1f}s trying it costs the fit")
 
 def _tier_failed(name:str, res)->str:
     full = 'the GPU is too full to compile it beside the fit; ' if res.oom else ''

@@ -15,7 +15,7 @@ from .core import uses_cudagraphs, compiled_call, CompiledCall, EagerPolicy
 from .internals import gpu_sleep
 from .worker import error_text, JobResult
 from .state import StateKey, Stage, TierRun
-from .payoff import TIER_TRY_S, batches_left, pick_tier, first_tier, first_in_path, cudagraphs_fit
+from .payoff import batches_left, pick_tier, first_tier, first_in_path, cudagraphs_fit, warm_cost, try_cost
 from .background import BackgroundCompile, position
 from .life import advance
 from .report import Note
@@ -148,9 +148,10 @@ class Tiers:
     # Compiled batches the default runs before its step is timed (its caches warm), timed alone, their GPU work measured;
     # tier batches run before the A/B (CUDA graphs record at their first runs); batches of each tier in the A/B, alternating
     settle_batches, time_batches, profile_batches, warmup_batches, ab_batches = 4, 8, 3, 3, 8
-    # The payoff rule's priors (`payoff`): a tier is tried where the saving it is expected to bring over the batches left
-    # once it compiled (as long as this machine recorded the model compiling cold, `WarmStarts.compile_s`) pays back `try_cost_s`
-    try_cost_s = TIER_TRY_S
+    # A tier is tried where the saving it is expected to bring over the batches left once it compiled (as long as this
+    # machine recorded the model compiling cold, `WarmStarts.compile_s`) pays back what trying it costs the fit's path:
+    # `try_cost_s` where set; `None` derives it from its warm compile and its A/B (`try_cost`)
+    try_cost_s = None
     pick = staticmethod(pick_tier) # The policy that picks a state's tier from its measured step
     def __init__(self,
         settings:dict, # The model's `torch.compile` settings, from `compile_settings`
@@ -378,8 +379,8 @@ class _TierFacts:
     path = property(lambda self: self.run.path) # The tier compiled first compiles in the fit's path
     dropped = property(lambda self: self.run.tier in self.t.dropped) # It raised in this fit
     base, tier_times, ab_base = (property(lambda self, k=k: getattr(self.run, k)) for k in ('base', 'tier_times', 'ab_base'))
-    settle_batches, time_batches, warmup_batches, ab_batches, try_cost_s = (
-        property(lambda self, k=k: getattr(self.t, k)) for k in ('settle_batches', 'time_batches', 'warmup_batches', 'ab_batches', 'try_cost_s'))
+    settle_batches, time_batches, warmup_batches, ab_batches = (
+        property(lambda self, k=k: getattr(self.t, k)) for k in ('settle_batches', 'time_batches', 'warmup_batches', 'ab_batches'))
     profiled = property(lambda self: self.t.profiled(self.run.profile)) # (GPU seconds, peak bytes) of the step; `False`: unmeasurable
     free = property(lambda self: self.t.free())
     together = property(lambda self: self.t.together)
@@ -397,7 +398,7 @@ class _TierFacts:
     probed = property(lambda self: self.st.probe is not None) # Probed: not compiled at once
     picked = property(lambda self: self.run.picked) # The tier to compile first picked, or none
     seen = property(lambda self: self.st.probe.seen) # Its batches timed
-    probe_batches, warm_s = property(lambda self: self.t.aside.probe_batches), property(lambda self: self.t.aside.warm_s)
+    probe_batches = property(lambda self: self.t.aside.probe_batches)
     measures = property(lambda self: _BusyMeter.measures(self.t.device)) # The device's work can be measured
     first_batches, first_for, first_in_path = (property(lambda self, k=k: getattr(self.t.first, k)) for k in ('batches', 'choose', 'in_path'))
     offering = property(lambda self: self.t.first.offer(self.st) is not None) # This rank offers the ranks its tier compiled first
@@ -422,6 +423,15 @@ class _TierFacts:
     def tier_compile_s(self, name:str)->float:
         "Seconds tier `name` takes compiling cold: as recorded of it, else of the default's code"
         return self.compile_s(self.t.record(self.model, self.st, name), self.st.record)
+
+    def tier_warm_s(self, name:str)->float:
+        "Seconds tier `name` takes compiling warm in the fit's path, from inductor's cache: as recorded of it, else its share of the cold compile (`warm_cost`)"
+        return warm_cost(self.t.aside.warm_starts.get(self.t.record(self.model, self.st, name)), self.tier_compile_s(name))
+
+    def try_cost_s(self, name:str, saving_s:float)->float:
+        "Seconds trying tier `name`, `saving_s` faster a step, costs the fit's path (`try_cost`); `Tiers.try_cost_s` where set"
+        if self.t.try_cost_s is not None: return self.t.try_cost_s
+        return try_cost(self.tier_warm_s(name), saving_s, self.t.ab_batches)
 
     @cached_property
     def polled(self)->JobResult|None: return self.t.aside.poll(self.run.job) # The tier's job, once done

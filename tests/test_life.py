@@ -13,7 +13,7 @@ def facts(**kw):
     "A training batch of a probed state in one process: 10,000 batches of 100 ms left, nothing recorded, nothing waiting"
     return SimpleNamespace(**{**dict(training=True, handover=None, compiling=False, judges=True, evaluates=True, agrees=False, rank=0,
         leader=True, probe_all=False, probe_batches=8, seen=8, changes=1, any_ready=False, held=False, path=False, cached=(None, False),
-        left=10_000, step_s=0.1, cold_s=6., warm_s=5., handover_s=35., fallback=False, has_result=True, warm_rec={}, first_busy=None, tier_kept=False, tier_first=False), **kw})
+        left=10_000, step_s=0.1, cold_s=6., compile_s=20., handover_s=35., fallback=False, has_result=True, warm_rec={}, first_busy=None, tier_kept=False, tier_first=False), **kw})
 
 DDP = dict(agrees=True, evaluates=False)
 WARM = ({'warm_s': 1.}, False) # Only the default's code is cached, which compiled warm in 1s
@@ -131,11 +131,11 @@ SE, TI, PR, TC, WU, CK, WA, AB, AG, SD = (Stage.SETTLE, Stage.TIME, Stage.PROFIL
 def tier_facts(**kw):
     "A training batch of a compiled state in one process, on a GPU with room: its default's steps 100 ms, 10,000 batches left"
     return SimpleNamespace(**{**dict(n=0, name='reduce-overhead', kept=False, first=False, first_gone=True, path=False, dropped=False,
-        base=[0.1]*8, tier_times=[], ab_base=[], settle_batches=4, time_batches=8, warmup_batches=3, ab_batches=8, try_cost_s=2.,
+        base=[0.1]*8, tier_times=[], ab_base=[], settle_batches=4, time_batches=8, warmup_batches=3, ab_batches=8, try_cost_s=lambda name, saving_s: 2.,
         profiled=None, free=80*2**30, together=False, agreed=None, leader=True, tier_for=pick_tier, graphs=lambda name: name == 'reduce-overhead',
         cached=lambda name: False, left=lambda wait_s, step_s: 10_000, cold_s=20., res=None, has_job=False, polled=None, was_kept=None,
         probe_s=0.02, fallback=False, default_cached=True, fallback_res=None, probed=True, picked=False, seen=8, probe_batches=8,
-        measures=True, first_batches=3, first_for=first_tier, first_in_path=first_in_path, tier_compile_s=lambda name: 20., warm_s=5., start_s=15.), **kw})
+        measures=True, first_batches=3, first_for=first_tier, first_in_path=first_in_path, tier_compile_s=lambda name: 20., tier_warm_s=lambda name: 5., start_s=15.), **kw})
 
 FIRST = dict(first=True, first_gone=False) # A tier compiled first, before the default's code
 LAUNCH = dict(profiled=(0.03, 2**30)) # The GPU ran work 30% of the default's step: CUDA graphs pay
@@ -230,7 +230,7 @@ def test_the_tiers_notes_say_what_they_weighed():
     def said(stage, event, **given): return next(a[1] for a in advance(stage, event, tier_facts(**given))[1] if a[0] == 'note')
     assert said(PR, 'tier', left=lambda wait_s, step_s: 20, **LAUNCH).text == (
         "no faster tier: reduce-overhead would save about 70.0 ms a step over the 20 training batches left once it compiled, 1.4s in all, "
-        "under the 2s trying it costs the fit")
+        "under the 2.0s trying it costs the fit")
     assert said(PR, 'tier', free=2**20, **LAUNCH).kind == 'no_room'
     assert said(WA, 'unsent', error='PicklingError: no', **FIRST).kind == 'kept_alone'
     assert said(TC, 'tier', agreed=FAILED_ELSEWHERE, **TOGETHER).facts['res'].oom # Another device's failure, as that device had it
@@ -245,13 +245,13 @@ def test_an_eager_step_measured_says_which_tier_goes_first_and_why():
     first = next(a for a in acts(profiled=(0.006, 2**30)) if a[0] == 'first')
     assert first[1:3] == ('reduce-overhead', True) and first[4] == 2**30 and first[3]['busy'] == pytest.approx(0.3)
     assert next(a for a in acts(profiled=(0.006, 2**30), cached=lambda name: True) if a[0] == 'first')[2] is False # Cached: warm, from the worker
-    few = dict(left=lambda wait_s, step_s: 400, try_cost_s=6.) # 8s of eager steps: CUDA graphs could pay back 6s, had the GPU idled
+    few = dict(left=lambda wait_s, step_s: 400, try_cost_s=lambda name, saving_s: 6.) # 8s of eager steps: CUDA graphs could pay back 6s, had the GPU idled
     assert [note(acts(profiled=(0.02, 0), **few)).text, note(acts(profiled=(0.01, 0), **few)).text] == [
         "no tier compiled first: the GPU ran work 100% of the eager 20.0 ms step, so CUDA graphs would save too little of it; the "
         "default's code goes first",
         "no tier compiled first: the GPU ran work 50% of the eager 20.0 ms step, so CUDA graphs would save about 13.5 ms of it, 5.4s "
-        "over the 400 training batches left, under the 6s trying them costs the fit; the default's code goes first"]
-    assert [a[0] for a in acts(left=lambda wait_s, step_s: 290, try_cost_s=6.)] == ['hold', 'picked'] # 5.8s: not measured
+        "over the 400 training batches left, under the 6.0s trying them costs the fit; the default's code goes first"]
+    assert [a[0] for a in acts(left=lambda wait_s, step_s: 290, try_cost_s=lambda name, saving_s: 6.)] == ['hold', 'picked'] # 5.8s: not measured
 
 def test_cuda_graphs_compile_first_where_the_compile_this_machine_recorded_costs_the_fit_least():
     "The GPU busy 95% of a 20 ms eager step: the prior's 20 s compile stops the fit for less than a worker would cost; a recorded 40 s, more"

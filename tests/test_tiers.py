@@ -135,7 +135,7 @@ def test_a_short_fit_tries_no_tier(cpu_tiers, monkeypatch):
     learn, ran = _fit(epochs=2, backend='aot_eager')
     notes = learn.compiler.report.background
     assert any(re.search(r"^no faster tier: plain would save about [\d.]+ ms a step over the \d+ training batches left once it "
-                         r"compiled, [\d.]+s in all, under the 6s trying it costs the fit$", n) for n in notes), notes
+                         r"compiled, [\d.]+s in all, under the 6.0s trying it costs the fit$", n) for n in notes), notes
     assert ran == [] and learn.compiler.aside.worker.jobs == 1 # The default's job alone: no tier was sent to the worker
 
 @pytest.fixture
@@ -305,6 +305,23 @@ def test_the_tier_policy_follows_the_measured_step():
     # A longer compile makes the worker's wait as much longer: a step whose GPU idles most of it still compiles in the path
     assert first_in_path(0.1, compile_s=45., warm_s=5.) and not first_in_path(1., compile_s=45., warm_s=5.) # 62 s, 35 s
     assert not first_in_path(None, compile_s=1., warm_s=5.) # Unmeasured: the worker, which never stops the fit
+
+def test_trying_a_tier_costs_its_warm_compile_and_its_ab_as_this_machine_recorded_them(tmp_path, monkeypatch):
+    "A tier's warm compile at its switch batch, as recorded, else a share of the model's cold compile; then each A/B batch of the default, slower by the tier's saving"
+    from fastxtend_compile.payoff import TIER_COMPILE_S, WARM_SHARE
+    from fastxtend_compile.state import state_key
+    monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
+    model, aside, t = nn.Linear(2, 2), BackgroundCompile({'backend': 'inductor'}), Tiers({'backend': 'inductor'})
+    t.aside, ab = aside, Tiers.ab_batches
+    st = aside.state(state_key(model, (torch.randn(4, 2),), True), model)
+    cost = lambda: t.facts(st, None, model).try_cost_s('reduce-overhead', 0.01)
+    assert cost() == pytest.approx(WARM_SHARE*TIER_COMPILE_S + ab*0.01) # Nothing recorded: the prior's cold compile
+    aside.warm_starts.path(st.record, 10.) # The default's code compiled in a fit's path in 10 s
+    assert cost() == pytest.approx(WARM_SHARE*10. + ab*0.01)
+    aside.warm_starts.warmed(t.record(model, st, 'reduce-overhead'), 0.8) # A fit compiled the tier warm in 0.8 s
+    assert cost() == pytest.approx(0.8 + ab*0.01)
+    monkeypatch.setattr(Tiers, 'try_cost_s', 6.) # Where a fit sets it
+    assert cost() == 6.
 
 def test_a_tier_runs_training_calls_alone_and_drops_whole():
     "The policy's tier runs calls with gradients in training mode; evaluation keeps the model's own compiled function"
