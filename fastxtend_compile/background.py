@@ -120,7 +120,7 @@ class _Facts:
         return self.aside.handover_s(self.st, self.start_s)
 
     @property
-    def cold_s(self)->float:
+    def cold_cost_s(self)->float:
         "Seconds a cold compile of the state in the worker costs the fit's path (`cold_cost`); `cold_cost_s` where the fit sets it"
         return cold_cost(self.handover_s, self.start_s) if self.aside.cold_cost_s is None else self.aside.cold_cost_s
 

@@ -48,7 +48,7 @@ def _judge(stage, f):
     default_first = (('default_first',),) if rec is not None and not first else () # Only the default's code is cached
     # A tier compiled first in the fit's path was found to pay back its compile there, by the tier's own saving
     if rec is None and f.path: return _worth(stage, f, rec, True)
-    cost, saving, left, step_s = f.cold_s if rec is None else warm_cost(rec, f.compile_s), recorded_saving(rec, f.first_busy), f.left, f.step_s
+    cost, saving, left, step_s = f.cold_cost_s if rec is None else warm_cost(rec, f.compile_s), recorded_saving(rec, f.first_busy), f.left, f.step_s
     # A cold compile goes to the worker: its code serves only the batches left after its hand-over
     if pays_back(left if rec is not None else worker_rest(left, step_s, f.handover_s), saving*step_s, cost):
         stage, acts = _worth(stage, f, rec, False)
@@ -189,7 +189,7 @@ def _decide(f, busy:float|None, step_s:float, step_bytes:int|None, free:int|None
     if f.graphs(name) and step_bytes is not None and free is not None and not cudagraphs_fit(free, step_bytes):
         return _settled_with(Note('no_room', busy=busy, step_s=step_s, name=name, step_bytes=step_bytes, free=free))
     cached = f.cached(name)
-    left = f.left(0. if cached else f.cold_s, step_s) # The batches it would run: uncached, after a compile as long as the default's
+    left = f.left(0. if cached else f.compile_s, step_s) # The batches it would run: uncached, after a compile as long as the default's
     if not pays_back(left, saving := tier_saving(name, busy, step_s), cost_s := f.try_cost_s(name, saving)):
         return _settled_with(Note('no_gain', name=name, saving_s=saving, left=left, cost_s=cost_s))
     why = None if busy is None else dict(busy=busy, step_s=step_s, of='default', graphs=f.graphs(name), saving=saving, first=False)

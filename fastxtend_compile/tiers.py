@@ -406,14 +406,10 @@ class _TierFacts:
     def cached(self, name:str)->bool: return self.t.aside.warm_starts.get(self.t.record(self.model, self.st, name)) is not None
     def left(self, wait_s:float, step_s:float)->int: return batches_left(self.learn, wait_s, step_s)
 
-    def compile_s(self, *records:str)->float:
-        "Seconds a cold compile of `records` takes, as this machine recorded it; the prior where it didn't (`WarmStarts.compile_s`)"
-        return self.t.aside.warm_starts.compile_s(*records)
-
     @property
-    def cold_s(self)->float:
-        "Seconds the state's default takes compiling cold"
-        return self.compile_s(self.st.record)
+    def compile_s(self)->float:
+        "Seconds the state's default takes compiling cold, as this machine recorded it, else of its model (`WarmStarts.compile_s`)"
+        return self.t.aside.warm_starts.compile_s(self.st.record)
 
     @property
     def start_s(self)->float:
@@ -422,7 +418,7 @@ class _TierFacts:
 
     def tier_compile_s(self, name:str)->float:
         "Seconds tier `name` takes compiling cold: as recorded of it, else of the default's code"
-        return self.compile_s(self.t.record(self.model, self.st, name), self.st.record)
+        return self.t.aside.warm_starts.compile_s(self.t.record(self.model, self.st, name), self.st.record)
 
     def tier_warm_s(self, name:str)->float:
         "Seconds tier `name` takes compiling warm in the fit's path, from inductor's cache: as recorded of it, else its share of the cold compile (`warm_cost`)"

@@ -514,7 +514,7 @@ def test_a_cold_workers_hand_over_comes_the_start_up_and_compile_this_machine_re
     assert warm.start_s(state(1).record) == 5. # The median of the two workers' start-ups
     assert aside.handover_s(state(1)) == 5. + 9. and aside.handover_s(state(3)) == 5. + 3. # Then its compile, as recorded
     # Its cost to the fit's path is the recorded start-up's too: the warm hand-over is a share of the compile alone
-    assert aside.facts(state(3), None).cold_s == pytest.approx(cold_cost(8., 5.))
+    assert aside.facts(state(3), None).cold_cost_s == pytest.approx(cold_cost(8., 5.))
 
 def test_the_next_training_batch_after_an_epochs_last_is_the_next_epochs_first():
     from types import SimpleNamespace

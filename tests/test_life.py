@@ -13,7 +13,7 @@ def facts(**kw):
     "A training batch of a probed state in one process: 10,000 batches of 100 ms left, nothing recorded, nothing waiting"
     return SimpleNamespace(**{**dict(training=True, handover=None, compiling=False, judges=True, evaluates=True, agrees=False, rank=0,
         leader=True, probe_all=False, probe_batches=8, seen=8, changes=1, any_ready=False, held=False, path=False, cached=(None, False),
-        left=10_000, step_s=0.1, cold_s=6., compile_s=20., handover_s=35., fallback=False, has_result=True, warm_rec={}, first_busy=None, tier_kept=False, tier_first=False), **kw})
+        left=10_000, step_s=0.1, cold_cost_s=6., compile_s=20., handover_s=35., fallback=False, has_result=True, warm_rec={}, first_busy=None, tier_kept=False, tier_first=False), **kw})
 
 DDP = dict(agrees=True, evaluates=False)
 WARM = ({'warm_s': 1.}, False) # Only the default's code is cached, which compiled warm in 1s
@@ -133,7 +133,7 @@ def tier_facts(**kw):
     return SimpleNamespace(**{**dict(n=0, name='reduce-overhead', kept=False, first=False, first_gone=True, path=False, dropped=False,
         base=[0.1]*8, tier_times=[], ab_base=[], settle_batches=4, time_batches=8, warmup_batches=3, ab_batches=8, try_cost_s=lambda name, saving_s: 2.,
         profiled=None, free=80*2**30, together=False, agreed=None, leader=True, tier_for=pick_tier, graphs=lambda name: name == 'reduce-overhead',
-        cached=lambda name: False, left=lambda wait_s, step_s: 10_000, cold_s=20., res=None, has_job=False, polled=None, was_kept=None,
+        cached=lambda name: False, left=lambda wait_s, step_s: 10_000, compile_s=20., res=None, has_job=False, polled=None, was_kept=None,
         probe_s=0.02, fallback=False, default_cached=True, fallback_res=None, probed=True, picked=False, seen=8, probe_batches=8,
         measures=True, first_batches=3, first_for=first_tier, first_in_path=first_in_path, tier_compile_s=lambda name: 20., tier_warm_s=lambda name: 5., start_s=15.), **kw})
 
