@@ -5,6 +5,7 @@
 # %% ../nbs/08_background.ipynb #88f64dd8
 from __future__ import annotations
 import hashlib, platform, time, warnings
+from itertools import chain
 from statistics import median
 from functools import cached_property
 from pathlib import Path
@@ -100,7 +101,7 @@ class _Facts:
     first_busy = property(lambda self: self.st.tier.why['busy'] if self.st.first is not None and self.st.tier.why else None)
 
     @cached_property
-    def cached(self)->tuple:
+    def in_cache(self)->tuple:
         "(record, whether the faster tier's) of the code inductor's cache has for the state (`WarmStarts.cached`)"
         return self.aside.warm_starts.cached(self.st)
 
@@ -203,12 +204,17 @@ class WarmStarts:
 
     def compile_s(self, *records:str)->float:
         "Seconds a cold compile takes on this machine: the first of `records` recorded, else the median of their model's training states'; else `compile_guess_s`"
+        return self.read(*records)[1]
+
+    def read(self, *records:str)->tuple:
+        "(what was recorded of the first of `records`, seconds a cold compile of it takes: `compile_s`), each record read once"
+        first = self.get(records[0])
+        for rec in chain([first], map(self.get, records[1:])): # Read only until one holds a cold compile
+            if (s := cold_compile(rec)) is not None: return first, s
         # A record's name holds the model, its settings, torch and the device: another state of the model compiles in about as long
         for r in records:
-            if (s := cold_compile(self.get(r))) is not None: return s
-        for r in records:
-            if (times := [s for rec in self.records.of_model(r) if rec.get('training') and (s := cold_compile(rec)) is not None]): return median(times)
-        return self.compile_guess_s
+            if (times := [s for rec in self.records.of_model(r) if rec.get('training') and (s := cold_compile(rec)) is not None]): return first, median(times)
+        return first, self.compile_guess_s
 
     def start_s(self, record:str)->float:
         "Seconds a cold worker takes to start up on this machine, before it compiles: the median recorded with `record`'s model's states; else `start_guess_s`"
@@ -392,7 +398,7 @@ def pays_eval(self:BackgroundCompile,
 )->bool|None:
     "Whether `batches` batches of evaluation state `key` pay back its warm compile, as fits timed them (`eval_pays`); `None` where none did"
     record = self.state(key, model).record
-    rec, compile_s = self.warm_starts.get(record), self.warm_starts.compile_s(record)
+    rec, compile_s = self.warm_starts.read(record)
     if (paid := eval_pays(rec, batches, compile_s)) is False and not any(n.kind == 'eval_slow' for n in self.notes):
         self.notes.append(Note('eval_slow', eager_s=rec['eager_batch_s'], compiled_s=rec['compiled_batch_s'], batches=batches,
                                warm_s=warm_cost(rec, compile_s), within=within))

@@ -35,7 +35,7 @@ def _batch(stage, f):
     if f.compiling: return stage, (('count',), EAGER) # The worker compiles a state: the others wait their turn
     if stage is not Stage.PROBING or not f.judges: # It waits: a verdict, the worker, the ranks; or isn't judged here
         return stage, ((('note', Note('eval_eager')),) if not f.training and not f.evaluates else ()) + (EAGER,)
-    if not f.training or f.probe_all: return _worth(stage, f, f.cached[0], f.path)
+    if not f.training or f.probe_all: return _worth(stage, f, f.in_cache[0], f.path)
     if f.seen < f.probe_batches: # Each of its first batches timed alone, as the eager step
         said = f.seen == 0 and f.changes == 2*f.probe_batches and not f.any_ready # Said once, if states change too often
         return stage, ((('note', Note('shapes_change', changes=f.changes, batches=f.probe_batches)),) if said else ()) + (('probe',), EAGER)
@@ -44,7 +44,7 @@ def _batch(stage, f):
 
 def _judge(stage, f):
     "The probe is done: compile where the fit's rest pays it back, at once where inductor's cache has its code; else eager for the fit"
-    rec, first = f.cached
+    rec, first = f.in_cache
     default_first = (('default_first',),) if rec is not None and not first else () # Only the default's code is cached
     # A tier compiled first in the fit's path was found to pay back its compile there, by the tier's own saving
     if rec is None and f.path: return _worth(stage, f, rec, True)
@@ -117,7 +117,7 @@ def _first(f, n):
     if f.seen < f.probe_batches: return Stage.PROBING, (('hold', f.measures),)
     acts = (('hold', False), ('picked',)) # The default goes first, unless the measure picks a tier
     # Not measured where the policy would pick no tier even for a GPU idle through the whole step: no measure could change that
-    if f.first_for(0., f.probe_s, f.left(0., 1.), f.try_cost_s(GRAPHS, f.probe_s)) is None: return Stage.PROBING, acts
+    if f.first_for(0., f.probe_s, f.left_after(0., 1.), f.try_cost_s(GRAPHS, f.probe_s)) is None: return Stage.PROBING, acts
     if f.profiled is None: return Stage.PROBING, (('measure', f.probe_s, f.first_batches),)
     return Stage.PROBING, acts + (_pick_first(f, *f.profiled) if f.profiled else ())
 
@@ -125,7 +125,7 @@ def _pick_first(f, gpu_s:float|None, step_bytes:int):
     "CUDA graphs compiled first, in the worker or the fit's path, where their saving over the fit's rest pays back trying them, and they fit the GPU"
     # The probe's median step: the fit's rest runs such steps, its lucky fastest one hides idle time CUDA graphs would save
     if gpu_s is None: return () # Its GPU work unmeasured: the default's code goes first
-    step_s, left = f.probe_s, f.left(0., 1.)
+    step_s, left = f.probe_s, f.left_after(0., 1.)
     busy = min(gpu_s / step_s, 1.)
     saving = first_saving(busy, step_s)
     cost_s = f.try_cost_s(GRAPHS, saving)
@@ -135,7 +135,7 @@ def _pick_first(f, gpu_s:float|None, step_bytes:int):
     why = dict(busy=busy, step_s=step_s, of='eager', graphs=True, saving=saving, first=True)
     # Cold, in the fit's path where the fit's rest pays back standing still for it, and a worker would cost more
     compile_s = f.tier_compile_s(name)
-    path = f.first_in_path(busy, compile_s, f.tier_warm_s(name), f.start_s) and pays_back(left, saving, compile_s) and not f.cached(name)
+    path = f.first_in_path(busy, compile_s, f.tier_warm_s(name), f.start_s) and pays_back(left, saving, compile_s) and not f.tier_cached(name)
     return (('first', name, path, why, step_bytes if graphs else None),)
 
 def _offered(stage, f):
@@ -188,8 +188,8 @@ def _decide(f, busy:float|None, step_s:float, step_bytes:int|None, free:int|None
     if (name := f.tier_for(busy)) is None: return _settled_with(Note('no_busy'))
     if f.graphs(name) and step_bytes is not None and free is not None and not cudagraphs_fit(free, step_bytes):
         return _settled_with(Note('no_room', busy=busy, step_s=step_s, name=name, step_bytes=step_bytes, free=free))
-    cached = f.cached(name)
-    left = f.left(0. if cached else f.compile_s, step_s) # The batches it would run: uncached, after a compile as long as the default's
+    cached = f.tier_cached(name)
+    left = f.left_after(0. if cached else f.compile_s, step_s) # The batches it would run: uncached, after a compile as long as the default's
     if not pays_back(left, saving := tier_saving(name, busy, step_s), cost_s := f.try_cost_s(name, saving)):
         return _settled_with(Note('no_gain', name=name, saving_s=saving, left=left, cost_s=cost_s))
     why = None if busy is None else dict(busy=busy, step_s=step_s, of='default', graphs=f.graphs(name), saving=saving, first=False)

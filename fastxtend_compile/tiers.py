@@ -372,6 +372,7 @@ class _TierFacts:
     def __init__(self, tiers:Tiers, st, learn, model:nn.Module, **given):
         self.t, self.st, self.run, self.learn, self.model = tiers, st, st.tier, learn, model
         self.__dict__.update(given) # What the event brings: why a job wasn't sent; rank 0's offer and the ranks' free memory
+        self.tiers_read = {} # Each tier asked about: what `tier_read` read of it
     n = property(lambda self: self.run.n) # Batches of its stage so far
     name = property(lambda self: self.run.tier)
     kept, first = property(lambda self: self.run.kept), property(lambda self: self.run.first) # Kept; compiled first
@@ -403,26 +404,29 @@ class _TierFacts:
     first_batches, first_for, first_in_path = (property(lambda self, k=k: getattr(self.t.first, k)) for k in ('batches', 'choose', 'in_path'))
     offering = property(lambda self: self.t.first.offer(self.st) is not None) # This rank offers the ranks its tier compiled first
 
-    def cached(self, name:str)->bool: return self.t.aside.warm_starts.get(self.t.record(self.model, self.st, name)) is not None
-    def left(self, wait_s:float, step_s:float)->int: return batches_left(self.learn, wait_s, step_s)
+    def left_after(self, wait_s:float, step_s:float)->int: return batches_left(self.learn, wait_s, step_s)
 
-    @property
+    @cached_property
     def compile_s(self)->float:
         "Seconds the state's default takes compiling cold, as this machine recorded it, else of its model (`WarmStarts.compile_s`)"
         return self.t.aside.warm_starts.compile_s(self.st.record)
 
-    @property
+    @cached_property
     def start_s(self)->float:
         "Seconds a cold worker takes to start up, as this machine recorded it of the model (`WarmStarts.start_s`)"
         return self.t.aside.warm_starts.start_s(self.st.record)
 
-    def tier_compile_s(self, name:str)->float:
-        "Seconds tier `name` takes compiling cold: as recorded of it, else of the default's code"
-        return self.t.aside.warm_starts.compile_s(self.t.record(self.model, self.st, name), self.st.record)
+    def tier_read(self, name:str)->tuple:
+        "(what was recorded of the state compiled with tier `name`, seconds it takes compiling cold: as recorded of it, else of the default's code): read once a move, however often it asks"
+        if name not in self.tiers_read: self.tiers_read[name] = self.t.aside.warm_starts.read(self.t.record(self.model, self.st, name), self.st.record)
+        return self.tiers_read[name]
+
+    def tier_cached(self, name:str)->bool: return self.tier_read(name)[0] is not None # Inductor's cache has its code
+    def tier_compile_s(self, name:str)->float: return self.tier_read(name)[1]
 
     def tier_warm_s(self, name:str)->float:
         "Seconds tier `name` takes compiling warm in the fit's path, from inductor's cache: as recorded of it, else its share of the cold compile (`warm_cost`)"
-        return warm_cost(self.t.aside.warm_starts.get(self.t.record(self.model, self.st, name)), self.tier_compile_s(name))
+        return warm_cost(*self.tier_read(name))
 
     def try_cost_s(self, name:str, saving_s:float)->float:
         "Seconds trying tier `name`, `saving_s` faster a step, costs the fit's path (`try_cost`); `Tiers.try_cost_s` where set"

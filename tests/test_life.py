@@ -12,7 +12,7 @@ OK, BAD = JobResult(True, took_s=20.), JobResult(False, 'no kernels', took_s=3.)
 def facts(**kw):
     "A training batch of a probed state in one process: 10,000 batches of 100 ms left, nothing recorded, nothing waiting"
     return SimpleNamespace(**{**dict(training=True, handover=None, compiling=False, judges=True, evaluates=True, agrees=False, rank=0,
-        leader=True, probe_all=False, probe_batches=8, seen=8, changes=1, any_ready=False, held=False, path=False, cached=(None, False),
+        leader=True, probe_all=False, probe_batches=8, seen=8, changes=1, any_ready=False, held=False, path=False, in_cache=(None, False),
         left=10_000, step_s=0.1, cold_cost_s=6., compile_s=20., handover_s=35., fallback=False, has_result=True, warm_rec={}, first_busy=None, tier_kept=False, tier_first=False), **kw})
 
 DDP = dict(agrees=True, evaluates=False)
@@ -40,12 +40,12 @@ MOVES = [ # (what, stage, event, facts, the stage it moves to, its actions: each
     # A 6-epoch transformer fit on one H100: 2,988 batches of a 14 ms eager step left, the GPU busy 81% of it. The worker's
     # code serves 1,065 of them, each expected to save 47% of the step: 7.1s, more than the worker costs the fit's path
     ('worth it, a GPU-bound step', P, 'batch', dict(left=2988, step_s=0.014, first_busy=0.81), P, ['send']),
-    ('the default cached', P, 'batch', dict(cached=WARM), R, ['default_first', 'idle', 'warm', 'compiled']),
-    ('its tier first cached', P, 'batch', dict(cached=({'path_s': 30.}, True)), R, ['idle', 'warm', 'compiled']),
-    ('too short even warm', P, 'batch', dict(cached=WARM, left=20), S, ['default_first', 'idle', 'note', 'eager']),
+    ('the default cached', P, 'batch', dict(in_cache=WARM), R, ['default_first', 'idle', 'warm', 'compiled']),
+    ('its tier first cached', P, 'batch', dict(in_cache=({'path_s': 30.}, True)), R, ['idle', 'warm', 'compiled']),
+    ('too short even warm', P, 'batch', dict(in_cache=WARM, left=20), S, ['default_first', 'idle', 'note', 'eager']),
     ('its tier first in the path', P, 'batch', dict(path=True, left=10), R, ['idle', 'in_path', 'compiled']),
     ('worth it, under DDP', P, 'batch', DDP, J, ['eager']),
-    ('an evaluation state', P, 'batch', dict(training=False, seen=0, cached=WARM), R, ['idle', 'warm', 'compiled']),
+    ('an evaluation state', P, 'batch', dict(training=False, seen=0, in_cache=WARM), R, ['idle', 'warm', 'compiled']),
     ('sent', P, 'sent', {}, C, ['compiling', 'eager']),
     ('not sent', P, 'unsent', dict(error='PicklingError: no'), R, ['default_first', 'note', 'compiled']),
     ('not sent, under DDP', J, 'unsent', dict(error='PicklingError: no', **DDP), D, ['default_first', 'result', 'eager']),
@@ -92,7 +92,7 @@ def test_the_verdicts_notes_say_what_it_weighed():
     _, actions = advance(P, 'batch', facts(left=2000, step_s=0.02))
     assert note(actions).text == ("trained eagerly: the fit's 2000 training batches left, about 40s eagerly, are too few to pay back a compile "
                          "(under 44s; `background=False` compiles in the fit's path)")
-    _, actions = advance(P, 'batch', facts(cached=WARM, left=20))
+    _, actions = advance(P, 'batch', facts(in_cache=WARM, left=20))
     assert note(actions).text == ("trained eagerly: the fit's 20 training batches left, about 2s eagerly, are too few to pay "
                                           "back even a warm compile of 1.0s (under 3s)")
     _, actions = advance(P, 'batch', facts(left=84, step_s=0.0065)) # Under a second of steps: not rounded to none
@@ -133,7 +133,7 @@ def tier_facts(**kw):
     return SimpleNamespace(**{**dict(n=0, name='reduce-overhead', kept=False, first=False, first_gone=True, path=False, dropped=False,
         base=[0.1]*8, tier_times=[], ab_base=[], settle_batches=4, time_batches=8, warmup_batches=3, ab_batches=8, try_cost_s=lambda name, saving_s: 2.,
         profiled=None, free=80*2**30, together=False, agreed=None, leader=True, tier_for=pick_tier, graphs=lambda name: name == 'reduce-overhead',
-        cached=lambda name: False, left=lambda wait_s, step_s: 10_000, compile_s=20., res=None, has_job=False, polled=None, was_kept=None,
+        tier_cached=lambda name: False, left_after=lambda wait_s, step_s: 10_000, compile_s=20., res=None, has_job=False, polled=None, was_kept=None,
         probe_s=0.02, fallback=False, default_cached=True, fallback_res=None, probed=True, picked=False, seen=8, probe_batches=8,
         measures=True, first_batches=3, first_for=first_tier, first_in_path=first_in_path, tier_compile_s=lambda name: 20., tier_warm_s=lambda name: 5., start_s=15.), **kw})
 
@@ -152,7 +152,7 @@ TIER_MOVES = [ # (what, stage, event, facts, the stage it moves to, its actions'
     ('not probed: compiled at once', P, 'tier', dict(probed=False), P, []),
     ('its probe under way: the verdict held', P, 'tier', dict(seen=3), P, ['hold']),
     ("the eager step's GPU work measured", P, 'tier', {}, P, ['measure']),
-    ('too few batches left for any tier first: not measured', P, 'tier', dict(left=lambda wait_s, step_s: 99), P, ['hold', 'picked']),
+    ('too few batches left for any tier first: not measured', P, 'tier', dict(left_after=lambda wait_s, step_s: 99), P, ['hold', 'picked']),
     ('unmeasurable: the default first', P, 'tier', dict(profiled=False), P, ['hold', 'picked']),
     ('launch-bound: CUDA graphs first', P, 'tier', dict(profiled=(0.006, 2**30), **EAGER_20MS), P, ['hold', 'picked', 'first']),
     ('GPU-bound: the default first, and why', P, 'tier', dict(profiled=(0.02, 0), **EAGER_20MS), P, ['hold', 'picked', 'note']),
@@ -168,10 +168,10 @@ TIER_MOVES = [ # (what, stage, event, facts, the stage it moves to, its actions'
     ('timed: its GPU work measured', TI, 'tier', {}, PR, ['measure']),
     ('its GPU work measured', PR, 'tier', {}, PR, ['measure']),
     ('launch-bound: CUDA graphs in the worker', PR, 'tier', LAUNCH, SD, ['tier', 'send']),
-    ('their code cached', PR, 'tier', dict(cached=lambda name: True, **LAUNCH), WU, ['tier', 'run_tier', 'time']),
+    ('their code cached', PR, 'tier', dict(tier_cached=lambda name: True, **LAUNCH), WU, ['tier', 'run_tier', 'time']),
     ('another rank compiles for the device', PR, 'tier', dict(leader=False, **LAUNCH), TC, ['tier']),
     ('no room for the graphs', PR, 'tier', dict(free=2**20, **LAUNCH), SD, ['note']),
-    ('too few batches left', PR, 'tier', dict(left=lambda wait_s, step_s: 20, **LAUNCH), SD, ['note']),
+    ('too few batches left', PR, 'tier', dict(left_after=lambda wait_s, step_s: 20, **LAUNCH), SD, ['note']),
     ('unmeasurable: no tier', PR, 'tier', dict(profiled=False), SD, ['note']),
     ('under DDP, its vote', PR, 'tier', dict(**LAUNCH, **TOGETHER), AG, ['vote']),
     ('under DDP, the ranks undecided', AG, 'tier', TOGETHER, AG, []),
@@ -228,7 +228,7 @@ def test_each_move_through_the_tiers(what, stage, event, given, to, acts):
 def test_the_tiers_notes_say_what_they_weighed():
     "Why no tier, or why the tier compiled first is kept alone, in the report's words"
     def said(stage, event, **given): return next(a[1] for a in advance(stage, event, tier_facts(**given))[1] if a[0] == 'note')
-    assert said(PR, 'tier', left=lambda wait_s, step_s: 20, **LAUNCH).text == (
+    assert said(PR, 'tier', left_after=lambda wait_s, step_s: 20, **LAUNCH).text == (
         "no faster tier: reduce-overhead would save about 70.0 ms a step over the 20 training batches left once it compiled, 1.4s in all, "
         "under the 2.0s trying it costs the fit")
     assert said(PR, 'tier', free=2**20, **LAUNCH).kind == 'no_room'
@@ -244,14 +244,14 @@ def test_an_eager_step_measured_says_which_tier_goes_first_and_why():
     def acts(**given): return advance(P, 'tier', tier_facts(**{**EAGER_20MS, **given}))[1]
     first = next(a for a in acts(profiled=(0.006, 2**30)) if a[0] == 'first')
     assert first[1:3] == ('reduce-overhead', True) and first[4] == 2**30 and first[3]['busy'] == pytest.approx(0.3)
-    assert next(a for a in acts(profiled=(0.006, 2**30), cached=lambda name: True) if a[0] == 'first')[2] is False # Cached: warm, from the worker
-    few = dict(left=lambda wait_s, step_s: 400, try_cost_s=lambda name, saving_s: 6.) # 8s of eager steps: CUDA graphs could pay back 6s, had the GPU idled
+    assert next(a for a in acts(profiled=(0.006, 2**30), tier_cached=lambda name: True) if a[0] == 'first')[2] is False # Cached: warm, from the worker
+    few = dict(left_after=lambda wait_s, step_s: 400, try_cost_s=lambda name, saving_s: 6.) # 8s of eager steps: CUDA graphs could pay back 6s, had the GPU idled
     assert [note(acts(profiled=(0.02, 0), **few)).text, note(acts(profiled=(0.01, 0), **few)).text] == [
         "no tier compiled first: the GPU ran work 100% of the eager 20.0 ms step, so CUDA graphs would save too little of it; the "
         "default's code goes first",
         "no tier compiled first: the GPU ran work 50% of the eager 20.0 ms step, so CUDA graphs would save about 13.5 ms of it, 5.4s "
         "over the 400 training batches left, under the 6.0s trying them costs the fit; the default's code goes first"]
-    assert [a[0] for a in acts(left=lambda wait_s, step_s: 290, try_cost_s=lambda name, saving_s: 6.)] == ['hold', 'picked'] # 5.8s: not measured
+    assert [a[0] for a in acts(left_after=lambda wait_s, step_s: 290, try_cost_s=lambda name, saving_s: 6.)] == ['hold', 'picked'] # 5.8s: not measured
 
 def test_cuda_graphs_compile_first_where_the_compile_this_machine_recorded_costs_the_fit_least():
     "The GPU busy 95% of a 20 ms eager step: the prior's 20 s compile stops the fit for less than a worker would cost; a recorded 40 s, more"

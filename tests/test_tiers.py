@@ -320,6 +320,11 @@ def test_trying_a_tier_costs_its_warm_compile_and_its_ab_as_this_machine_recorde
     assert cost() == pytest.approx(WARM_SHARE*10. + ab*0.01)
     aside.warm_starts.warmed(t.record(model, st, 'reduce-overhead'), 0.8) # A fit compiled the tier warm in 0.8 s
     assert cost() == pytest.approx(0.8 + ab*0.01)
+    # One move asks of the tier's record several times (its try cost, cold and warm compile, whether it is cached): read once
+    f, reads, get = t.facts(st, None, model), [], aside.warm_starts.get
+    aside.warm_starts.get = lambda record: reads.append(record) or get(record)
+    asked = f.try_cost_s('reduce-overhead', 0.01), f.tier_compile_s('reduce-overhead'), f.tier_warm_s('reduce-overhead'), f.tier_cached('reduce-overhead')
+    assert asked == (pytest.approx(0.8 + ab*0.01), 10., 0.8, True) and reads.count(t.record(model, st, 'reduce-overhead')) == 1
     monkeypatch.setattr(Tiers, 'try_cost_s', 6.) # Where a fit sets it
     assert cost() == 6.
 
