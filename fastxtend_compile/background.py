@@ -93,7 +93,7 @@ class _Facts:
     path = property(lambda self: self.st.tier.path) # A tier compiled first compiles in the fit's path
     left = property(lambda self: batches_left(self.learn))
     step_s = property(lambda self: self.st.probe.step_s) # The eager step its probe timed
-    fallback = property(lambda self: self.st.tier.fallback is not None) # The default's job waits behind a tier compiled first
+    compiles_first = property(lambda self: self.st.first is not None) # Its job compiles a faster tier first
     has_result = property(lambda self: self.st.result is not None)
     tier_kept, tier_first = property(lambda self: self.st.tier.kept), property(lambda self: self.st.tier.first) # Kept; picked to compile first
     warm_rec = property(lambda self: self.aside.warm_starts.get(self.st.compiled_record) or {})
@@ -470,20 +470,14 @@ def submit(self:BackgroundCompile,
     model:nn.Module, # The model being compiled, in the state of this batch
     learn, # The `Learner` whose batch this is: its inputs are the job's
     settings:dict|None=None, # `torch.compile` settings: the model's (`None`), or a faster tier's
-    held:bool=False, # Only prepare the job: `release` sends it
 )->Job:
     "Send this batch's model state to the worker, to compile with `settings` for the device it trains on"
     payload = job_payload(model, learn.xb, self.settings if settings is None else settings, self.regional)
-    return self.worker.submit(payload, model, held=held)
-
-@patch
-def release(self:BackgroundCompile, job:Job)->Job:
-    "Send `job` to the worker, where it was held"
-    return self.worker.release(job)
+    return self.worker.submit(payload, model)
 
 @patch
 def poll(self:BackgroundCompile, job:Job)->JobResult|None:
-    "How `job` went; `None` while it compiles, or is held"
+    "How `job` went; `None` while it compiles"
     return self.worker.poll(job)
 
 @patch
@@ -491,8 +485,6 @@ def send(self:BackgroundCompile, st:ModelState, learn, model:nn.Module, now:floa
     "Have the worker compile `st` while the fit trains eagerly: its move is 'sent', or 'unsent'; whether this batch runs eagerly"
     try:
         st.job = self.submit(model, learn, None if st.first is None else st.first[0])
-        # The default's code, for the A/B: sent once the tier runs, not to compile beside its hand-over's compile
-        if st.first is not None: st.tier.fallback = self.submit(model, learn, held=True)
     except Exception as e: return self.act(st, 'unsent', learn, model, now, error=f"{type(e).__name__}: {e}")
     return self.act(st, 'sent', learn, model, now)
 
@@ -537,11 +529,6 @@ def _compiling(aside, st, learn, now):
 
 def _count(aside, st, learn, now): aside.compiling.eager_batches += st.key.training
 
-def _release(aside, st, learn, now):
-    "The tier compiled first failed: the default's job, held, compiles next"
-    st.job, st.tier.fallback, aside.compiling = aside.release(st.tier.fallback), None, st
-    st.default_first()
-
 def _result(aside, st, learn, now, res:JobResult): st.result = res
 
 def _handover(aside, st, learn, now, how:str): st.handover = how # Announced and timed at its next batch
@@ -575,7 +562,7 @@ def _step(st:ModelState)->float|None:
     return None if st.probe is None else (st.probe.step_s or None)
 
 # What each of a move's actions does (`advance`): 'run' and 'send' are `act`'s own
-_ACTS = dict(note=_note, probe=_probe, compiling=_compiling, count=_count, release=_release, result=_result, handover=_handover,
+_ACTS = dict(note=_note, probe=_probe, compiling=_compiling, count=_count, result=_result, handover=_handover,
              warm=_warm, in_path=_in_path, take_over=_take_over,
              default_first=lambda aside, st, learn, now: st.default_first(),
              idle=lambda aside, st, learn, now: aside.worker.idle(),

@@ -77,8 +77,8 @@ def _unsent(stage, f):
     return Stage.READY, (('default_first',), ('note', Note('unsent', error=f.error)), COMPILED)
 
 def _done(stage, f):
-    "The worker finished its job: where a tier compiled first failed, the default's compiles next; else its code takes over, once the ranks agree"
-    if not f.res.ok and f.fallback: return stage, (('release',), ('note', Note('first_failed', res=f.res)))
+    "The worker finished its job: where a tier compiled first failed, the state is judged again at its next batch, for the default's code; else its code takes over, once the ranks agree"
+    if not f.res.ok and f.compiles_first: return Stage.PROBING, (('default_first',), ('note', Note('first_failed', res=f.res))) # Judged again
     acts = (('result', f.res), ('record', f.res))
     if f.agrees: return Stage.DONE, acts
     stage, settled = _settle(f.res, f.rank)
@@ -252,7 +252,7 @@ def _checked(f, keep:bool, tier_s:float, eager_s:float|None):
 def _wait(f, n):
     "The tier compiled first runs while the default's code, which the A/B needs, compiles in the worker"
     if not f.fallback: return (Stage.WAIT, (('send', 'fallback'),)) if not f.default_cached else _ab(f, 0)
-    if (res := f.fallback_res) is None: return Stage.WAIT, (('release',), ('run_tier', True))
+    if (res := f.fallback_res) is None: return Stage.WAIT, (('run_tier', True),)
     stage, acts = _ab(f, 0) if res.ok else _keep_alone(f, res.error)
     return stage, (('fallback_done', res),) + acts
 

@@ -725,7 +725,7 @@ def _eval_slow(eager_s:float, compiled_s:float, batches:int, warm_s:float, withi
 
 def _first_failed(res)->str:
     return (f"the faster tier compiled first in the worker process failed after {res.took_s:.1f}s ({res.error}); the default's "
-            "code, compiled next, takes over")
+            "code compiles next, where the fit's rest pays it back")
 
 def _unfinished(training:bool, eager_batches:int, sent_at:tuple)->str:
     if not training: return f"the fit ended before the worker process finished compiling for evaluation, sent at {_at(sent_at)}"

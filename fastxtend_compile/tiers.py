@@ -392,7 +392,7 @@ class _TierFacts:
     res, has_job = property(lambda self: self.run.res), property(lambda self: self.run.job is not None)
     was_kept = property(lambda self: self.t.aside.warm_starts.was_kept(self.run.record)) # Kept by an earlier fit
     probe_s = property(lambda self: None if self.st.probe is None else self.st.probe.step_s) # The eager step its probe timed
-    fallback = property(lambda self: self.run.fallback is not None) # The default's job, for the A/B, is in the worker or held
+    fallback = property(lambda self: self.run.fallback is not None) # The default's job, for the A/B, is in the worker
     default_cached = property(lambda self: self.t.aside.warm_starts.get(self.st.record) is not None)
 
     # Its eager probe's (`PROBING`)
@@ -504,5 +504,4 @@ _TIER_ACTS = dict(
     record_kept=lambda t, st, learn, model, tier_s, other_s, of: t.aside.warm_starts.kept(st.tier.record, tier_s, other_s, of),
     drop=lambda t, st, learn, model: t.drop(st.tier.tier, model),
     note=lambda t, st, learn, model, note: t.notes.append(note),
-    release=lambda t, st, learn, model: t.aside.release(st.tier.fallback),
     fallback_done=lambda t, st, learn, model, res: (_set(st.tier, fallback=None), t.aside.warm_starts.compiled(st.record, res)))

@@ -219,10 +219,9 @@ class JobResult:
 @dataclass(eq=False)
 class Job:
     "A model state sent to the worker: its file, when it was sent, and the process it went to"
-    path:str # The job's file; its result is written beside it ('' while held)
+    path:str # The job's file; its result is written beside it
     sent:float = field(default_factory=time.perf_counter)
     proc:subprocess.Popen|None = None
-    held:tuple|None = None # (payload, model) of a job prepared but not sent yet (`Worker.release` sends it)
 
 # %% ../nbs/13_worker.ipynb #2b37b883
 def _kill(proc:subprocess.Popen):
@@ -334,19 +333,11 @@ class Worker:
     def submit(self,
         payload:dict, # The job (`job_payload`)
         model:nn.Module, # Its model: the worker imports the modules of its classes as it starts
-        held:bool=False, # Only prepare the job: `release` sends it, to this process or, where it ended, a new one
     )->Job:
         "Send a job to the process, started if it isn't"
-        job = Job('', held=(payload, model))
-        return job if held else self.release(job)
-
-    def release(self, job:Job)->Job:
-        "Send `job`, where it was held: to the process, started if it isn't"
-        if job.held is None: return job
-        (payload, model), job.held = job.held, None
         self.start(next(model.parameters()).device, _modules(model), payload.get('settings', {}).get('backend', 'inductor') == 'inductor')
         self.jobs += 1
-        job.path, job.sent, job.proc = os.path.join(self.tmp, f'job{self.jobs}.pkl'), time.perf_counter(), self.proc
+        job = Job(os.path.join(self.tmp, f'job{self.jobs}.pkl'), proc=self.proc)
         self.waiting.add(job)
         with open(job.path, 'wb') as f: cloudpickle.dump(payload, f)
         try:
@@ -356,8 +347,7 @@ class Worker:
         return job
 
     def poll(self, job:Job)->JobResult|None:
-        "How `job` went; `None` while it compiles, or is held"
-        if job.held is not None: return None
+        "How `job` went; `None` while it compiles"
         if job.proc is not self.proc or self.proc is None: return JobResult(False, 'the worker process was ended')
         res = read_json(job.path + '.done')
         if res is None and self.proc.poll() is None: return None

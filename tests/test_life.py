@@ -13,7 +13,7 @@ def facts(**kw):
     "A training batch of a probed state in one process: 10,000 batches of 100 ms left, nothing recorded, nothing waiting"
     return SimpleNamespace(**{**dict(training=True, handover=None, compiling=False, judges=True, evaluates=True, agrees=False, rank=0,
         leader=True, probe_all=False, probe_batches=8, seen=8, changes=1, any_ready=False, held=False, path=False, in_cache=(None, False),
-        left=10_000, step_s=0.1, cold_cost_s=6., compile_s=20., handover_s=35., fallback=False, has_result=True, warm_rec={}, first_busy=None, tier_kept=False, tier_first=False), **kw})
+        left=10_000, step_s=0.1, cold_cost_s=6., compile_s=20., handover_s=35., compiles_first=False, has_result=True, warm_rec={}, first_busy=None, tier_kept=False, tier_first=False), **kw})
 
 DDP = dict(agrees=True, evaluates=False)
 WARM = ({'warm_s': 1.}, False) # Only the default's code is cached, which compiled warm in 1s
@@ -53,7 +53,7 @@ MOVES = [ # (what, stage, event, facts, the stage it moves to, its actions: each
     ('compiled, under DDP', C, 'done', dict(res=OK, **DDP), D, ['result', 'record']),
     ('failed', C, 'done', dict(res=BAD), F, ['result', 'record', 'note', 'warn']),
     ('failed, on rank 1', C, 'done', dict(res=BAD, rank=1), F, ['result', 'record', 'note']),
-    ('its tier first failed', C, 'done', dict(res=BAD, fallback=True), C, ['release', 'note']),
+    ('its tier first failed: judged again', C, 'done', dict(res=BAD, compiles_first=True), P, ['default_first', 'note']),
     ('the ranks: failed', D, 'agreed', dict(decision='failed', res=BAD, **DDP), F, ['note', 'warn']),
     ('the ranks: warm', J, 'agreed', dict(decision='warm', **DDP), R, ['idle', 'warm']),
     ('the ranks: ready', D, 'agreed', dict(decision='ready', **DDP), R, ['handover']),
@@ -99,7 +99,7 @@ def test_the_verdicts_notes_say_what_it_weighed():
     assert note(actions).text.startswith("trained eagerly: the fit's 84 training batches left, about 0.55s eagerly, are too few")
     _, actions = advance(P, 'batch', facts(left=1800, step_s=0.02, first_busy=0.82)) # CUDA graphs were picked to go first, in the worker
     assert note(actions).text.endswith("compiles in the fit's path); the eager step's measure had picked CUDA graphs to compile first (the GPU ran work 82% of it)")
-    _, actions = advance(C, 'done', facts(res=BAD, fallback=True))
+    _, actions = advance(C, 'done', facts(res=BAD, compiles_first=True))
     assert note(actions).kind == 'first_failed'
 
 def test_a_fit_ends_where_the_next_starts_its_tiers():
@@ -189,7 +189,8 @@ TIER_MOVES = [ # (what, stage, event, facts, the stage it moves to, its actions'
     ('warm: the A/B', WU, 'tier', dict(n=3), AB, ['run_tier', 'time', 'tick']),
     ('kept by an earlier fit', WU, 'tier', dict(n=3, was_kept=[0.05, 0.1, 'the default']), SD, ['kept', 'run_tier', 'took_over']),
     ('compiled first in the path: checked', WU, 'tier', dict(n=3, path=True, **FIRST), CK, ['run_tier', 'time']),
-    ('compiled first in the worker: it waits', WU, 'tier', dict(n=3, fallback=True, **FIRST), WA, ['release', 'run_tier']),
+    ('compiled first in the worker: the A/B waits', WU, 'tier', dict(n=3, default_cached=False, **FIRST), WA, ['send']),
+    ("the default's code compiles", WA, 'tier', dict(fallback=True, **FIRST), WA, ['run_tier']),
     ('it beats the eager step', CK, 'tier', dict(tier_times=[0.05]*8, probe_s=0.1, path=True, **FIRST), SD, KEEP),
     ('no faster than eager', CK, 'tier', dict(tier_times=[0.1]*8, probe_s=0.1, path=True, default_cached=False, **FIRST), WA, ['send']),
     ('the eager step unmeasured', CK, 'tier', dict(tier_times=[0.05]*8, path=True, **FIRST), AB, ['run_tier', 'time', 'tick']),

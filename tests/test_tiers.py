@@ -270,7 +270,7 @@ def test_a_tier_compiled_first_that_fails_in_the_worker_leaves_the_default_to_ta
     learn, ran = _fit(epochs=2, backend='aot_eager')
     notes = learn.compiler.report.background
     assert re.search(r"^the faster tier compiled first in the worker process failed after [\d.]+s \(.*this tier has no kernels for the "
-                     r"model.*\); the default's code, compiled next, takes over$", notes[0]), notes
+                     r"model.*\); the default's code compiles next, where the fit's rest pays it back$", notes[0]), notes
     assert "the compiled code took over" in notes[1] and ran == [], notes # The default's code, and no tier
     assert learn.compiler.report.graphs >= 1
     assert_fit_close(eager.model, learn.model)
