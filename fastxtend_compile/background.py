@@ -97,7 +97,7 @@ class _Facts:
     has_result = property(lambda self: self.st.result is not None)
     tier_kept, tier_first = property(lambda self: self.st.tier.kept), property(lambda self: self.st.tier.first) # Kept; picked to compile first
     warm_rec = property(lambda self: self.aside.warm_starts.get(self.st.compiled_record) or {})
-    # The GPU's share of the eager step, where it picked a tier to compile first (`FirstTier`)
+    # The GPU's share of the eager step, where it picked a tier to compile first (`Tiers.pick_first`)
     first_busy = property(lambda self: self.st.tier.why['busy'] if self.st.first is not None and self.st.tier.why else None)
 
     @cached_property

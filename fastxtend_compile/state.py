@@ -125,8 +125,8 @@ class TierRun:
         self.settings = None # Its `torch.compile` settings while it goes first; `None` once the default's code goes first instead
         self.path = False # It compiles first in the fit's path, not the worker: a worker beside the eager step costs the fit more
         self.fallback = None # The default's `Job` where it compiles first in the worker, for the A/B: held until the tier runs
-        self.held = False # The state's probe waits for its verdict: the eager step's GPU work is measured first (`FirstTier`)
-        self.picked = False # The eager step's GPU work was measured, and a tier to compile first picked or not (`FirstTier`)
+        self.held = False # The state's probe waits for its verdict: the eager step's GPU work is measured first (`Tiers.pick_first`)
+        self.picked = False # The eager step's GPU work was measured, and a tier to compile first picked or not (`Tiers.pick_first`)
         self.step_bytes = None # Bytes the eager step allocated at its peak, where the tier compiled first runs CUDA graphs
         self.batches, self.since = 0, None # Training batches the tier ran in this fit, and where it started: (epoch, batch)
         self.vote = None # (kind, value) of what this process measured, for a decision: 'pick', 'compile', 'check' or 'verdict'

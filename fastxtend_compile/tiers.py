@@ -21,7 +21,7 @@ from .life import advance
 from .report import Note
 
 # %% auto #0
-__all__ = ['TIERS', 'why_no_tiers', 'own_grads', 'decide_tier', 'Tiers', 'FirstTier']
+__all__ = ['TIERS', 'why_no_tiers', 'own_grads', 'decide_tier', 'Tiers']
 
 # %% ../nbs/09_tiers.ipynb #fd24c3e4
 TIERS = { # A tier's `torch.compile` settings, over the model's
@@ -153,6 +153,10 @@ class Tiers:
     # `try_cost_s` where set; `None` derives it from its warm compile and its A/B (`try_cost`)
     try_cost_s = None
     pick = staticmethod(pick_tier) # The policy that picks a state's tier from its measured step
+    # A tier compiled first, before the default's code: CUDA graphs, where the GPU idles in the eager step its probe timed,
+    # and their saving pays back trying them. Its eager batches whose GPU work is measured once the probe timed its own;
+    # the policy that picks it, and the one that compiles it in the fit's path rather than the worker
+    first_batches, pick_first, in_path = 3, staticmethod(first_tier), staticmethod(first_in_path)
     def __init__(self,
         settings:dict, # The model's `torch.compile` settings, from `compile_settings`
         regional:bool=False, # Only the model's repeated blocks are compiled
@@ -162,7 +166,6 @@ class Tiers:
         self.policy = EagerPolicy() if policy is None else policy
         self.aside = None # The fit's background compile, whose worker compiles the tiers; `None` while tiers are off
         self.device = None # The device the fit trains on
-        self.first = FirstTier(self) # Its policies for a tier compiled first, and under DDP rank 0's offer of it
         self.timer = _StepTimer() # Times a batch alone, where its state's stage needs
         self.measuring = None # The `_Profile` measuring the GPU work of the batch running
         self.notes = [] # The report's lines about the tiers of this fit
@@ -271,7 +274,7 @@ def free(self:Tiers)->int|None:
 @patch
 def view(self:Tiers, st)->dict:
     "This rank's part of an agreement of the ranks: its vote on its batch's state's tier, a tier that raised here, the tier it compiles first, its GPU's free memory"
-    first = self.first.offer(st)
+    first = self.offer(st)
     return dict(key=st.record, vote=st.tier.vote, raised=self.raised, first=first,
                 free=None if first is not None else self.free())
 
@@ -340,26 +343,9 @@ def take_notes(self:Tiers)->list:
     notes, self.notes = self.notes, []
     return notes
 
-# %% ../nbs/09_tiers.ipynb #04d59625
-class FirstTier:
-    "A tier compiled first, before the default's code: CUDA graphs, where the GPU idles in the eager step its probe timed, and their saving pays back trying them"
-    batches = 3 # Eager batches whose GPU work is measured, once the probe timed its own
-    choose = staticmethod(first_tier) # The policy that picks the tier compiled first, from the eager step
-    in_path = staticmethod(first_in_path) # The policy that compiles it in the fit's path rather than the worker
-    def __init__(self,
-        tiers:Tiers, # The fit's `Tiers`: their device, settings and worker
-    ):
-        self.tiers = tiers
-
-    def _set(self, run, st, model:nn.Module, name:str, path:bool, why:str, step_bytes:int|None):
-        "Compile tier `name` first for `st`, in the fit's path or the worker"
-        run.tier, run.record, run.why, run.step_bytes = name, self.tiers.record(model, st, name), why, step_bytes
-        run.settings, run.path, run.first, run.picked = self.tiers.settings_of(name), path, True, True
-        st.tier = run
-
 # %% ../nbs/09_tiers.ipynb #0b9246a4
 @patch
-def offer(self:FirstTier, st)->dict|None:
+def offer(self:Tiers, st)->dict|None:
     "The tier this rank compiles first for `st`, for the other ranks to adopt (an 'offered' move of `advance`); `None` where it compiles none"
     run = st.tier
     if not run.first or st.first is None: return None
@@ -401,8 +387,8 @@ class _TierFacts:
     seen = property(lambda self: self.st.probe.seen) # Its batches timed
     probe_batches = property(lambda self: self.t.aside.probe_batches)
     measures = property(lambda self: _BusyMeter.measures(self.t.device)) # The device's work can be measured
-    first_batches, first_for, first_in_path = (property(lambda self, k=k: getattr(self.t.first, k)) for k in ('batches', 'choose', 'in_path'))
-    offering = property(lambda self: self.t.first.offer(self.st) is not None) # This rank offers the ranks its tier compiled first
+    first_batches, first_for, first_in_path = (property(lambda self, k=k: getattr(self.t, k)) for k in ('first_batches', 'pick_first', 'in_path'))
+    offering = property(lambda self: self.t.offer(self.st) is not None) # This rank offers the ranks its tier compiled first
 
     def left_after(self, wait_s:float, step_s:float)->int: return batches_left(self.learn, wait_s, step_s)
 
@@ -482,6 +468,11 @@ def _took_over(t, st, learn, model, against:tuple):
 
 def _set(run, **values): run.__dict__.update(values)
 
+def _first(t, st, learn, model, name:str, path:bool, why:dict, step_bytes:int|None):
+    "Compile tier `name` first for `st`, in the fit's path or the worker"
+    _set(st.tier, tier=name, record=t.record(model, st, name), why=why, step_bytes=step_bytes, settings=t.settings_of(name), path=path,
+         first=True, picked=True)
+
 # What each of a tier move's actions does (`advance`): 'send' is `act`'s own
 _TIER_ACTS = dict(
     fresh=lambda t, st, learn, model: setattr(st, 'tier', TierRun()),
@@ -491,7 +482,7 @@ _TIER_ACTS = dict(
     measure=lambda t, st, learn, model, step_s, batches=None: t.measure(st.tier, learn, step_s, batches),
     hold=lambda t, st, learn, model, on: _set(st.tier, held=on), # The probe's verdict waits for the measure
     picked=lambda t, st, learn, model: _set(st.tier, picked=True, profile=None),
-    first=lambda t, st, learn, model, name, path, why, step_bytes: t.first._set(st.tier, st, model, name, path, why, step_bytes),
+    first=_first,
     vote=lambda t, st, learn, model, vote: _set(st.tier, vote=vote),
     tier=lambda t, st, learn, model, name, why: _set(st.tier, tier=name, record=t.record(model, st, name), why=why),
     compiled=lambda t, st, learn, model, res: (t.aside.warm_starts.compiled(st.tier.record, res), _set(st.tier, res=res)),

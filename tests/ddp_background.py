@@ -97,11 +97,11 @@ class SlowEager(nn.Sequential):
 def path_first(compiled=True, batches=48):
     "A fit of `SlowEager` whose eager step rank 0 finds idle: the tier, the default's arithmetic, compiled first in the fit's path"
     saved = [(o, k, getattr(o, k)) for o,ks in ((Tiers, ('default_on', 'settle_batches', 'time_batches', 'warmup_batches')), (WarmStarts, ('compile_guess_s',)),
-             (tiers.FirstTier, ('choose', 'in_path')), (tiers, ('_BusyMeter', 'why_no_tiers')),
+             (tiers.Tiers, ('pick_first', 'in_path')), (tiers, ('_BusyMeter', 'why_no_tiers')),
              (BackgroundCompile, ('cold_cost_s', 'handover_s')), (life, ('warm_cost',)), (learner_module, ('model',))) for k in ks]
     Tiers.default_on, Tiers.settle_batches, Tiers.time_batches, Tiers.warmup_batches, WarmStarts.compile_guess_s = ('cpu',), 1, 3, 1, 1e-3
-    tiers.FirstTier.choose = staticmethod(lambda busy, *_: 'plain' if busy == 0 else None)
-    tiers.FirstTier.in_path = staticmethod(lambda busy, compile_s, warm_s, start_s: True)
+    tiers.Tiers.pick_first = staticmethod(lambda busy, *_: 'plain' if busy == 0 else None)
+    tiers.Tiers.in_path = staticmethod(lambda busy, compile_s, warm_s, start_s: True)
     tiers._BusyMeter, tiers.why_no_tiers = _IdleMeter, lambda settings: None # The test's backends have no modes
     BackgroundCompile.cold_cost_s, BackgroundCompile.handover_s = 1e-9, lambda self, st, start_s=None: 0. # The probe runs, and any fit pays back a compile
     life.warm_cost = lambda rec, default_s: 1e-9 # A warm one too, however long the cold one took on a busy machine

@@ -168,7 +168,7 @@ def test_a_launch_bound_step_tries_cuda_graphs_and_trains_like_eager(tmp_path, m
 def test_a_launch_bound_eager_step_has_cuda_graphs_compiled_first(tmp_path, monkeypatch):
     "A small CNN's eager step waits on its kernel launches: the worker compiles CUDA graphs first, and they run from the hand-over"
     from fastxtend_compile.background import BackgroundCompile
-    from fastxtend_compile.tiers import Tiers, FirstTier
+    from fastxtend_compile.tiers import Tiers
     from test_tiers import TierBatches # Waits for each job of the worker, so the hand-overs come within the fit
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
     monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 1e-9) # The eager step probed, and any fit worth a worker
@@ -180,7 +180,7 @@ def test_a_launch_bound_eager_step_has_cuda_graphs_compiled_first(tmp_path, monk
     notes = comp.compiler.report.background
     print(*notes, sep='\n')
     # Sent at the probe's verdict, once the eager step was timed and its GPU work measured; done before the next batch
-    at = BackgroundCompile.probe_batches + FirstTier.batches + 2
+    at = BackgroundCompile.probe_batches + Tiers.first_batches + 2
     assert f"the compiled code took over at epoch 0, batch {at}" in notes[0], notes
     assert seen.ran[0][:3] == (0, True, at), seen.ran[:3] # CUDA graphs ran the hand-over's batch
     assert any(re.match(r"tier reduce-overhead (took over at .*CUDA graphs, compiled first|not kept)", n) for n in notes), notes
@@ -190,7 +190,7 @@ def test_a_launch_bound_eager_step_has_cuda_graphs_compiled_first(tmp_path, monk
 def test_a_launch_bound_eager_step_compiles_cuda_graphs_first_in_the_fits_path(tmp_path, monkeypatch):
     "Where the fit's rest pays back a compile in its path, CUDA graphs compile there at the probe's verdict, with no worker"
     from fastxtend_compile.background import BackgroundCompile, WarmStarts
-    from fastxtend_compile.tiers import Tiers, FirstTier
+    from fastxtend_compile.tiers import Tiers
     from test_tiers import TierBatches
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
     monkeypatch.setattr(BackgroundCompile, 'cold_cost_s', 1e-9)
@@ -202,7 +202,7 @@ def test_a_launch_bound_eager_step_compiles_cuda_graphs_first_in_the_fits_path(t
     comp = fit(dict(background=True), cbs=[seen], epochs=4)
     notes = comp.compiler.report.background
     print(*notes, sep='\n')
-    at = BackgroundCompile.probe_batches + FirstTier.batches + 1 # The probe's verdict
+    at = BackgroundCompile.probe_batches + Tiers.first_batches + 1 # The probe's verdict
     assert notes[0].startswith(f"compiled in the fit's path at epoch 0, batch {at}, the faster tier first"), notes
     assert seen.ran[0][:3] == (0, True, at), seen.ran[:3]
     assert any(re.match(r"tier reduce-overhead (took over at .*compiled cold in the fit's path|not kept)", n) for n in notes), notes

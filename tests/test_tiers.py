@@ -146,12 +146,12 @@ def first_tiers(cpu_tiers, monkeypatch):
     monkeypatch.setattr(tiers, '_BusyMeter', _IdleMeter)
     def use(name, settings):
         cpu_tiers(name, settings)
-        monkeypatch.setattr(tiers.FirstTier, 'choose', staticmethod(lambda busy, *_: name if busy == 0 else None))
-        monkeypatch.setattr(tiers.FirstTier, 'in_path', staticmethod(lambda busy, compile_s, warm_s, start_s: False)) # In the worker
+        monkeypatch.setattr(tiers.Tiers, 'pick_first', staticmethod(lambda busy, *_: name if busy == 0 else None))
+        monkeypatch.setattr(tiers.Tiers, 'in_path', staticmethod(lambda busy, compile_s, warm_s, start_s: False)) # In the worker
     return use
 
 # The batch of the probe's verdict, where tiers measure the eager step's GPU work once the probe timed it
-VERDICT = BackgroundCompile.probe_batches + tiers.FirstTier.batches + 1
+VERDICT = BackgroundCompile.probe_batches + tiers.Tiers.first_batches + 1
 
 def _handover(notes:list)->tuple:
     "Where the background compile's code took over, as (epoch, batch)"
@@ -177,7 +177,7 @@ def path_tiers(first_tiers, monkeypatch):
     "First tiers that compile in the fit's path, as the library's policy has a step whose GPU idles throughout"
     def use(name, settings):
         first_tiers(name, settings)
-        monkeypatch.setattr(tiers.FirstTier, 'in_path', staticmethod(first_in_path))
+        monkeypatch.setattr(tiers.Tiers, 'in_path', staticmethod(first_in_path))
         monkeypatch.setattr(WarmStarts, 'compile_guess_s', 1e-3) # Paid back by a digits fit on the CPU
     return use
 
@@ -361,12 +361,12 @@ def test_under_ddp_a_tier_compiled_first_runs_on_every_rank_only_where_its_cuda_
     run = st.tier # As rank 0 picked it
     run.tier, run.settings, run.record, run.path, run.step_bytes = 'reduce-overhead', {'mode': 'reduce-overhead'}, 'tier-record', True, 2*gb
     run.first = run.picked = True
-    assert t.first.offer(st) == offer
+    assert t.offer(st) == offer
     t.act(st, 'offered', None, None, offer=offer, frees=[16*gb, int(2.5*gb)])
     assert [n.text for n in t.take_notes()] == [
         "no tier compiled first: CUDA graphs (reduce-overhead), about 2.0 GB a step, don't fit with room to spare in the 2.5 GB "
         "free on the fullest rank's GPU; the default's code goes first"]
-    assert st.first is None and not st.tier.path and not st.tier.first and st.stage is Stage.PROBING and t.first.offer(st) is None
+    assert st.first is None and not st.tier.path and not st.tier.first and st.stage is Stage.PROBING and t.offer(st) is None
 
 def test_gradients_of_their_own_are_given_where_cuda_graphs_run_and_again_after_an_unfreeze():
     "One part gives the parameters gradients of their own, for CUDA graphs: never off them, once a fit, again where parameters unfroze"
