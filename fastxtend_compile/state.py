@@ -124,7 +124,7 @@ class TierRun:
         self.first = False # The tier was picked to compile first, before the default's code
         self.settings = None # Its `torch.compile` settings while it goes first; `None` once the default's code goes first instead
         self.path = False # It compiles first in the fit's path, not the worker: a worker beside the eager step costs the fit more
-        self.fallback = None # The default's `Job` where it compiles first in the worker, for the A/B: held until the tier runs
+        self.fallback = None # The default's `Job` for the A/B, sent by its first batch in `WAIT`, where the tier compiled first runs meanwhile
         self.held = False # The state's probe waits for its verdict: the eager step's GPU work is measured first (`Tiers.pick_first`)
         self.picked = False # The eager step's GPU work was measured, and a tier to compile first picked or not (`Tiers.pick_first`)
         self.step_bytes = None # Bytes the eager step allocated at its peak, where the tier compiled first runs CUDA graphs
@@ -147,7 +147,7 @@ class TierRun:
         "The run the state's next fit starts with, as `advance`'s 'ended' move says: 'kept', its kept tier's; 'first', this one, its tier compiled first running on until its A/B; 'fresh', a new one"
         if how == 'kept': return TierRun(self.tier, record=self.record)
         if how == 'fresh': return TierRun()
-        # The default's code, which the A/B needs, is compiled in the worker as the fit starts
+        # The default's code, which the A/B needs, is sent to the worker again by its first batch in `WAIT`
         self._restart()
         self.batches, self.since, self.fallback, self.held = 0, None, None, False
         return self
