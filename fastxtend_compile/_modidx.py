@@ -985,6 +985,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
             'fastxtend_compile.payoff': { 'fastxtend_compile.payoff.after_wait': ('payoff.html#after_wait', 'fastxtend_compile/payoff.py'),
                                           'fastxtend_compile.payoff.batches_left': ( 'payoff.html#batches_left',
                                                                                      'fastxtend_compile/payoff.py'),
+                                          'fastxtend_compile.payoff.beside_cost': ( 'payoff.html#beside_cost',
+                                                                                    'fastxtend_compile/payoff.py'),
                                           'fastxtend_compile.payoff.cold_compile': ( 'payoff.html#cold_compile',
                                                                                      'fastxtend_compile/payoff.py'),
                                           'fastxtend_compile.payoff.cold_cost': ('payoff.html#cold_cost', 'fastxtend_compile/payoff.py'),

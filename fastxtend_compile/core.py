@@ -298,7 +298,7 @@ class EagerPolicy:
         self.probing = False # This training batch, run eagerly, is timed alone for a new model state's probe: the eager step
         self.evaluating = False # This batch of an evaluation outside a fit or of `lr_find` runs eagerly: its graph wouldn't pay back
         self.one_off = False # This batch is a one-off, not worth a graph of its own: the last, often smaller, one
-        self.pays = None # `pays(batches, warm)`: whether that many batches are expected to pay back a graph's compile, cold or warm (the report's)
+        self.pays = None # `pays(batches, beside_s)`: whether that many batches are expected to pay back a graph's compile, in the fit's path or a worker's beside it (the report's)
         self.evaluation = None # How this evaluation outside a training fit, or `lr_find`, runs, decided at its first batch (`_verdict`); '' for a training fit
         self.eager_valid = 0 # Batches of this fit's validations run eagerly, their graph not compiled and not worth it
         self.eager_eval = 0 # Batches of this evaluation outside a fit run eagerly, alike
@@ -346,7 +346,7 @@ class EagerPolicy:
 @patch
 def start_fit(self:EagerPolicy,
     aside=None, # A compile outside the fit's path (a `BackgroundCompile`); `None` compiles in it
-    pays:Callable|None=None, # `pays(batches, warm)`: whether that many batches pay back compiling their graph (`warm`: only a warm compile in the fit's path); `None`: never judged to
+    pays:Callable|None=None, # `pays(batches, beside_s)`: whether that many batches pay back compiling their graph (`beside_s`: by a worker beside the fit, for so long); `None`: never judged to
     tiers=None, # The fit's faster tiers (`Tiers`), which choose a training batch's tier once its compiled code runs
 ):
     "A fit starts: it has trained no batch yet"
@@ -508,16 +508,19 @@ def _verdict(self:EagerPolicy, learn,
     n, epochs = getattr(learn, 'n_iter', 1), max(getattr(learn, 'n_epoch', 1) - getattr(learn, 'epoch', 0), 1) if within else 1
     # Where a fit timed the state's batches eager and compiled, they judge it: an evaluation batch may wait on its DataLoader
     if aside is not None and (paid := aside.pays_eval(key, model, n*epochs, within)) is not None: return 'compile' if paid else 'measured'
-    # Compiled cold by the worker beside the fit, its code runs the validations after the worker hands it over, and the
-    # fit's path pays only the hand-over's warm compile. An evaluation outside a fit compiles in its path: it would end first
-    wait_s = aside.cold_wait(key, model) if within and aside is not None else None
-    if worker := wait_s is not None: epochs = validations_after(epochs, wait_s, _epoch_s(learn))
-    return self._paid(n*epochs, worker)
+    # Compiled cold by the worker beside the fit, its code runs the validations after the worker hands it over; the fit's
+    # path pays the hand-over's warm compile, and its steps run slower beside the worker until then. An evaluation outside
+    # a fit compiles in its path: it would end first
+    if (wait_s := aside.cold_wait(key, model) if within and aside is not None else None) is None: return self._paid(n*epochs)
+    return self._paid(n*validations_after(epochs, wait_s, _epoch_s(learn)), wait_s)
 
 @patch
-def _paid(self:EagerPolicy, batches:int, warm:bool=False)->str:
-    "'compile' where `batches` pay back their graph's compile (`warm`: a warm one alone) by the training step's saving, as the report measured it; else 'eager'"
-    return 'compile' if self.pays is not None and batches and self.pays(batches, warm=warm) else 'eager'
+def _paid(self:EagerPolicy,
+    batches:int, # The batches that would run the graph
+    beside_s:float|None=None, # Seconds a worker beside the fit takes until it hands the graph over; `None`: the fit's path compiles it
+)->str:
+    "'compile' where `batches` pay back their graph's compile (and the worker's beside the fit) by the training step's saving, as the report measured it; else 'eager'"
+    return 'compile' if self.pays is not None and batches and self.pays(batches, beside_s=beside_s) else 'eager'
 
 # %% ../nbs/00_core.ipynb #f126ba32
 def _shapes(leaves:list)->tuple:

@@ -9,10 +9,10 @@ from statistics import median, median_low
 
 # %% auto #0
 __all__ = ['MARGIN', 'SAVING', 'WARM_SHARE', 'TIER_COMPILE_S', 'WORKER_START_S', 'WORKER_SLOWDOWN', 'WORKER_HANDOVER_S',
-           'AUTOTUNE_SAVING', 'GRAPHS', 'batches_left', 'after_wait', 'validations_after', 'eager_step', 'pays_back',
-           'rest_needed', 'cold_compile', 'warm_cost', 'recorded_saving', 'eval_pays', 'tier_saving', 'pick_tier',
-           'first_saving', 'first_tier', 'try_cost', 'worker_handover', 'worker_rest', 'cold_cost', 'first_in_path',
-           'cudagraphs_fit', 'faster']
+           'AUTOTUNE_SAVING', 'FORWARD_SHARE', 'GRAPHS', 'batches_left', 'after_wait', 'validations_after',
+           'eager_step', 'pays_back', 'rest_needed', 'cold_compile', 'warm_cost', 'recorded_saving', 'eval_pays',
+           'tier_saving', 'pick_tier', 'first_saving', 'first_tier', 'try_cost', 'worker_handover', 'worker_rest',
+           'beside_cost', 'cold_cost', 'first_in_path', 'cudagraphs_fit', 'faster']
 
 # %% ../nbs/14_payoff.ipynb #23d4101a
 MARGIN = 0.03 # The share of a step a tier must save in an A/B to be kept, and a compiled step to have paid: less is within a step's noise
@@ -33,6 +33,9 @@ TIER_COMPILE_S = 20.
 WORKER_START_S, WORKER_SLOWDOWN = 15., 1.3
 WORKER_HANDOVER_S = WORKER_START_S + TIER_COMPILE_S # Until a compile of the model is recorded
 AUTOTUNE_SAVING = 0.05 # The share of a GPU-bound step that autotuned kernels save
+# An evaluation batch runs the forward alone: about this share of a training step's work, the backward taking about
+# twice the forward's, and of its compile alike
+FORWARD_SHARE = 1/3
 GRAPHS = 'reduce-overhead' # The tier that runs CUDA graphs: the one a launch-bound eager step compiles first (`first_tier`)
 
 def batches_left(
@@ -184,6 +187,13 @@ def worker_rest(
     "The training batches left once a cold worker hands its code over: those before run eagerly, slowed, beside it"
     return after_wait(left, handover_s, step_s * slowdown)
 
+def beside_cost(
+    handover_s:float=WORKER_HANDOVER_S, # Seconds the worker runs beside the fit: from its job to its hand-over (`worker_handover`)
+    slowdown:float=WORKER_SLOWDOWN, # How much slower the fit's steps run beside the worker compiling
+)->float:
+    "Seconds a worker compiling beside the fit costs the fit's steps until it hands over: each runs `slowdown` times as long"
+    return handover_s * (1 - 1/slowdown)
+
 def cold_cost(
     handover_s:float=WORKER_HANDOVER_S, # Seconds a cold worker takes from its job to its hand-over (`worker_handover`)
     start_s:float=WORKER_START_S, # Of them, its start-up, before it compiles
@@ -192,7 +202,7 @@ def cold_cost(
     "Seconds a cold compile in the worker costs the fit's path: the hand-over's warm compile, and what the eager steps beside the worker lose until it hands over"
     # The fit's time with the worker, less its eager time, is this cost less the saving of the batches after the hand-over
     # (`worker_rest`): the batches before it save nothing, and each runs `slowdown` times its eager step
-    return WARM_SHARE * max(handover_s - start_s, 0.) + handover_s * (1 - 1/slowdown)
+    return WARM_SHARE * max(handover_s - start_s, 0.) + beside_cost(handover_s, slowdown)
 
 def first_in_path(
     busy:float|None, # The share of an eager training step in which the GPU runs work; `None` where not measured

@@ -20,7 +20,7 @@ from fastcore.basics import store_attr, groupby, patch
 
 from .core import graph_break_reason, frame_name, hook_owner
 from .internals import *
-from .payoff import pays_back, eager_step as _eager_step, MARGIN, WARM_SHARE
+from .payoff import pays_back, beside_cost, eager_step as _eager_step, MARGIN, WARM_SHARE, FORWARD_SHARE
 
 # %% auto #0
 __all__ = ['CompileEvent', 'CompileReport']
@@ -147,13 +147,16 @@ class CompileReport:
 
     def pays_back(self,
         batches:int, # Batches a graph not compiled yet would run
-        warm:bool=False, # The fit's path compiles it warm: a worker compiles it cold beside the fit, then hands it over
+        beside_s:float|None=None, # Seconds a worker takes compiling an evaluation's graph beside the fit, then hands it over, which the fit's path compiles warm; `None`: the path compiles it cold
     )->bool:
         "Whether `batches` batches are expected to pay back compiling their graph, from the steps and compiles measured so far"
-        # An evaluation batch runs the forward alone: about a third of a training step, and of its compile alike, so one
-        # ratio judges evaluation and training. Nothing measured yet (a first `lr_find`, `get_preds` before any fit): no
+        # An evaluation batch runs the forward alone: about `FORWARD_SHARE` of a training step, and of its compile alike, so
+        # one ratio judges evaluation and training. The seconds a worker beside the fit costs its steps (`beside_cost`) are
+        # the fit's own, in that ratio as many more. Nothing measured yet (a first `lr_find`, `get_preds` before any fit): no
         saving, cost = self.step_saving, self.compile_spike
-        return None not in (saving, cost) and pays_back(batches, saving, cost * (WARM_SHARE if warm else 1.))
+        if None in (saving, cost): return False
+        if beside_s is not None: cost = WARM_SHARE*cost + beside_cost(beside_s)/FORWARD_SHARE
+        return pays_back(batches, saving, cost)
 
     def __repr__(self): return self.summary()
 

@@ -100,14 +100,14 @@ def test_compiled_code_takes_over_from_the_worker_and_trains_like_eager(cold_cac
 
 @pytest.mark.slow
 def test_a_validation_worth_its_hand_overs_warm_compile_compiles_in_the_worker_and_runs_its_code_from_the_hand_over(no_records, monkeypatch):
-    "Judged on the warm compile its hand-over costs the fit's path alone, the fit's validation compiles cold in the worker beside the fit"
+    "Judged with the worker beside the fit, the fit's validation compiles cold in the worker and takes over at its hand-over"
     asked = []
-    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, batches, warm=False: asked.append(warm) or warm)
+    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, batches, beside_s=None: asked.append(beside_s) or beside_s is not None)
     monkeypatch.setattr(BackgroundCompile, 'handover_s', lambda self, st, start_s=None: 0.) # Every validation counts, in a fit this short
     eager = _fit(False)
     comp = _fit(True, cbs=[WaitForWorker(at=2), WaitForWorker(at=0, training=False)])
     r, valid = comp.compiler.report, len(comp.dls.valid)
-    assert asked == [True] # Judged once, at the first validation: cold, so the worker compiles it; begun, the next waits for it
+    assert asked == [0.] # Judged once, at the first validation: cold, so the worker compiles it; begun, the next waits for it
     evaluation = [n for n in r.background if 'compiled for evaluation in a worker process' in n]
     assert len(evaluation) == 1 and "the compiled code took over at epoch 0, batch 1" in evaluation[0], r.background
     assert sum(e.during.startswith('validation') for e in r.events) == 1 # Its graph, compiled warm at the hand-over

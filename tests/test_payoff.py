@@ -167,8 +167,11 @@ def test_a_graph_pays_back_where_the_measured_saving_covers_the_measured_compile
     r = CompileReport(batch_times=[(5., True), (1., True)] + [(0.01, False)]*9, eager_times=[1., 0.019, 0.5, 0.02])
     assert r.compile_spike == pytest.approx(4.99) and r.step_saving == pytest.approx(0.01)
     assert r.pays_back(550) and not r.pays_back(450)
-    # Compiled cold by a worker beside the fit, the fit's path pays its warm compile alone: `WARM_SHARE` (15%) of the 4.99s
-    assert r.pays_back(75, warm=True) and not r.pays_back(74, warm=True) and not r.pays_back(450)
+    # Compiled cold by a worker beside the fit, the fit's path pays its warm compile: `WARM_SHARE` (15%) of the 4.99s. And
+    # the steps the worker slows: beside the fit 1.3s, each step 1.3 times as long, it costs them 0.3s, an evaluation's
+    # three times over in the training step's ratio (`FORWARD_SHARE`)
+    assert r.pays_back(75, beside_s=0.) and not r.pays_back(74, beside_s=0.) and not r.pays_back(450)
+    assert r.pays_back(165, beside_s=1.3) and not r.pays_back(164, beside_s=1.3)
     r.eager_lr_find, r.eager_valid = 20, 15
     assert ("ran eagerly, `lr_find`: 20 batch(es), too few to pay back compiling their graph (a compiled step saves 10.0 ms "
             "against 5.0s to compile)") in r.summary()
@@ -202,7 +205,7 @@ def test_lr_find_and_evaluation_outside_a_fit_run_eagerly_until_their_graph_woul
 @pytest.mark.parametrize('pays', [True, False])
 def test_a_fits_validation_compiles_where_the_fits_validation_batches_left_pay_back(pays, monkeypatch):
     asked = []
-    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, n, warm=False: asked.append(n) or pays)
+    monkeypatch.setattr(CompileReport, 'pays_back', lambda self, n, beside_s=None: asked.append(n) or pays)
     learn = Learner(digits_dls(), two_conv_cnn()).compile(backend='aot_eager')
     with learn.no_bar(), learn.no_logging(): learn.fit(2)
     r, n = learn.compiler.report, len(learn.dls.valid)

@@ -48,7 +48,7 @@ def test_training_batches_run_eagerly_only_to_measure_the_eager_step():
 
 def test_a_fits_validation_compiles_where_the_fits_validation_batches_left_pay_back():
     p, asked = EagerPolicy(compile_valid=False), []
-    p.start_fit(pays=lambda n, warm=False: asked.append(n) or n >= 12)
+    p.start_fit(pays=lambda n, beside_s=None: asked.append(n) or n >= 12)
     # 4 validation batches an epoch of 4: 16, 12, 8 and 4 left. Judged at each validation's first batch, for all of it
     runs = [validation(p, epoch=e, n_epoch=4) for e in range(4)]
     assert asked == [16, 12, 8, 4]
@@ -59,14 +59,14 @@ def test_a_fits_validation_compiles_where_the_fits_validation_batches_left_pay_b
     assert validation(p) == eager
     p.stop()
     p.compile_valid, asked[:] = True, [] # Always compiled, whatever its batches pay
-    p.start_fit(pays=lambda n, warm=False: asked.append(n) or False)
+    p.start_fit(pays=lambda n, beside_s=None: asked.append(n) or False)
     assert validation(p, epoch=3, n_epoch=4) == compiled and asked == []
 
 def test_a_fits_validation_runs_its_graph_where_it_is_compiled_already():
     torch.manual_seed(0)
     model, p = nn.Linear(4, 2), EagerPolicy(compile_valid=False)
     p.watch(compile_model(model, policy=p, backend='aot_eager'))
-    p.start_fit(pays=lambda n, warm=False: False)
+    p.start_fit(pays=lambda n, beside_s=None: False)
     p.start_batch(batch(model=model)); p.end_batch(True)
     g, x = graphs_compiled(), torch.randn(8, 4)
     model.eval()
@@ -79,7 +79,7 @@ def test_a_fits_validation_runs_its_graph_where_it_is_compiled_already():
     with torch.no_grad(): model(x) # Its graph, compiled outside the fit
     assert graphs_compiled() == g + 1
     aside, asked = Aside(evaluation=True), []
-    p.start_fit(aside, pays=lambda n, warm=False: asked.append(n) or False)
+    p.start_fit(aside, pays=lambda n, beside_s=None: asked.append(n) or False)
     assert validation(p, model=model) == [(False, False, True)]*4 # Compiled, whatever its batches pay...
     assert asked == [] and aside.asked == [True] # ...with no compile outside the fit's path to wait for
 
@@ -89,7 +89,7 @@ def test_a_fits_validation_worth_compiling_waits_for_the_compile_outside_the_fit
     for compile_valid, pays, asked, runs in ((False, True, [True] + [False]*3, waits), (True, False, [True] + [False]*3, waits),
                                              (False, False, [True], eager)):
         p, aside = EagerPolicy(compile_valid=compile_valid), Aside(evaluation=True)
-        p.start_fit(aside, pays=lambda n, warm=False: pays)
+        p.start_fit(aside, pays=lambda n, beside_s=None: pays)
         # Worth compiling: each batch asks the worker, and waits eagerly, untimed, until its code is ready; else it runs eagerly
         assert validation(p) == runs and aside.asked == asked
         aside.ready = True
@@ -120,15 +120,15 @@ def test_a_fits_validation_compiled_by_the_worker_counts_the_batches_after_its_h
         learn.recorder = SimpleNamespace(start_epoch=time.time() - epoch_s)
         p.start_batch(learn, key='valid')
         return p.valid_eager
-    # Cold, the worker hands over 35s from now: with 10s epochs, 2 of the 6 validations run its code, 8 batches, and the
-    # fit's path pays its warm compile alone; in inductor's cache already, all 24, compiled in the fit's path
-    for cold, needed, asked, eager in ((True, 8, [(8, True)], False), (True, 9, [(8, True)], True), (False, 24, [(24, False)], False)):
+    # Cold, the worker hands over 35s from now: with 10s epochs, 2 of the 6 validations run its code, 8 batches, judged with
+    # the 35s the worker runs beside the fit; in inductor's cache already, all 24, compiled in the fit's path
+    for cold, needed, asked, eager in ((True, 8, [(8, 35.)], False), (True, 9, [(8, 35.)], True), (False, 24, [(24, None)], False)):
         p, aside, seen = EagerPolicy(compile_valid=False), ColdAside(cold), []
-        p.start_fit(aside, pays=lambda n, warm=False: seen.append((n, warm)) or n >= needed)
+        p.start_fit(aside, pays=lambda n, beside_s=None: seen.append((n, beside_s)) or n >= needed)
         assert first_validation(p, 10.) == eager and seen == asked
         assert aside.asked == [True] + ([] if eager else [False]) # Worth it: the worker is asked about it too
     p, aside, seen = EagerPolicy(compile_valid=False), ColdAside(), []
-    p.start_fit(aside, pays=lambda n, warm=False: seen.append(n) or False)
+    p.start_fit(aside, pays=lambda n, beside_s=None: seen.append(n) or False)
     aside.began = True # An earlier validation's compile began: this one hands over once its code is ready, whatever is left
     assert not first_validation(p, 10.) and seen == [] and aside.asked == [True, False]
 
@@ -143,7 +143,7 @@ class TimedAside(ColdAside):
 def test_a_fits_validation_whose_batches_were_timed_is_judged_by_them_and_each_batch_is_timed_as_it_runs():
     for paid, eager, pays_asked in ((True, False, []), (False, True, []), (None, True, [24])):
         p, aside, asked = EagerPolicy(compile_valid=False), TimedAside(paid), []
-        p.start_fit(aside, pays=lambda n, warm=False: asked.append(n) or False)
+        p.start_fit(aside, pays=lambda n, beside_s=None: asked.append(n) or False)
         p.start_batch(batch(n_epoch=6), key='train'); p.end_batch(True)
         with torch.no_grad(): p.start_batch(batch(training=False, n_iter=4, n_epoch=6), key='valid')
         # 4 batches in each of the 6 validations left; the training steps' payoff is asked only where no fit timed them
@@ -154,7 +154,7 @@ def test_a_fits_validation_whose_batches_were_timed_is_judged_by_them_and_each_b
 def test_an_evaluation_outside_a_fit_whose_batches_were_timed_is_judged_by_them_and_not_counted_as_too_few():
     for paid, eager, pays_asked, counted in ((True, False, [], 0), (False, True, [], 0), (None, True, [10], 2)):
         p, aside, asked = EagerPolicy(compile_valid=False), TimedAside(paid), []
-        p.start_fit(aside, pays=lambda n, warm=False: asked.append(n) or False)
+        p.start_fit(aside, pays=lambda n, beside_s=None: asked.append(n) or False)
         for i in range(2):
             with torch.no_grad(): p.start_batch(batch(training=False, iter=i, n_iter=10), key='valid')
             assert p.evaluating == p.eager == eager, paid
@@ -205,7 +205,7 @@ def test_evaluation_outside_a_fit_compiles_only_where_its_batches_pay_back():
     model, p = nn.Linear(4, 2), EagerPolicy(compile_valid=False)
     p.watch(compile_model(model, policy=p, backend='aot_eager'))
     asked = []
-    def pays(n, warm=False): return asked.append(n) or n >= 100
+    def pays(n, beside_s=None): return asked.append(n) or n >= 100
     # Nothing measured (`pays` None), too few batches to pay, enough: decided at the first batch, for the whole evaluation
     for n_iter, judge, eager in ((10, None, True), (10, pays, True), (100, pays, False)):
         p.start_fit(Aside(), pays=judge)
@@ -237,7 +237,7 @@ def test_lr_find_runs_eagerly_unless_its_graph_is_compiled_or_its_batches_pay_ba
     finder, asked = LRFinder(num_it=50), []
     lr_batch = lambda i=0: SimpleNamespace(training=True, iter=i, n_iter=10, model=model, xb=(), cbs=[finder])
     for enough, eager in ((50, False), (51, True)):
-        p.start_fit(pays=lambda n, warm=False: asked.append(n) or n >= enough)
+        p.start_fit(pays=lambda n, beside_s=None: asked.append(n) or n >= enough)
         for i in range(2):
             p.start_batch(lr_batch(i), measure=True)
             assert p.evaluating == eager and p.eager and p.measuring == (not eager) and p.timed == (not eager)
@@ -245,13 +245,13 @@ def test_lr_find_runs_eagerly_unless_its_graph_is_compiled_or_its_batches_pay_ba
         assert p.eager_lr_find == 2*eager and not p.eager_eval
         p.stop()
     assert asked == [50, 50]
-    p.start_fit(pays=lambda n, warm=False: False) # A fit of its own trains compiled
+    p.start_fit(pays=lambda n, beside_s=None: False) # A fit of its own trains compiled
     p.start_batch(batch(model=model))
     assert not p.eager
     p.stop()
     model.train() # Its training graph compiled: `lr_find` runs it
     model(torch.randn(8, 4))
-    p.start_fit(pays=lambda n, warm=False: False)
+    p.start_fit(pays=lambda n, beside_s=None: False)
     p.start_batch(lr_batch())
     assert not p.evaluating and not p.eager
 
