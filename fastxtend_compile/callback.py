@@ -335,8 +335,8 @@ def restore(self:CompilerCallback):
         self.aside.stop() # A worker still compiling, and its files
         self.compile_recorder.note_background(*self.aside.take_notes(), *self.tiers.take_notes())
         p = self.policy
-        self.compile_recorder.stop(p.compiled_calls(), eager_valid=p.eager_valid, eager_eval=p.eager_eval, eager_lr_find=p.eager_lr_find,
-                                   gc_pauses=self.collector.stop(), trained=fit_trained(self.learn), **self.ddp.averaged())
+        self.compile_recorder.stop(p.compiled_calls(), eager_valid=p.eager_valid, valid_wait_s=p.valid_wait_s, eager_eval=p.eager_eval,
+                                   eager_lr_find=p.eager_lr_find, gc_pauses=self.collector.stop(), trained=fit_trained(self.learn), **self.ddp.averaged())
         self.aside.warm_starts.measured(self.report.compiled_step, self.report.eager_step)
         self.policy.stop()
         self.precision.restore()

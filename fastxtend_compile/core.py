@@ -301,6 +301,7 @@ class EagerPolicy:
         self.pays = None # `pays(batches, beside_s)`: whether that many batches are expected to pay back a graph's compile, in the fit's path or a worker's beside it (the report's)
         self.evaluation = None # How this evaluation outside a training fit, or `lr_find`, runs, decided at its first batch (`_verdict`); '' for a training fit
         self.eager_valid = 0 # Batches of this fit's validations run eagerly, their graph not compiled and not worth it
+        self.valid_wait_s = None # Seconds a worker beside the fit would take to hand over the graph of a validation judged to run eagerly
         self.eager_eval = 0 # Batches of this evaluation outside a fit run eagerly, alike
         self.eager_lr_find = 0 # Batches of this `lr_find` run eagerly, alike
         self.graph_step = None # In a batch, whether its CUDA graphs' step began; `None` outside one: each call begins one
@@ -351,6 +352,7 @@ def start_fit(self:EagerPolicy,
 ):
     "A fit starts: it has trained no batch yet"
     self.trained, self.aside, self.pays, self.eager_valid, self.eager_eval, self.eager_lr_find = False, aside, pays, 0, 0, 0
+    self.valid_wait_s = None
     self.tiers, self.validation, self.evaluation = tiers, None, None
 
 @patch
@@ -512,7 +514,8 @@ def _verdict(self:EagerPolicy, learn,
     # path pays the hand-over's warm compile, and its steps run slower beside the worker until then. An evaluation outside
     # a fit compiles in its path: it would end first
     if (wait_s := aside.cold_wait(key, model) if within and aside is not None else None) is None: return self._paid(n*epochs)
-    return self._paid(n*validations_after(epochs, wait_s, _epoch_s(learn)), wait_s)
+    if (verdict := self._paid(n*validations_after(epochs, wait_s, _epoch_s(learn)), wait_s)) == 'eager': self.valid_wait_s = wait_s # For the report
+    return verdict
 
 @patch
 def _paid(self:EagerPolicy,

@@ -115,6 +115,7 @@ class CompileReport:
     rnns:str = '' # The model's recurrent layers, run eagerly with only the parts around them compiled
     rnn_parts:str = '' # The parts compiled around them
     eager_valid:int = 0 # Validation batches of training fits run eagerly, too few left in their fit to pay back their graph
+    valid_wait_s:float|None = None # Seconds a worker beside the fit would have taken to hand their graph over, where that weighed against them
     eager_eval:int = 0 # Batches of evaluations outside a fit (`get_preds`, `validate`) run eagerly, too few to pay back their graph
     eager_lr_find:int = 0 # Batches of `lr_find` run eagerly, too few to pay back their graph
     eager_frozen:int = 0 # Frozen fits of `fine_tune` run eagerly (`compile_frozen=False`)
@@ -208,11 +209,13 @@ def step_saving(self:CompileReport)->float|None:
 
 # %% ../nbs/01_report.ipynb #fa87c528
 @patch
-def _unpaid(self:CompileReport, what:str, n:int, extra:str='')->str:
-    "The summary's line for `n` batches of `what` run eagerly, too few to pay back their graph"
+def _unpaid(self:CompileReport, what:str, n:int, extra:str='', wait_s:float|None=None)->str:
+    "The summary's line for `n` batches of `what` run eagerly, too few to pay back their graph (and a worker's `wait_s` beside the fit)"
     saving, cost = self.step_saving, self.compile_spike
     why = ("no compiled step measured against an eager one yet" if None in (saving, cost) else
            f"a compiled step saves {_saved(saving)} against {cost:.1f}s to compile")
+    if wait_s is not None and None not in (saving, cost):
+        why += f"; a worker beside the fit would hand it over after about {wait_s:.0f}s, the fit's steps slower until then"
     return f"ran eagerly, {what}: {n} batch(es), too few to pay back compiling their graph ({why}){extra}"
 
 # %% ../nbs/01_report.ipynb #ab5acaf1
@@ -304,7 +307,7 @@ def summary(self:CompileReport)->str:
     if self.precompiled: lines.append(f"  loaded precompiled: {self.precompiled} compiled function(s) from the compile cache, "
                                       "not traced again (`precompile=True`)")
     if self.eager_valid: lines.append("  " + self._unpaid("validation within the fit", self.eager_valid,
-                                                          "; `compile_valid=True` compiles it"))
+                                                          "; `compile_valid=True` compiles it", self.valid_wait_s))
     if self.eager_eval: lines.append("  " + self._unpaid("evaluation outside a fit (`get_preds`, `validate`)", self.eager_eval,
                                                          "; `compile_valid=True` compiles it"))
     if self.eager_lr_find: lines.append("  " + self._unpaid("`lr_find`", self.eager_lr_find))
@@ -462,6 +465,7 @@ def stop(self:CompileRecorder,
     ddp_joined:int=0, # Compiled batches whose gradients DDP's reducer averaged under its `join()`, where this library averaged the others
     ddp_trial:dict|None=None, # Where DDP's reducer and this library's all-reduce were tried in turn: the verdict (`GradSync.found`)
     eager_valid:int=0, # Batches of the fit's validations run eagerly, too few left in the fit to pay back their graph
+    valid_wait_s:float|None=None, # Seconds a worker beside the fit would have taken to hand their graph over, where that weighed against them
     eager_eval:int=0, # Batches of an evaluation outside a fit run eagerly, too few to pay back their graph
     eager_lr_find:int=0, # Batches of an `lr_find` run eagerly, alike
     gc_pauses:list=(), # Seconds of each full garbage collection during the fit
@@ -472,6 +476,7 @@ def stop(self:CompileRecorder,
     r.fit_steps, r.fit_epochs = r.fit_steps + trained[0], r.fit_epochs + trained[1]
     r.gc_pauses += gc_pauses
     r.eager_valid += eager_valid
+    if valid_wait_s is not None: r.valid_wait_s = valid_wait_s
     r.eager_eval += eager_eval
     r.eager_lr_find += eager_lr_find
     r.ddp_backward_graphs, r.ddp_reducer, r.ddp_joined, r.ddp_trial = ddp_backward_graphs, ddp_reducer, ddp_joined, ddp_trial

@@ -177,6 +177,10 @@ def test_a_graph_pays_back_where_the_measured_saving_covers_the_measured_compile
             "against 5.0s to compile)") in r.summary()
     assert ("\n  ran eagerly, validation within the fit: 15 batch(es), too few to pay back compiling their graph (a compiled "
             "step saves 10.0 ms against 5.0s to compile); `compile_valid=True` compiles it\n") in r.summary()
+    r.valid_wait_s = 29.6 # Judged with a worker beside the fit: its wait, and the steps it slows, weighed too
+    assert ("validation within the fit: 15 batch(es), too few to pay back compiling their graph (a compiled step saves 10.0 ms "
+            "against 5.0s to compile; a worker beside the fit would hand it over after about 30s, the fit's steps slower until "
+            "then); `compile_valid=True` compiles it\n") in r.summary()
     # Where the eager step is within `MARGIN` (3%) of the compiled step, nothing is saved: not "0.3 ms"
     r = CompileReport(batch_times=[(5., True), (1., True)] + [(0.01, False)]*9, eager_times=[1., 0.0103, 0.5, 0.0102], eager_valid=15)
     assert r.step_saving == 0 and ("validation within the fit: 15 batch(es), too few to pay back compiling their graph (a compiled "

@@ -126,6 +126,7 @@ def test_a_fits_validation_compiled_by_the_worker_counts_the_batches_after_its_h
         p, aside, seen = EagerPolicy(compile_valid=False), ColdAside(cold), []
         p.start_fit(aside, pays=lambda n, beside_s=None: seen.append((n, beside_s)) or n >= needed)
         assert first_validation(p, 10.) == eager and seen == asked
+        assert p.valid_wait_s == (35. if eager else None) # The worker's wait weighed in the verdict, for the report to say
         assert aside.asked == [True] + ([] if eager else [False]) # Worth it: the worker is asked about it too
     p, aside, seen = EagerPolicy(compile_valid=False), ColdAside(), []
     p.start_fit(aside, pays=lambda n, beside_s=None: seen.append(n) or False)
