@@ -148,12 +148,13 @@ class CompileReport:
 
     def pays_back(self,
         batches:int, # Batches a graph not compiled yet would run
-        beside_s:float|None=None, # Seconds a worker takes compiling an evaluation's graph beside the fit, then hands it over, which the fit's path compiles warm; `None`: the path compiles it cold
+        beside_s:float|None=None, # Seconds from an evaluation graph's job to its hand-over, where a worker compiles it beside the fit and the fit's path warm; `None`: the fit's path compiles it cold
     )->bool:
         "Whether `batches` batches are expected to pay back compiling their graph, from the steps and compiles measured so far"
         # An evaluation batch runs the forward alone: about `FORWARD_SHARE` of a training step, and of its compile alike, so
         # one ratio judges evaluation and training. The seconds a worker beside the fit costs its steps (`beside_cost`) are
-        # the fit's own, in that ratio as many more. Nothing measured yet (a first `lr_find`, `get_preds` before any fit): no
+        # whole seconds of the fit, so that ratio counts them 1/`FORWARD_SHARE` times. Nothing measured yet (a first
+        # `lr_find`, `get_preds` before any fit): no
         saving, cost = self.step_saving, self.compile_spike
         if None in (saving, cost): return False
         if beside_s is not None: cost = WARM_SHARE*cost + beside_cost(beside_s)/FORWARD_SHARE
