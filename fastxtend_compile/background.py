@@ -19,7 +19,7 @@ from .core import model_fingerprint, check_switches
 from .internals import inductor_cache_dir
 from .worker import Worker, Job, JobResult, job_payload, read_json, write_json
 from .state import StateKey, Stage, Probe, ModelState, state_key
-from .payoff import TIER_COMPILE_S, WORKER_START_S, batches_left, cold_compile, cold_cost, worker_handover, eval_pays, warm_cost
+from .payoff import TIER_COMPILE_S, WORKER_START_S, batches_left, cold_compile, cold_cost, worker_handover, eval_pays, warm_cost, try_cost
 from .life import advance
 from .agreement import Local, DDP
 from .report import Note, handover_text
@@ -72,10 +72,12 @@ class WarmRecords:
 
 # %% ../nbs/08_background.ipynb #c242d0a8
 class _Facts:
-    "What a move of model state `st` may need to know (`advance`), each read where the move asks: the fit's, the state's, the records'"
-    def __init__(self, aside, st:ModelState, learn, **given):
-        self.aside, self.st, self.learn = aside, st, learn
-        self.__dict__.update(given) # What the event brings: the worker's result, the ranks' decision
+    "What a move of model state `st` may need to know (`advance`), each read where the move asks: the fit's, the state's, its tiers', the records'"
+    def __init__(self, aside, st:ModelState, learn, model:nn.Module|None=None, **given):
+        self.aside, self.st, self.run, self.learn, self.model = aside, st, st.tier, learn, model
+        self.__dict__.update(given) # What the event brings: the worker's result, the ranks' decision, why a job wasn't sent, rank 0's offer
+        self.tiers_read = {} # Each tier asked about: what `tier_read` read of it
+    t = property(lambda self: self.aside.tiers) # The fit's faster tiers (`Tiers`), where it tries them
     training = property(lambda self: self.st.key.training)
     handover = property(lambda self: self.st.handover) # A hand-over its next batch makes
     compiling = property(lambda self: self.aside.compiling is not None) # The worker compiles a state
@@ -86,19 +88,39 @@ class _Facts:
     leader = property(lambda self: self.aside.ranks.leader) # This rank runs its device's worker
     probe_all = property(lambda self: self.aside.cold_cost_s == 0) # Every state compiles, unprobed
     probe_batches = property(lambda self: self.aside.probe_batches)
+    probed = property(lambda self: self.st.probe is not None) # Probed: not compiled at once
     seen = property(lambda self: self.st.probe.seen if self.aside.last_probed is self.st else 0) # Its probe's batches, timed in a row
     changes = property(lambda self: self.aside.changes + (self.aside.last_probed is not self.st)) # How often the state probed changed
     any_ready = property(lambda self: any(s.stage.compiled for s in self.aside.states.values()))
-    held = property(lambda self: self.st.tier.held)
-    path = property(lambda self: self.st.tier.path) # A tier compiled first compiles in the fit's path
+    probe_s = property(lambda self: None if self.st.probe is None else self.st.probe.step_s) # The eager step its probe timed
     left = property(lambda self: batches_left(self.learn))
-    step_s = property(lambda self: self.st.probe.step_s) # The eager step its probe timed
-    compiles_first = property(lambda self: self.st.first is not None) # Its job compiles a faster tier first
     has_result = property(lambda self: self.st.result is not None)
-    tier_kept, tier_first = property(lambda self: self.st.tier.kept), property(lambda self: self.st.tier.first) # Kept; picked to compile first
     warm_rec = property(lambda self: self.aside.warm_starts.get(self.st.compiled_record) or {})
     # The GPU's share of the eager step, where it picked a tier to compile first (`Tiers.pick_first`)
-    first_busy = property(lambda self: self.st.tier.why['busy'] if self.st.first is not None and self.st.tier.why else None)
+    first_busy = property(lambda self: self.run.why['busy'] if self.st.first is not None and self.run.why else None)
+
+    # Its tiers' (`TierRun`): the run's own
+    n, name = property(lambda self: self.run.n), property(lambda self: self.run.tier) # Batches of its stage so far; the tier
+    kept, first = property(lambda self: self.run.kept), property(lambda self: self.run.first) # Kept; picked to compile first
+    first_gone = property(lambda self: self.st.first is None) # None compiled first, or the default's code was cached instead
+    path = property(lambda self: self.run.path) # A tier compiled first compiles in the fit's path
+    held, picked = property(lambda self: self.run.held), property(lambda self: self.run.picked) # Its probe's verdict waits for a measure; the tier to compile first picked, or none
+    base, tier_times, ab_base, agreed = (property(lambda self, k=k: getattr(self.run, k)) for k in ('base', 'tier_times', 'ab_base', 'agreed'))
+    tier_res, has_job = property(lambda self: self.run.res), property(lambda self: self.run.job is not None) # The tier's result; its job sent
+    fallback = property(lambda self: self.run.fallback is not None) # The default's job, for the A/B, is in the worker
+    # The fit's (`Tiers`)
+    settle_batches, time_batches, warmup_batches, ab_batches, first_batches = (
+        property(lambda self, k=k: getattr(self.t, k)) for k in ('settle_batches', 'time_batches', 'warmup_batches', 'ab_batches', 'first_batches'))
+    tier_for, first_for, first_in_path = (property(lambda self, k=k: getattr(self.t, k)) for k in ('pick', 'pick_first', 'in_path'))
+    graphs, free, measures = property(lambda self: self.t.graphs), property(lambda self: self.t.free()), property(lambda self: self.t.measures())
+    profiled = property(lambda self: self.t.profiled(self.run.profile)) # (GPU seconds, peak bytes) of the step; `False`: unmeasurable
+    dropped = property(lambda self: self.run.tier in self.t.dropped) # It raised in this fit
+    offering = property(lambda self: self.t.offer(self.st) is not None) # This rank offers the ranks its tier compiled first
+    # The records'
+    was_kept = property(lambda self: self.aside.warm_starts.was_kept(self.run.record)) # Kept by an earlier fit
+    default_cached = property(lambda self: self.aside.warm_starts.get(self.st.record) is not None)
+
+    def left_after(self, wait_s:float, step_s:float)->int: return batches_left(self.learn, wait_s, step_s)
 
     @cached_property
     def in_cache(self)->tuple:
@@ -124,6 +146,29 @@ class _Facts:
     def cold_cost_s(self)->float:
         "Seconds a cold compile of the state in the worker costs the fit's path (`cold_cost`); `cold_cost_s` where the fit sets it"
         return cold_cost(self.handover_s, self.start_s) if self.aside.cold_cost_s is None else self.aside.cold_cost_s
+
+    def tier_read(self, name:str)->tuple:
+        "(what was recorded of the state compiled with tier `name`, seconds it takes compiling cold: as recorded of it, else of the default's code): read once a move, however often it asks"
+        if name not in self.tiers_read: self.tiers_read[name] = self.aside.warm_starts.read(self.t.record(self.model, self.st, name), self.st.record)
+        return self.tiers_read[name]
+
+    def tier_cached(self, name:str)->bool: return self.tier_read(name)[0] is not None # Inductor's cache has its code
+    def tier_compile_s(self, name:str)->float: return self.tier_read(name)[1]
+
+    def tier_warm_s(self, name:str)->float:
+        "Seconds tier `name` takes compiling warm in the fit's path, from inductor's cache: as recorded of it, else its share of the cold compile (`warm_cost`)"
+        return warm_cost(*self.tier_read(name))
+
+    def try_cost_s(self, name:str, saving_s:float)->float:
+        "Seconds trying tier `name`, `saving_s` faster a step, costs the fit's path (`try_cost`); `Tiers.try_cost_s` where set"
+        if self.t.try_cost_s is not None: return self.t.try_cost_s
+        return try_cost(self.tier_warm_s(name), saving_s, self.t.ab_batches)
+
+    @cached_property
+    def polled(self)->JobResult|None: return self.aside.poll(self.run.job) # The tier's job, once done
+
+    @cached_property
+    def fallback_res(self)->JobResult|None: return self.aside.poll(self.run.fallback) # The default's, once done
 
 # %% ../nbs/08_background.ipynb #a4ab0373
 class _WarmTimer:
@@ -320,10 +365,11 @@ class BackgroundCompile:
         self.timing = None # The state whose probe times the batch running, alone
         self.notes = [] # What the background compile did in this fit, for the report: `Note`s
         self.params = None # (model, its parameters), kept through a fit: each batch's state reads their flags, not the modules
+        self.tiers = None # The fit's faster tiers (`Tiers`), whose actions a state's moves take once its code runs; `None` while tiers are off
 
     def __getstate__(self): # A copy of the callback (`learn.export`) starts with no worker and nothing compiled
         return {**self.__dict__, 'worker': Worker(), 'ranks': Local(), 'states': {}, 'compiling': None, 'last_probed': None, 'timing': None,
-                'show': None, 'params': None}
+                'show': None, 'params': None, 'tiers': None}
 
     def start(self,
         show, # Where the hand-over is announced (`CompilerCallback._show`)
@@ -420,26 +466,28 @@ def runs_eagerly(self:BackgroundCompile,
     return self.act(st, 'batch', learn, model, now)
 
 @patch
-def facts(self:BackgroundCompile, st:ModelState, learn, **given)->_Facts:
+def facts(self:BackgroundCompile, st:ModelState, learn, model:nn.Module|None=None, **given)->_Facts:
     "What a move of `st` may need to know, read where it asks; `given`: what its event brings"
-    return _Facts(self, st, learn, **given)
+    return _Facts(self, st, learn, model, **given)
 
 @patch
 def act(self:BackgroundCompile,
     st:ModelState, # The state that moves
-    event:str, # What happened (`advance`)
+    event:str, # What happened (`advance`): 'batch', 'tier' (a training batch of its tiers), 'sent', 'unsent', 'done', 'agreed', 'offered', 'raised' or 'ended'
     learn, # The `Learner` whose batch this is
     model:nn.Module|None=None, # The model being compiled (not DDP's wrapper)
     now:float|None=None, # When the batch started
     **given, # What the event brings
 )->bool:
-    "Move `st` on `event` and carry out the move's actions, deciding nothing; whether the batch runs eagerly, where the move runs it"
-    st.stage, actions = advance(st.stage, event, self.facts(st, learn, **given))
+    "The one executor of a state's moves: move `st` on `event`, carry out the move's actions, deciding nothing; whether the batch runs eagerly, where the move runs it"
+    stage, actions = advance(st.stage, event, self.facts(st, learn, model, **given))
+    st.to(stage)
     eager = True
     for kind, *args in actions:
         if kind == 'run': eager = args[0] == 'eager'
-        elif kind == 'send': eager = self.send(st, learn, model, now)
-        else: _ACTS[kind](self, st, learn, now, *args)
+        elif kind == 'send': eager = self.send(st, learn, model, now, *args) # Its move is then 'sent' or 'unsent'
+        elif kind in _ACTS: _ACTS[kind](self, st, learn, now, *args)
+        else: self.tiers.acts[kind](self.tiers, st, learn, model, *args) # Its tiers': their timer, measures, compiled calls
     return eager
 
 @patch(as_prop=True)
@@ -481,10 +529,18 @@ def poll(self:BackgroundCompile, job:Job)->JobResult|None:
     return self.worker.poll(job)
 
 @patch
-def send(self:BackgroundCompile, st:ModelState, learn, model:nn.Module, now:float|None=None)->bool:
-    "Have the worker compile `st` while the fit trains eagerly: its move is 'sent', or 'unsent'; whether this batch runs eagerly"
+def send(self:BackgroundCompile,
+    st:ModelState, # The state whose batch this is
+    learn, # The `Learner` whose batch this is: its inputs are the job's
+    model:nn.Module, # The model being compiled, in the state of this batch
+    now:float|None=None, # When the batch started
+    what:str='state', # The state's code ('state'); once it runs, a faster tier's ('tier'), or the default's again for the tier's A/B ('fallback')
+)->bool:
+    "Have the worker compile `what` of `st` while the fit trains on: its move is 'sent', or 'unsent'; whether this batch runs eagerly"
     try:
-        st.job = self.submit(model, learn, None if st.first is None else st.first[0])
+        if what == 'tier': st.tier.job = self.submit(model, learn, self.tiers.settings_of(st.tier.tier))
+        elif what == 'fallback': st.tier.fallback = self.submit(model, learn)
+        else: st.job = self.submit(model, learn, None if st.first is None else st.first[0])
     except Exception as e: return self.act(st, 'unsent', learn, model, now, error=f"{type(e).__name__}: {e}")
     return self.act(st, 'sent', learn, model, now)
 

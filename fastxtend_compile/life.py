@@ -22,7 +22,7 @@ EAGER, COMPILED = ('run', 'eager'), ('run', 'compiled') # A batch move's last ac
 def advance(
     stage:Stage, # Where the model state is
     event:str, # What happened: 'batch', 'tier' (a training batch of its faster tiers), 'sent', 'unsent', 'done', 'agreed', 'offered', 'raised' or 'ended'
-    f, # What is known, each fact read where the move needs it (`BackgroundCompile.facts`, `Tiers.facts`)
+    f, # What is known, each fact read where the move needs it (`BackgroundCompile.facts`)
 )->tuple:
     "(stage, actions): where the state moves on `event`, and what the fit's parts do about it"
     return _MOVES[event](stage, f)
@@ -48,7 +48,7 @@ def _judge(stage, f):
     default_first = (('default_first',),) if rec is not None and not first else () # Only the default's code is cached
     # A tier compiled first in the fit's path was found to pay back its compile there, by the tier's own saving
     if rec is None and f.path: return _worth(stage, f, rec, True)
-    cost, saving, left, step_s = f.cold_cost_s if rec is None else warm_cost(rec, f.compile_s), recorded_saving(rec, f.first_busy), f.left, f.step_s
+    cost, saving, left, step_s = f.cold_cost_s if rec is None else warm_cost(rec, f.compile_s), recorded_saving(rec, f.first_busy), f.left, f.probe_s
     # A cold compile goes to the worker: its code serves only the batches left after its hand-over
     if pays_back(left if rec is not None else worker_rest(left, step_s, f.handover_s), saving*step_s, cost):
         stage, acts = _worth(stage, f, rec, False)
@@ -78,7 +78,7 @@ def _unsent(stage, f):
 
 def _done(stage, f):
     "The worker finished its job: where a tier compiled first failed, the state is judged again at its next batch, for the default's code; else its code takes over, once the ranks agree"
-    if not f.res.ok and f.compiles_first: return Stage.PROBING, (('default_first',), ('note', Note('first_failed', res=f.res))) # Judged again
+    if not f.res.ok and not f.first_gone: return Stage.PROBING, (('default_first',), ('note', Note('first_failed', res=f.res))) # Judged again
     acts = (('result', f.res), ('record', f.res))
     if f.agrees: return Stage.DONE, acts
     stage, settled = _settle(f.res, f.rank)
@@ -101,8 +101,8 @@ def _agreed(stage, f):
 
 def _ended(stage, f):
     "The fit ended, the state's code compiled and kept for later fits: a kept tier runs from the next fit's first batch; a tier compiled first runs on until its A/B; any other state tries its tiers again"
-    if f.tier_kept: return Stage.SETTLED, (('end_fit', 'kept'),)
-    if f.tier_first and stage in (Stage.WARMUP, Stage.CHECK, Stage.WAIT): return Stage.WAIT, (('end_fit', 'first'),)
+    if f.kept: return Stage.SETTLED, (('end_fit', 'kept'),)
+    if f.first and stage in (Stage.WARMUP, Stage.CHECK, Stage.WAIT): return Stage.WAIT, (('end_fit', 'first'),)
     return Stage.READY, (('end_fit', 'fresh'),)
 
 # %% ../nbs/20_life.ipynb #6e1b7a30
@@ -170,7 +170,7 @@ def _profile(f, n):
 
 def _vote(f, vote:tuple):
     "What this process measured, decided at once; under DDP cast for the ranks' next agreement, a tier compiled first running meanwhile"
-    return _decided(f, *vote) if not f.together else (Stage.AGREE, (('vote', vote),) + _meanwhile(f))
+    return _decided(f, *vote) if not f.agrees else (Stage.AGREE, (('vote', vote),) + _meanwhile(f))
 
 def _meanwhile(f): return (('run_tier', True),) if f.first else () # The default's code may not be compiled
 
@@ -209,17 +209,17 @@ def _tier_sent(stage, f):
 def _tier_unsent(stage, f):
     "The job could not be sent, with `f.error`: the tier compiled first is kept without an A/B; a tier is not tried (under DDP, every rank's failure)"
     if stage is Stage.WAIT: return _keep_alone(f, f.error, unsent=True)
-    if f.together: return Stage.TIER_COMPILING, (('res', JobResult(False, unsent_text(f.error))),)
+    if f.agrees: return Stage.TIER_COMPILING, (('res', JobResult(False, unsent_text(f.error))),)
     return _settled_with(Note('tier_unsent', name=f.name, error=f.error))
 
 def _tier_compiling(f, n):
     "Wait for the worker, under DDP every device's: the tier's code, or why it failed"
-    res, acts = f.res, ()
+    res, acts = f.tier_res, ()
     if res is None and f.has_job and f.polled is not None: res, acts = f.polled, (('compiled', f.polled),)
     mine = res or (None if f.has_job else JobResult(True)) # A rank without a job: its device's worker compiles
     vote = ('compile', None if mine is None else dict(ok=mine.ok, error=mine.error, oom=mine.oom, took_s=mine.took_s))
-    decided = f.agreed if f.together else vote
-    if decided is None or (v := decided[1]) is None: return Stage.TIER_COMPILING, acts + ((('vote', vote),) if f.together else ())
+    decided = f.agreed if f.agrees else vote
+    if decided is None or (v := decided[1]) is None: return Stage.TIER_COMPILING, acts + ((('vote', vote),) if f.agrees else ())
     if not v['ok']: return Stage.SETTLED, acts + (('note', Note('tier_failed', name=f.name, res=JobResult(False, v['error'], v['oom'], took_s=v['took_s']))),)
     stage, more = _switch()
     return stage, acts + more

@@ -132,12 +132,7 @@ class TierRun:
         self.vote = None # (kind, value) of what this process measured, for a decision: 'pick', 'compile', 'check' or 'verdict'
         self.agreed = None # (kind, value) the ranks decided on, under DDP, for this rank to act on
 
-    def to(self, st, stage:Stage):
-        "Move `st` on to `stage` of the tiers, from its first batch: a vote of the stage before it is moot"
-        st.stage = stage
-        self._restart()
-
-    def _restart(self):
+    def restart(self):
         "A stage starts: no batch of it yet, no vote, no measure under way"
         self.n, self.vote, self.agreed = 0, None, None
         if self.profile is not None: self.profile.end()
@@ -148,7 +143,7 @@ class TierRun:
         if how == 'kept': return TierRun(self.tier, record=self.record)
         if how == 'fresh': return TierRun()
         # The default's code, which the A/B needs, is sent to the worker again by its first batch in `WAIT`
-        self._restart()
+        self.restart()
         self.batches, self.since, self.fallback, self.held = 0, None, None, False
         return self
 
@@ -166,6 +161,11 @@ class ModelState:
         self.sent_at = None # Where in the fit its job was sent: (epoch, batch)
         self.handover = None # 'worker' or 'warm': how its compiled code takes over, at its next batch
         self.tier = TierRun() # Its way through the faster tiers (`Tiers`), from its probe, where the step's GPU work is measured
+
+    def to(self, stage:Stage):
+        "Move on to `stage`: a new stage starts from its first batch, a vote or a measure of the one before moot"
+        if stage is not self.stage: self.tier.restart()
+        self.stage = stage
 
     @property
     def first(self)->tuple|None:

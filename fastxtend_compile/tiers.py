@@ -5,7 +5,6 @@
 # %% ../nbs/09_tiers.ipynb #78bf5b90
 from __future__ import annotations
 import time
-from functools import cached_property
 
 import torch
 from torch import nn
@@ -13,11 +12,10 @@ from fastcore.basics import patch
 
 from .core import uses_cudagraphs, compiled_call, CompiledCall, EagerPolicy
 from .internals import gpu_sleep
-from .worker import error_text, JobResult
+from .worker import error_text
 from .state import StateKey, Stage, TierRun
-from .payoff import batches_left, pick_tier, first_tier, first_in_path, cudagraphs_fit, warm_cost, try_cost
+from .payoff import pick_tier, first_tier, first_in_path
 from .background import BackgroundCompile, position
-from .life import advance
 from .report import Note
 
 # %% auto #0
@@ -188,7 +186,7 @@ class Tiers:
         if (why := why_no_tiers(self.settings)) is not None:
             if why: self.notes.append(why)
             return
-        self.aside, self.together = aside, aside.ranks.agrees
+        self.aside, self.together, aside.tiers = aside, aside.ranks.agrees, self # Its worker compiles the tiers, its executor carries out their moves
         aside.ranks.join(self) # Under DDP the ranks agree on each tier: picked, compiled on every device, kept
 
 # %% ../nbs/09_tiers.ipynb #fef401a8
@@ -205,12 +203,17 @@ def before_batch(self:Tiers,
     if self.aside is None or not learn.training or (st := self.aside.states.get(key)) is None: return
     # Eager, its probe's: under DDP rank 0 alone probes, the others learn of a tier compiled first at an agreement (`agreed`)
     if st.stage is not Stage.PROBING and (eager or not self.aside.ready(key)): return # Else its compiled code doesn't run it yet
-    self.act(st, 'tier', learn, model)
+    self.aside.act(st, 'tier', learn, model)
+
+@patch
+def measures(self:Tiers)->bool:
+    "Whether a step's GPU work can be measured on the fit's device"
+    return _BusyMeter.measures(self.device)
 
 @patch
 def profiled(self:Tiers, profile:_Profile|None)->tuple|bool|None:
     "(GPU seconds a step, bytes at its peak) that `profile` measured; `False` where the fit's device can't be measured; `None` till done"
-    if not _BusyMeter.measures(self.device): return False
+    if not self.measures(): return False
     return None if profile is None else profile.result()
 
 @patch
@@ -294,7 +297,7 @@ def agreed(self:Tiers, st, views:list, learn, model:nn.Module, decision:str|None
         st.tier.vote, st.tier.agreed = None, decided
     # Rank 0 compiles a tier first: every rank does, where its memory fits every rank's GPU (`advance`); the state starts at the next agreement
     if (offer := views[0]['first']) is not None and any(v['first'] is None for v in views) and st.stage in (Stage.PROBING, Stage.JUDGED):
-        self.act(st, 'offered', learn, model, offer=offer, frees=[v['free'] for v in views if v['free'] is not None])
+        self.aside.act(st, 'offered', learn, model, offer=offer, frees=[v['free'] for v in views if v['free'] is not None])
 
 # %% ../nbs/09_tiers.ipynb #03c8df60
 def _calls(model:nn.Module)->list:
@@ -321,7 +324,7 @@ def _drop_raised(self:Tiers, name:str, learn, model:nn.Module, note:Note):
     "Drop tier `name`, which raised: no state keeps it in this fit, and its record no longer says it was kept, so a later fit tries it afresh"
     self.dropped.add(name)
     for st in self._states():
-        if st.tier.tier == name: self.act(st, 'raised', learn, model)
+        if st.tier.tier == name: self.aside.act(st, 'raised', learn, model)
     self.drop(name, model)
     self.notes.append(note)
 
@@ -335,6 +338,7 @@ def stop(self:Tiers):
         # Where it ran, and what the fit ended before: the default's code compiled for the A/B, or the check against eager
         until = {Stage.WAIT: 'default', Stage.CHECK: 'check'}.get(st.stage, '')
         if r.batches and (until or r.kept): self.notes.append(Note('tier_ran', name=r.tier, batches=r.batches, since=r.since, until=until))
+    if self.aside is not None: self.aside.tiers = None
     self.aside = None
 
 @patch
@@ -352,109 +356,7 @@ def offer(self:Tiers, st)->dict|None:
     if st.stage not in (Stage.PROBING, Stage.JUDGED): return None # Settled: compiled, or too short to pay
     return dict(tier=run.tier, path=run.path, why=run.why, step_bytes=run.step_bytes)
 
-# %% ../nbs/09_tiers.ipynb #27bdc29b
-class _TierFacts:
-    "What a tier move of model state `st` may need to know (`advance`), each read where the move asks"
-    def __init__(self, tiers:Tiers, st, learn, model:nn.Module, **given):
-        self.t, self.st, self.run, self.learn, self.model = tiers, st, st.tier, learn, model
-        self.__dict__.update(given) # What the event brings: why a job wasn't sent; rank 0's offer and the ranks' free memory
-        self.tiers_read = {} # Each tier asked about: what `tier_read` read of it
-    n = property(lambda self: self.run.n) # Batches of its stage so far
-    name = property(lambda self: self.run.tier)
-    kept, first = property(lambda self: self.run.kept), property(lambda self: self.run.first) # Kept; compiled first
-    first_gone = property(lambda self: self.st.first is None) # None compiled first, or the default's code was cached instead
-    path = property(lambda self: self.run.path) # The tier compiled first compiles in the fit's path
-    dropped = property(lambda self: self.run.tier in self.t.dropped) # It raised in this fit
-    base, tier_times, ab_base = (property(lambda self, k=k: getattr(self.run, k)) for k in ('base', 'tier_times', 'ab_base'))
-    settle_batches, time_batches, warmup_batches, ab_batches = (
-        property(lambda self, k=k: getattr(self.t, k)) for k in ('settle_batches', 'time_batches', 'warmup_batches', 'ab_batches'))
-    profiled = property(lambda self: self.t.profiled(self.run.profile)) # (GPU seconds, peak bytes) of the step; `False`: unmeasurable
-    free = property(lambda self: self.t.free())
-    together = property(lambda self: self.t.together)
-    agreed = property(lambda self: self.run.agreed) # (kind, value) the ranks decided on its vote
-    leader = property(lambda self: self.t.aside.ranks.leader) # This rank's worker compiles for its device
-    tier_for = property(lambda self: self.t.pick)
-    graphs = property(lambda self: self.t.graphs)
-    res, has_job = property(lambda self: self.run.res), property(lambda self: self.run.job is not None)
-    was_kept = property(lambda self: self.t.aside.warm_starts.was_kept(self.run.record)) # Kept by an earlier fit
-    probe_s = property(lambda self: None if self.st.probe is None else self.st.probe.step_s) # The eager step its probe timed
-    fallback = property(lambda self: self.run.fallback is not None) # The default's job, for the A/B, is in the worker
-    default_cached = property(lambda self: self.t.aside.warm_starts.get(self.st.record) is not None)
-
-    # Its eager probe's (`PROBING`)
-    probed = property(lambda self: self.st.probe is not None) # Probed: not compiled at once
-    picked = property(lambda self: self.run.picked) # The tier to compile first picked, or none
-    seen = property(lambda self: self.st.probe.seen) # Its batches timed
-    probe_batches = property(lambda self: self.t.aside.probe_batches)
-    measures = property(lambda self: _BusyMeter.measures(self.t.device)) # The device's work can be measured
-    first_batches, first_for, first_in_path = (property(lambda self, k=k: getattr(self.t, k)) for k in ('first_batches', 'pick_first', 'in_path'))
-    offering = property(lambda self: self.t.offer(self.st) is not None) # This rank offers the ranks its tier compiled first
-
-    def left_after(self, wait_s:float, step_s:float)->int: return batches_left(self.learn, wait_s, step_s)
-
-    @cached_property
-    def compile_s(self)->float:
-        "Seconds the state's default takes compiling cold, as this machine recorded it, else of its model (`WarmStarts.compile_s`)"
-        return self.t.aside.warm_starts.compile_s(self.st.record)
-
-    @cached_property
-    def start_s(self)->float:
-        "Seconds a cold worker takes to start up, as this machine recorded it of the model (`WarmStarts.start_s`)"
-        return self.t.aside.warm_starts.start_s(self.st.record)
-
-    def tier_read(self, name:str)->tuple:
-        "(what was recorded of the state compiled with tier `name`, seconds it takes compiling cold: as recorded of it, else of the default's code): read once a move, however often it asks"
-        if name not in self.tiers_read: self.tiers_read[name] = self.t.aside.warm_starts.read(self.t.record(self.model, self.st, name), self.st.record)
-        return self.tiers_read[name]
-
-    def tier_cached(self, name:str)->bool: return self.tier_read(name)[0] is not None # Inductor's cache has its code
-    def tier_compile_s(self, name:str)->float: return self.tier_read(name)[1]
-
-    def tier_warm_s(self, name:str)->float:
-        "Seconds tier `name` takes compiling warm in the fit's path, from inductor's cache: as recorded of it, else its share of the cold compile (`warm_cost`)"
-        return warm_cost(*self.tier_read(name))
-
-    def try_cost_s(self, name:str, saving_s:float)->float:
-        "Seconds trying tier `name`, `saving_s` faster a step, costs the fit's path (`try_cost`); `Tiers.try_cost_s` where set"
-        if self.t.try_cost_s is not None: return self.t.try_cost_s
-        return try_cost(self.tier_warm_s(name), saving_s, self.t.ab_batches)
-
-    @cached_property
-    def polled(self)->JobResult|None: return self.t.aside.poll(self.run.job) # The tier's job, once done
-
-    @cached_property
-    def fallback_res(self)->JobResult|None: return self.t.aside.poll(self.run.fallback) # The default's, once done
-
 # %% ../nbs/09_tiers.ipynb #2d2418ad
-@patch
-def facts(self:Tiers, st, learn, model:nn.Module, **given)->_TierFacts:
-    "What a tier move of `st` may need to know, read where it asks; `given`: what its event brings"
-    return _TierFacts(self, st, learn, model, **given)
-
-@patch
-def act(self:Tiers,
-    st, # The state that moves
-    event:str, # What happened (`advance`): 'tier', a training batch of it; 'sent' or 'unsent', the job this rank sent; under DDP 'offered', rank 0's tier compiled first; 'raised', its tier raised
-    learn, # The `Learner` whose batch this is
-    model:nn.Module, # The model being compiled (not DDP's wrapper)
-    **given, # What the event brings
-):
-    "Move `st` on through the tiers on `event`, and carry out the move's actions, deciding nothing"
-    stage, actions = advance(st.stage, event, self.facts(st, learn, model, **given))
-    if stage is not st.stage: st.tier.to(st, stage) # A stage starts from its first batch: no vote, no measure
-    for kind, *args in actions:
-        if kind == 'send': return self._send(st, learn, model, *args) # Its move is then 'sent' or 'unsent'
-        _TIER_ACTS[kind](self, st, learn, model, *args)
-
-@patch
-def _send(self:Tiers, st, learn, model:nn.Module, what:str):
-    "Have the worker compile `what`: the tier, or the default's code for the A/B"
-    try:
-        if what == 'tier': st.tier.job = self.aside.submit(model, learn, self.settings_of(st.tier.tier))
-        else: st.tier.fallback = self.aside.submit(model, learn)
-    except Exception as e: return self.act(st, 'unsent', learn, model, error=f"{type(e).__name__}: {e}")
-    self.act(st, 'sent', learn, model)
-
 def _took(t, st, learn, model, path:bool):
     "The switch batch's time, less a step: the tier's compile, warm or, first in the fit's path, cold"
     run, ws = st.tier, t.aside.warm_starts
@@ -473,10 +375,9 @@ def _first(t, st, learn, model, name:str, path:bool, why:dict, step_bytes:int|No
     _set(st.tier, tier=name, record=t.record(model, st, name), why=why, step_bytes=step_bytes, settings=t.settings_of(name), path=path,
          first=True, picked=True)
 
-# What each of a tier move's actions does (`advance`): 'send' is `act`'s own
-_TIER_ACTS = dict(
+# What each of a tier move's actions does (`advance`), carried out by `BackgroundCompile.act`, which has the rest
+Tiers.acts = dict(
     fresh=lambda t, st, learn, model: setattr(st, 'tier', TierRun()),
-    default_first=lambda t, st, learn, model: st.default_first(),
     tick=lambda t, st, learn, model: _set(st.tier, n=st.tier.n + 1),
     time=lambda t, st, learn, model, times: t.timer.start(getattr(st.tier, times)),
     measure=lambda t, st, learn, model, step_s, batches=None: t.measure(st.tier, learn, step_s, batches),
@@ -494,5 +395,4 @@ _TIER_ACTS = dict(
     unkept=lambda t, st, learn, model: (_set(st.tier, kept=False), t.aside.warm_starts.kept(st.tier.record, None)), # A later fit tries it afresh
     record_kept=lambda t, st, learn, model, tier_s, other_s, of: t.aside.warm_starts.kept(st.tier.record, tier_s, other_s, of),
     drop=lambda t, st, learn, model: t.drop(st.tier.tier, model),
-    note=lambda t, st, learn, model, note: t.notes.append(note),
     fallback_done=lambda t, st, learn, model, res: (_set(st.tier, fallback=None), t.aside.warm_starts.compiled(st.record, res)))

@@ -13,7 +13,7 @@ def facts(**kw):
     "A training batch of a probed state in one process: 10,000 batches of 100 ms left, nothing recorded, nothing waiting"
     return SimpleNamespace(**{**dict(training=True, handover=None, compiling=False, judges=True, evaluates=True, agrees=False, rank=0,
         leader=True, probe_all=False, probe_batches=8, seen=8, changes=1, any_ready=False, held=False, path=False, in_cache=(None, False),
-        left=10_000, step_s=0.1, cold_cost_s=6., compile_s=20., handover_s=35., compiles_first=False, has_result=True, warm_rec={}, first_busy=None, tier_kept=False, tier_first=False), **kw})
+        left=10_000, probe_s=0.1, cold_cost_s=6., compile_s=20., handover_s=35., first_gone=True, has_result=True, warm_rec={}, first_busy=None, kept=False, first=False), **kw})
 
 DDP = dict(agrees=True, evaluates=False)
 WARM = ({'warm_s': 1.}, False) # Only the default's code is cached, which compiled warm in 1s
@@ -34,12 +34,12 @@ MOVES = [ # (what, stage, event, facts, the stage it moves to, its actions: each
     ('its GPU work measured first', P, 'batch', dict(held=True), P, ['eager']),
     ('worth a cold compile', P, 'batch', {}, P, ['send']),
     ('every state compiles', P, 'batch', dict(probe_all=True, seen=0), P, ['send']),
-    ('too short for a cold compile', P, 'batch', dict(left=2000, step_s=0.02), S, ['idle', 'note', 'eager']),
+    ('too short for a cold compile', P, 'batch', dict(left=2000, probe_s=0.02), S, ['idle', 'note', 'eager']),
     # CUDA graphs go first on an eager step the GPU ran half of: their expected saving (68% of it) pays where the prior's 35% doesn't
-    ('worth it, as its step measured', P, 'batch', dict(left=2000, step_s=0.02, first_busy=0.5), P, ['send']),
+    ('worth it, as its step measured', P, 'batch', dict(left=2000, probe_s=0.02, first_busy=0.5), P, ['send']),
     # A 6-epoch transformer fit on one H100: 2,988 batches of a 14 ms eager step left, the GPU busy 81% of it. The worker's
     # code serves 1,065 of them, each expected to save 47% of the step: 7.1s, more than the worker costs the fit's path
-    ('worth it, a GPU-bound step', P, 'batch', dict(left=2988, step_s=0.014, first_busy=0.81), P, ['send']),
+    ('worth it, a GPU-bound step', P, 'batch', dict(left=2988, probe_s=0.014, first_busy=0.81), P, ['send']),
     ('the default cached', P, 'batch', dict(in_cache=WARM), R, ['default_first', 'idle', 'warm', 'compiled']),
     ('its tier first cached', P, 'batch', dict(in_cache=({'path_s': 30.}, True)), R, ['idle', 'warm', 'compiled']),
     ('too short even warm', P, 'batch', dict(in_cache=WARM, left=20), S, ['default_first', 'idle', 'note', 'eager']),
@@ -53,7 +53,7 @@ MOVES = [ # (what, stage, event, facts, the stage it moves to, its actions: each
     ('compiled, under DDP', C, 'done', dict(res=OK, **DDP), D, ['result', 'record']),
     ('failed', C, 'done', dict(res=BAD), F, ['result', 'record', 'note', 'warn']),
     ('failed, on rank 1', C, 'done', dict(res=BAD, rank=1), F, ['result', 'record', 'note']),
-    ('its tier first failed: judged again', C, 'done', dict(res=BAD, compiles_first=True), P, ['default_first', 'note']),
+    ('its tier first failed: judged again', C, 'done', dict(res=BAD, first_gone=False), P, ['default_first', 'note']),
     ('the ranks: failed', D, 'agreed', dict(decision='failed', res=BAD, **DDP), F, ['note', 'warn']),
     ('the ranks: warm', J, 'agreed', dict(decision='warm', **DDP), R, ['idle', 'warm']),
     ('the ranks: ready', D, 'agreed', dict(decision='ready', **DDP), R, ['handover']),
@@ -62,10 +62,10 @@ MOVES = [ # (what, stage, event, facts, the stage it moves to, its actions: each
     ('the ranks: start', J, 'agreed', dict(decision='start', worker='none', **DDP), J, ['send']),
     ('the ranks: start, its device compiles', J, 'agreed', dict(decision='start', worker='none', leader=False, **DDP), J, []),
     ('the ranks: start, compiling', J, 'agreed', dict(decision='start', worker='compiling', **DDP), J, []),
-    ('the fit ended: its kept tier next', Stage.SETTLED, 'ended', dict(tier_kept=True), Stage.SETTLED, ['end_fit']),
-    ('the fit ended: its tier compiled first runs on', Stage.CHECK, 'ended', dict(tier_first=True), Stage.WAIT, ['end_fit']),
+    ('the fit ended: its kept tier next', Stage.SETTLED, 'ended', dict(kept=True), Stage.SETTLED, ['end_fit']),
+    ('the fit ended: its tier compiled first runs on', Stage.CHECK, 'ended', dict(first=True), Stage.WAIT, ['end_fit']),
     ('the fit ended: its tiers tried again', Stage.AB, 'ended', {}, R, ['end_fit']),
-    ('the fit ended before its tier compiled first ran', R, 'ended', dict(tier_first=True), R, ['end_fit']),
+    ('the fit ended before its tier compiled first ran', R, 'ended', dict(first=True), R, ['end_fit']),
 ]
 
 def note(actions): return next(a[1] for a in actions if a[0] == 'note')
@@ -89,17 +89,17 @@ def test_a_batch_moves_once_and_says_how_it_runs():
 
 def test_the_verdicts_notes_say_what_it_weighed():
     "A state too short to pay back its compile says the batches left, their eager time, and the time that would pay"
-    _, actions = advance(P, 'batch', facts(left=2000, step_s=0.02))
+    _, actions = advance(P, 'batch', facts(left=2000, probe_s=0.02))
     assert note(actions).text == ("trained eagerly: the fit's 2000 training batches left, about 40s eagerly, are too few to pay back a compile "
                          "(under 44s; `background=False` compiles in the fit's path)")
     _, actions = advance(P, 'batch', facts(in_cache=WARM, left=20))
     assert note(actions).text == ("trained eagerly: the fit's 20 training batches left, about 2s eagerly, are too few to pay "
                                           "back even a warm compile of 1.0s (under 3s)")
-    _, actions = advance(P, 'batch', facts(left=84, step_s=0.0065)) # Under a second of steps: not rounded to none
+    _, actions = advance(P, 'batch', facts(left=84, probe_s=0.0065)) # Under a second of steps: not rounded to none
     assert note(actions).text.startswith("trained eagerly: the fit's 84 training batches left, about 0.55s eagerly, are too few")
-    _, actions = advance(P, 'batch', facts(left=1800, step_s=0.02, first_busy=0.82)) # CUDA graphs were picked to go first, in the worker
+    _, actions = advance(P, 'batch', facts(left=1800, probe_s=0.02, first_busy=0.82)) # CUDA graphs were picked to go first, in the worker
     assert note(actions).text.endswith("compiles in the fit's path); the eager step's measure had picked CUDA graphs to compile first (the GPU ran work 82% of it)")
-    _, actions = advance(C, 'done', facts(res=BAD, compiles_first=True))
+    _, actions = advance(C, 'done', facts(res=BAD, first_gone=False))
     assert note(actions).kind == 'first_failed'
 
 def test_a_fit_ends_where_the_next_starts_its_tiers():
@@ -132,14 +132,14 @@ def tier_facts(**kw):
     "A training batch of a compiled state in one process, on a GPU with room: its default's steps 100 ms, 10,000 batches left"
     return SimpleNamespace(**{**dict(n=0, name='reduce-overhead', kept=False, first=False, first_gone=True, path=False, dropped=False,
         base=[0.1]*8, tier_times=[], ab_base=[], settle_batches=4, time_batches=8, warmup_batches=3, ab_batches=8, try_cost_s=lambda name, saving_s: 2.,
-        profiled=None, free=80*2**30, together=False, agreed=None, leader=True, tier_for=pick_tier, graphs=lambda name: name == 'reduce-overhead',
-        tier_cached=lambda name: False, left_after=lambda wait_s, step_s: 10_000, compile_s=20., res=None, has_job=False, polled=None, was_kept=None,
+        profiled=None, free=80*2**30, agrees=False, agreed=None, leader=True, tier_for=pick_tier, graphs=lambda name: name == 'reduce-overhead',
+        tier_cached=lambda name: False, left_after=lambda wait_s, step_s: 10_000, compile_s=20., tier_res=None, has_job=False, polled=None, was_kept=None,
         probe_s=0.02, fallback=False, default_cached=True, fallback_res=None, probed=True, picked=False, seen=8, probe_batches=8,
         measures=True, first_batches=3, first_for=first_tier, first_in_path=first_in_path, tier_compile_s=lambda name: 20., tier_warm_s=lambda name: 5., start_s=15.), **kw})
 
 FIRST = dict(first=True, first_gone=False) # A tier compiled first, before the default's code
 LAUNCH = dict(profiled=(0.03, 2**30)) # The GPU ran work 30% of the default's step: CUDA graphs pay
-TOGETHER = dict(together=True)
+TOGETHER = dict(agrees=True)
 PICKED = ('pick', dict(busy=0.3, step_s=0.1, step_bytes=0, free=None))
 FAILED_ELSEWHERE = ('compile', dict(ok=False, error='out of memory', oom=True, took_s=5.))
 KEEP = ['kept', 'run_tier', 'record_kept', 'took_over']
@@ -221,7 +221,7 @@ TIER_MOVES = [ # (what, stage, event, facts, the stage it moves to, its actions'
 def test_each_move_through_the_tiers(what, stage, event, given, to, acts):
     moved, actions = advance(stage, event, tier_facts(**given))
     assert (moved, [a[0] for a in actions]) == (to, acts)
-    assert {a[0] for a in actions} - {'send'} <= set(tiers._TIER_ACTS) # `Tiers.act` carries out each
+    assert {a[0] for a in actions} - {'send'} <= set(tiers.Tiers.acts) | set(background._ACTS) # `BackgroundCompile.act` carries out each
     assert ('send',) not in [a[:1] for a in actions[:-1]] # A job's send is the move's last action: 'sent' or 'unsent' goes on
     # A vote waits for the ranks: cast only where the state stays to wait, since a new stage starts with none
     assert not any(a[0] == 'vote' for a in actions) or moved in (AG, TC)

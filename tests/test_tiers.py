@@ -312,16 +312,16 @@ def test_trying_a_tier_costs_its_warm_compile_and_its_ab_as_this_machine_recorde
     from fastxtend_compile.state import state_key
     monkeypatch.setenv('TORCHINDUCTOR_CACHE_DIR', str(tmp_path))
     model, aside, t = nn.Linear(2, 2), BackgroundCompile({'backend': 'inductor'}), Tiers({'backend': 'inductor'})
-    t.aside, ab = aside, Tiers.ab_batches
+    t.aside, aside.tiers, ab = aside, t, Tiers.ab_batches
     st = aside.state(state_key(model, (torch.randn(4, 2),), True), model)
-    cost = lambda: t.facts(st, None, model).try_cost_s('reduce-overhead', 0.01)
+    cost = lambda: aside.facts(st, None, model).try_cost_s('reduce-overhead', 0.01)
     assert cost() == pytest.approx(WARM_SHARE*TIER_COMPILE_S + ab*0.01) # Nothing recorded: the prior's cold compile
     aside.warm_starts.path(st.record, 10.) # The default's code compiled in a fit's path in 10 s
     assert cost() == pytest.approx(WARM_SHARE*10. + ab*0.01)
     aside.warm_starts.warmed(t.record(model, st, 'reduce-overhead'), 0.8) # A fit compiled the tier warm in 0.8 s
     assert cost() == pytest.approx(0.8 + ab*0.01)
     # One move asks of the tier's record several times (its try cost, cold and warm compile, whether it is cached): read once
-    f, reads, get = t.facts(st, None, model), [], aside.warm_starts.get
+    f, reads, get = aside.facts(st, None, model), [], aside.warm_starts.get
     aside.warm_starts.get = lambda record: reads.append(record) or get(record)
     asked = f.try_cost_s('reduce-overhead', 0.01), f.tier_compile_s('reduce-overhead'), f.tier_warm_s('reduce-overhead'), f.tier_cached('reduce-overhead')
     assert asked == (pytest.approx(0.8 + ab*0.01), 10., 0.8, True) and reads.count(t.record(model, st, 'reduce-overhead')) == 1
@@ -355,15 +355,16 @@ def test_under_ddp_a_tier_compiled_first_runs_on_every_rank_only_where_its_cuda_
     "Rank 0's choice, offered at an agreement: a rank whose GPU is too full leaves every rank on the default's code first"
     from fastxtend_compile.core import compile_settings
     from fastxtend_compile.state import ModelState, Stage
-    t, gb = Tiers(compile_settings()), 2**30
+    t, aside, gb = Tiers(compile_settings()), BackgroundCompile(compile_settings()), 2**30
+    t.aside, aside.tiers = aside, t
     offer = dict(tier='reduce-overhead', path=True, why=None, step_bytes=2*gb)
     st = ModelState(None, 'record')
     run = st.tier # As rank 0 picked it
     run.tier, run.settings, run.record, run.path, run.step_bytes = 'reduce-overhead', {'mode': 'reduce-overhead'}, 'tier-record', True, 2*gb
     run.first = run.picked = True
     assert t.offer(st) == offer
-    t.act(st, 'offered', None, None, offer=offer, frees=[16*gb, int(2.5*gb)])
-    assert [n.text for n in t.take_notes()] == [
+    aside.act(st, 'offered', None, None, offer=offer, frees=[16*gb, int(2.5*gb)])
+    assert [n.text for n in aside.take_notes()] == [
         "no tier compiled first: CUDA graphs (reduce-overhead), about 2.0 GB a step, don't fit with room to spare in the 2.5 GB "
         "free on the fullest rank's GPU; the default's code goes first"]
     assert st.first is None and not st.tier.path and not st.tier.first and st.stage is Stage.PROBING and t.offer(st) is None
