@@ -78,6 +78,7 @@ class _Facts:
         self.__dict__.update(given) # What the event brings: the worker's result, the ranks' decision, why a job wasn't sent, rank 0's offer
         self.tiers_read = {} # Each tier asked about: what `tier_read` read of it
     t = property(lambda self: self.aside.tiers) # The fit's faster tiers (`Tiers`), where it tries them
+    tries_tiers = property(lambda self: self.aside.tiers is not None) # The fit tries faster tiers
     training = property(lambda self: self.st.key.training)
     handover = property(lambda self: self.st.handover) # A hand-over its next batch makes
     compiling = property(lambda self: self.aside.compiling is not None) # The worker compiles a state
@@ -88,7 +89,6 @@ class _Facts:
     leader = property(lambda self: self.aside.ranks.leader) # This rank runs its device's worker
     probe_all = property(lambda self: self.aside.cold_cost_s == 0) # Every state compiles, unprobed
     probe_batches = property(lambda self: self.aside.probe_batches)
-    probed = property(lambda self: self.st.probe is not None) # Probed: not compiled at once
     seen = property(lambda self: self.st.probe.seen if self.aside.last_probed is self.st else 0) # Its probe's batches, timed in a row
     changes = property(lambda self: self.aside.changes + (self.aside.last_probed is not self.st)) # How often the state probed changed
     any_ready = property(lambda self: any(s.stage.compiled for s in self.aside.states.values()))
@@ -104,7 +104,7 @@ class _Facts:
     kept, first = property(lambda self: self.run.kept), property(lambda self: self.run.first) # Kept; picked to compile first
     first_gone = property(lambda self: self.st.first is None) # None compiled first, or the default's code was cached instead
     path = property(lambda self: self.run.path) # A tier compiled first compiles in the fit's path
-    held, picked = property(lambda self: self.run.held), property(lambda self: self.run.picked) # Its probe's verdict waits for a measure; the tier to compile first picked, or none
+    picked = property(lambda self: self.run.picked) # The tier to compile first picked, or none
     base, tier_times, ab_base, agreed = (property(lambda self, k=k: getattr(self.run, k)) for k in ('base', 'tier_times', 'ab_base', 'agreed'))
     tier_res, has_job = property(lambda self: self.run.res), property(lambda self: self.run.job is not None) # The tier's result; its job sent
     fallback = property(lambda self: self.run.fallback is not None) # The default's job, for the A/B, is in the worker
@@ -112,7 +112,7 @@ class _Facts:
     settle_batches, time_batches, warmup_batches, ab_batches, first_batches = (
         property(lambda self, k=k: getattr(self.t, k)) for k in ('settle_batches', 'time_batches', 'warmup_batches', 'ab_batches', 'first_batches'))
     tier_for, first_for, first_in_path = (property(lambda self, k=k: getattr(self.t, k)) for k in ('pick', 'pick_first', 'in_path'))
-    graphs, free, measures = property(lambda self: self.t.graphs), property(lambda self: self.t.free()), property(lambda self: self.t.measures())
+    graphs, free = property(lambda self: self.t.graphs), property(lambda self: self.t.free())
     profiled = property(lambda self: self.t.profiled(self.run.profile)) # (GPU seconds, peak bytes) of the step; `False`: unmeasurable
     dropped = property(lambda self: self.run.tier in self.t.dropped) # It raised in this fit
     offering = property(lambda self: self.t.offer(self.st) is not None) # This rank offers the ranks its tier compiled first
@@ -457,12 +457,12 @@ def runs_eagerly(self:BackgroundCompile,
     key:StateKey, # The batch's model state
     model:nn.Module, # The model being compiled (not DDP's wrapper)
 )->bool:
-    "Whether this batch runs eagerly: its model state's compiled code isn't ready; moves the state on (`advance`)"
+    "Whether this batch runs eagerly: its model state's compiled code isn't ready; moves the state on (`advance`), the batch's one move"
     now = time.perf_counter()
     if (timed := self.warm_starts.timed(now, learn)) is not None: timed[0].add(took_s=timed[1]) # A hand-over's warm compile
     self._collect()
     st = self.state(key, model)
-    if st.stage.compiled and st.handover is None: return False # Its code runs: nothing moves
+    if st.stage.compiled and st.handover is None and not (key.training and self.tiers is not None): return False # Its code runs: nothing moves
     return self.act(st, 'batch', learn, model, now)
 
 @patch
@@ -473,7 +473,7 @@ def facts(self:BackgroundCompile, st:ModelState, learn, model:nn.Module|None=Non
 @patch
 def act(self:BackgroundCompile,
     st:ModelState, # The state that moves
-    event:str, # What happened (`advance`): 'batch', 'tier' (a training batch of its tiers), 'sent', 'unsent', 'done', 'agreed', 'offered', 'raised' or 'ended'
+    event:str, # What happened (`advance`): 'batch', 'sent', 'unsent', 'done', 'agreed', 'offered', 'raised' or 'ended'
     learn, # The `Learner` whose batch this is
     model:nn.Module|None=None, # The model being compiled (not DDP's wrapper)
     now:float|None=None, # When the batch started

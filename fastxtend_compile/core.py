@@ -370,6 +370,7 @@ def start_batch(self:EagerPolicy,
     validation = self._validation(learn, key, model) if not training and self.trained else None
     self.valid_eager = validation in _RUN_EAGERLY
     self.one_off = _last_batch(learn) and not (training and whole_backward)
+    if self.tiers is not None: self.tiers.before_batch(learn, model) # A tier that raised since the last batch dropped first
     # The compile outside the fit's path is asked about batches whose graph the fit would compile: not a validation's
     # whose graph exists, nor one run eagerly (an evaluation's last batch, a one-off, runs eagerly in `runs_eagerly`).
     # Nor an evaluation outside a training fit (`validate`, `get_preds`): it would end before a worker handed its code
@@ -380,7 +381,6 @@ def start_batch(self:EagerPolicy,
     self.probing = self.waiting and training and self.aside.probing
     if self.aside is not None and key is not None: self.aside.eval_batch(key, model, None if training else not self.eager) # Timed for its record
     if self.aside is not None and training: self.aside.agree(learn, key, model) # Under DDP, at every rank's same batches
-    if self.tiers is not None: self.tiers.before_batch(learn, self.eager, key, model) # Once its compiled code runs
     self._count_unpaid(training)
     self.graph_step = False
 

@@ -21,7 +21,7 @@ EAGER, COMPILED = ('run', 'eager'), ('run', 'compiled') # A batch move's last ac
 
 def advance(
     stage:Stage, # Where the model state is
-    event:str, # What happened: 'batch', 'tier' (a training batch of its faster tiers), 'sent', 'unsent', 'done', 'agreed', 'offered', 'raised' or 'ended'
+    event:str, # What happened: 'batch' (one move a batch, its faster tiers' included), 'sent', 'unsent', 'done', 'agreed', 'offered', 'raised' or 'ended'
     f, # What is known, each fact read where the move needs it (`BackgroundCompile.facts`)
 )->tuple:
     "(stage, actions): where the state moves on `event`, and what the fit's parts do about it"
@@ -29,18 +29,27 @@ def advance(
 
 # %% ../nbs/20_life.ipynb #c51d7e93
 def _batch(stage, f):
-    "A batch of the state starts: it runs compiled once its code is ready; a new training state is probed, then judged"
-    if stage.compiled: return stage, ((('take_over',),) if f.handover else ()) + (COMPILED,)
+    "A batch of the state starts, its one move: compiled once its code is ready, a training batch on its way through the faster tiers; a new training state is probed, then judged"
+    if stage.compiled:
+        acts = (('take_over',),) if f.handover else ()
+        if f.training and f.tries_tiers: stage, more = _TIER[stage](f, f.n); acts += more # Which tier it runs, and whether it is timed
+        return stage, acts + (COMPILED,)
     if stage in (Stage.FAILED, Stage.SHORT): return stage, (EAGER,)
     if f.compiling: return stage, (('count',), EAGER) # The worker compiles a state: the others wait their turn
     if stage is not Stage.PROBING or not f.judges: # It waits: a verdict, the worker, the ranks; or isn't judged here
         return stage, ((('note', Note('eval_eager')),) if not f.training and not f.evaluates else ()) + (EAGER,)
-    if not f.training or f.probe_all: return _worth(stage, f, f.in_cache[0], f.path)
+    if not f.training or f.probe_all: return _tiers_from(*_worth(stage, f, f.in_cache[0], f.path), f)
     if f.seen < f.probe_batches: # Each of its first batches timed alone, as the eager step
         said = f.seen == 0 and f.changes == 2*f.probe_batches and not f.any_ready # Said once, if states change too often
         return stage, ((('note', Note('shapes_change', changes=f.changes, batches=f.probe_batches)),) if said else ()) + (('probe',), EAGER)
-    if f.held: return stage, (EAGER,) # The faster tier's choice measures the step's GPU work first
-    return _judge(stage, f)
+    # The tier compiled first, if any, picked before the verdict
+    return _tiers_from(*(_first(stage, f) if f.tries_tiers and not f.picked else _judge(stage, f)), f)
+
+def _tiers_from(stage, acts:tuple, f):
+    "A training state whose code runs from this batch on starts its way through the faster tiers at this batch"
+    if not (stage.compiled and f.training and f.tries_tiers and acts and acts[-1] == COMPILED): return stage, acts
+    stage, more = _ready(f, 0, first_gone=f.first_gone or ('default_first',) in acts) # The default's code may go first from now
+    return stage, acts[:-1] + more + (COMPILED,)
 
 def _judge(stage, f):
     "The probe is done: compile where the fit's rest pays it back, at once where inductor's cache has its code; else eager for the fit"
@@ -74,7 +83,7 @@ def _unsent(stage, f):
     "It could not be sent to the worker, with `f.error`: it compiles in the fit's path now, the default's code; under DDP, a failure the ranks agree on"
     if stage.compiled: return _tier_unsent(stage, f)
     if f.agrees: return Stage.DONE, (('default_first',), ('result', JobResult(False, unsent_text(f.error))), EAGER)
-    return Stage.READY, (('default_first',), ('note', Note('unsent', error=f.error)), COMPILED)
+    return _tiers_from(Stage.READY, (('default_first',), ('note', Note('unsent', error=f.error)), COMPILED), f)
 
 def _done(stage, f):
     "The worker finished its job: where a tier compiled first failed, the state is judged again at its next batch, for the default's code; else its code takes over, once the ranks agree"
@@ -106,20 +115,15 @@ def _ended(stage, f):
     return Stage.READY, (('end_fit', 'fresh'),)
 
 # %% ../nbs/20_life.ipynb #6e1b7a30
-def _tier(stage, f):
-    "A training batch of a state on its way through the faster tiers (`Tiers`): its eager probe's, or its compiled code's"
-    return _TIER[stage](f, f.n)
-
-def _first(f, n):
-    "Its eager probe's: once it timed its batches, the eager step's GPU work measured, its verdict held till then; then the tier to compile first"
-    if not f.probed or f.picked: return Stage.PROBING, () # Not probed: compiled at once
-    # The probe times its batches alone, from a synced device: the GPU held for a measure would count in them
-    if f.seen < f.probe_batches: return Stage.PROBING, (('hold', f.measures),)
-    acts = (('hold', False), ('picked',)) # The default goes first, unless the measure picks a tier
+def _first(stage, f):
+    "Its probe done: the eager step's GPU work measured, then the tier to compile first picked, judged at the next batch; with none picked, judged now"
     # Not measured where the policy would pick no tier even for a GPU idle through the whole step: no measure could change that
-    if f.first_for(0., f.probe_s, f.left_after(0., 1.), f.try_cost_s(GRAPHS, f.probe_s)) is None: return Stage.PROBING, acts
-    if f.profiled is None: return Stage.PROBING, (('measure', f.probe_s, f.first_batches),)
-    return Stage.PROBING, acts + (_pick_first(f, *f.profiled) if f.profiled else ())
+    if f.first_for(0., f.probe_s, f.left_after(0., 1.), f.try_cost_s(GRAPHS, f.probe_s)) is None: picked = ()
+    elif f.profiled is None: return stage, (('measure', f.probe_s, f.first_batches), EAGER) # The eager batches measured
+    else: picked = _pick_first(f, *f.profiled) if f.profiled else ()
+    if any(a[0] == 'first' for a in picked): return stage, (('picked',), *picked, EAGER) # The verdict weighs the tier: at the next batch
+    stage, acts = _judge(stage, f)
+    return stage, (('picked',), *picked) + acts
 
 def _pick_first(f, gpu_s:float|None, step_bytes:int):
     "CUDA graphs compiled first, in the worker or the fit's path, where their saving over the fit's rest pays back trying them, and they fit the GPU"
@@ -145,10 +149,10 @@ def _offered(stage, f):
         return stage, (('default_first',), ('fresh',), ('note', Note('no_room_first', name=name, step_bytes=step_bytes, free=min(f.frees))))
     return stage, () if f.offering else (('first', name, f.offer['path'], f.offer['why'], step_bytes),)
 
-def _ready(f, n):
-    "Its code runs: a tier compiled first takes over, compiled warm at this batch; else the default goes first"
+def _ready(f, n, first_gone:bool|None=None):
+    "Its code runs: a tier compiled first takes over, compiled warm at this batch; else the default goes first (`first_gone`: since this batch's move)"
     if f.dropped and not f.kept: return Stage.SETTLED, () # It raised before the state compiled
-    if f.first and not f.first_gone: return _switch((('result_first',),))
+    if f.first and not (f.first_gone if first_gone is None else first_gone): return _switch((('result_first',),))
     stage, acts = _settling(f, 0)
     return stage, ((('fresh',),) if f.first else ()) + acts # The default's code was cached instead: the tier waits its turn
 
@@ -282,7 +286,7 @@ def _raised(stage, f):
     "Its tier raised in a fit's path, here or on another rank: no longer kept; compiled, the state settles on the default (else once compiled, `_ready`)"
     return Stage.SETTLED if stage.compiled else stage, (('unkept',),)
 
-_TIER = {Stage.PROBING: _first, Stage.READY: _ready, Stage.SETTLE: _settling, Stage.TIME: _time, Stage.PROFILE: _profile, Stage.TIER_COMPILING: _tier_compiling,
+_TIER = {Stage.READY: _ready, Stage.SETTLE: _settling, Stage.TIME: _time, Stage.PROFILE: _profile, Stage.TIER_COMPILING: _tier_compiling,
          Stage.WARMUP: _warmup, Stage.CHECK: _check, Stage.WAIT: _wait, Stage.AB: _ab, Stage.AGREE: _agree, Stage.SETTLED: _settled}
-_MOVES = dict(batch=_batch, tier=_tier, sent=_sent, unsent=_unsent, done=_done, agreed=_agreed, offered=_offered, raised=_raised, ended=_ended)
+_MOVES = dict(batch=_batch, sent=_sent, unsent=_unsent, done=_done, agreed=_agreed, offered=_offered, raised=_raised, ended=_ended)
 

@@ -125,7 +125,6 @@ class TierRun:
         self.settings = None # Its `torch.compile` settings while it goes first; `None` once the default's code goes first instead
         self.path = False # It compiles first in the fit's path, not the worker: a worker beside the eager step costs the fit more
         self.fallback = None # The default's `Job` for the A/B, sent by its first batch in `WAIT`, where the tier compiled first runs meanwhile
-        self.held = False # The state's probe waits for its verdict: the eager step's GPU work is measured first (`Tiers.pick_first`)
         self.picked = False # The eager step's GPU work was measured, and a tier to compile first picked or not (`Tiers.pick_first`)
         self.step_bytes = None # Bytes the eager step allocated at its peak, where the tier compiled first runs CUDA graphs
         self.batches, self.since = 0, None # Training batches the tier ran in this fit, and where it started: (epoch, batch)
@@ -144,7 +143,7 @@ class TierRun:
         if how == 'fresh': return TierRun()
         # The default's code, which the A/B needs, is sent to the worker again by its first batch in `WAIT`
         self.restart()
-        self.batches, self.since, self.fallback, self.held = 0, None, None, False
+        self.batches, self.since, self.fallback = 0, None, None
         return self
 
 # %% ../nbs/15_state.ipynb #b8765e07

@@ -13,7 +13,7 @@ from fastcore.basics import patch
 from .core import uses_cudagraphs, compiled_call, CompiledCall, EagerPolicy
 from .internals import gpu_sleep
 from .worker import error_text
-from .state import StateKey, Stage, TierRun
+from .state import Stage, TierRun
 from .payoff import pick_tier, first_tier, first_in_path
 from .background import BackgroundCompile, position
 from .report import Note
@@ -193,17 +193,10 @@ class Tiers:
 @patch
 def before_batch(self:Tiers,
     learn, # The `Learner` whose batch starts
-    eager:bool, # The batch runs eagerly, as the callback's `EagerPolicy` decided
-    key:StateKey|None, # The batch's model state
     model:nn.Module, # The model being compiled (not DDP's wrapper)
 ):
-    "Choose the tier this training batch runs, and time it where its state's stage needs"
+    "Before the batch's move: a tier that raised in the fit's path since the last batch is dropped (the batch's tier is its state's move's, `advance`)"
     if (raised := self.policy.take_tier_error()) is not None: self._raised(*raised, learn, model)
-    # An epoch's last batch too: one of the state's shape runs its tier (a smaller one is a state of its own)
-    if self.aside is None or not learn.training or (st := self.aside.states.get(key)) is None: return
-    # Eager, its probe's: under DDP rank 0 alone probes, the others learn of a tier compiled first at an agreement (`agreed`)
-    if st.stage is not Stage.PROBING and (eager or not self.aside.ready(key)): return # Else its compiled code doesn't run it yet
-    self.aside.act(st, 'tier', learn, model)
 
 @patch
 def measures(self:Tiers)->bool:
@@ -326,6 +319,7 @@ def _drop_raised(self:Tiers, name:str, learn, model:nn.Module, note:Note):
     for st in self._states():
         if st.tier.tier == name: self.aside.act(st, 'raised', learn, model)
     self.drop(name, model)
+    if self.policy.tier is not None and self.policy.tier[0] == name: self.policy.tier = None # At an agreement, after the batch's move: it runs the default
     self.notes.append(note)
 
 @patch
@@ -381,7 +375,6 @@ Tiers.acts = dict(
     tick=lambda t, st, learn, model: _set(st.tier, n=st.tier.n + 1),
     time=lambda t, st, learn, model, times: t.timer.start(getattr(st.tier, times)),
     measure=lambda t, st, learn, model, step_s, batches=None: t.measure(st.tier, learn, step_s, batches),
-    hold=lambda t, st, learn, model, on: _set(st.tier, held=on), # The probe's verdict waits for the measure
     picked=lambda t, st, learn, model: _set(st.tier, picked=True, profile=None),
     first=_first,
     vote=lambda t, st, learn, model, vote: _set(st.tier, vote=vote),

@@ -361,7 +361,8 @@ def test_the_ranks_agree_on_a_faster_tier_and_switch_to_it_together(background_r
     ran = kept[0]['tier']
     assert kept[1]['tier'] == ran and any(ran) and ran[-1], ran # Each batch ran the tier on both ranks, or on neither; kept to the end
     first = ran.index(True)
-    assert first in kept[0]['agreed_at'] and not any(ran[:first]), ran # From an agreement's batch: the tier compiled on the device's worker
+    # From the batch after an agreement, as every decision of the ranks: the tier compiled on the device's worker
+    assert first - 1 in kept[0]['agreed_at'] and not any(ran[:first]), ran
     note = next(n for n in kept[0]['notes'] if n.startswith('tier plain took over'))
     at = re.search(r"^tier plain took over at epoch (\d+), batch (\d+), on all 2 ranks at once: compiled in a worker process in [\d.]+s \(.+\); "
                    r"compiling it in the fit's path took [\d.]+s; ([\d.]+) ms a step against ([\d.]+) ms for the default, alternating on the "
@@ -369,10 +370,10 @@ def test_the_ranks_agree_on_a_faster_tier_and_switch_to_it_together(background_r
     assert at, kept[0]['notes']
     per_epoch = 64 // (8*2) # tests/ddp_worker.py's 64 training samples, 8 a batch on each rank
     kept_at = int(at[1])*per_epoch + int(at[2])
-    assert kept_at % 8 == 0 and all(ran[kept_at:]) and not all(ran[first:kept_at]), ran # Kept at an agreement, after an A/B
+    assert kept_at % 8 == 1 and all(ran[kept_at:]) and not all(ran[first:kept_at]), ran # Kept after an agreement, after an A/B
     # The ranks agree every 8 batches while the tier is tried; the agreement after the keep finds nothing to decide, and the next comes 16 later
-    agreed = kept[0]['agreed_at']
-    assert kept[1]['agreed_at'] == agreed == list(range(0, kept_at + 9, 8)) + [b for b in [kept_at + 24] if b < len(ran)], (agreed, kept_at)
+    agreed, at_keep = kept[0]['agreed_at'], kept_at - 1
+    assert kept[1]['agreed_at'] == agreed == list(range(0, at_keep + 9, 8)) + [b for b in [at_keep + 24] if b < len(ran)], (agreed, kept_at)
     assert float(at[3]) < float(at[4]) - 50 # The default's backend sleeps 100 ms a call
     for r in ranks: # The tier's backend and the default's run eager's arithmetic
         for k,v in r['tier_eager']['params'].items(): assert torch.equal(r['tier_kept']['params'][k], v), k
@@ -383,10 +384,10 @@ def test_a_tier_that_raises_on_one_rank_is_dropped_on_every_rank(background_runs
     on0, on1 = raised[0]['tier'], raised[1]['tier']
     first = on0.index(True)
     agreed = raised[0]['agreed_at']
-    assert first in agreed and raised[1]['agreed_at'] == agreed, (on0, agreed) # In inductor's cache from the fit before: it runs at once from an agreement's batch
+    assert first - 1 in agreed and raised[1]['agreed_at'] == agreed, (on0, agreed) # In inductor's cache from the fit before: it runs at once after an agreement
     assert on1.index(True) == first and not any(on1[first + 1:]), on1 # Rank 1 dropped it at once, rerunning its batch without it
-    after = agreed[agreed.index(first) + 1]
-    assert not any(on0[after:]), (on0, agreed) # Rank 0 at the next agreement
+    after = agreed[agreed.index(first - 1) + 1]
+    assert not any(on0[after:]), (on0, agreed) # Rank 0 at the next agreement, its batch too
     assert "tier plain failed in the fit's path (RuntimeError: the tier fails now); the default tier trains on" in raised[1]['notes'], raised[1]['notes']
     assert ("tier plain failed in the fit's path of another rank (RuntimeError: the tier fails now); every rank trains on with the "
             "default") in raised[0]['notes'], raised[0]['notes']
