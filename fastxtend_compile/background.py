@@ -120,8 +120,6 @@ class _Facts:
     was_kept = property(lambda self: self.aside.warm_starts.was_kept(self.run.record)) # Kept by an earlier fit
     default_cached = property(lambda self: self.aside.warm_starts.get(self.st.record) is not None)
 
-    def left_after(self, wait_s:float, step_s:float)->int: return batches_left(self.learn, wait_s, step_s)
-
     @cached_property
     def in_cache(self)->tuple:
         "(record, whether the faster tier's) of the code inductor's cache has for the state (`WarmStarts.cached`)"
@@ -142,33 +140,43 @@ class _Facts:
         "Seconds from its job to the hand-over, were a cold worker to compile it (`BackgroundCompile.handover_s`): the records read once a move"
         return self.aside.handover_s(self.st, self.start_s)
 
-    @property
-    def cold_cost_s(self)->float:
-        "Seconds a cold compile of the state in the worker costs the fit's path (`cold_cost`); `cold_cost_s` where the fit sets it"
-        return cold_cost(self.handover_s, self.start_s) if self.aside.cold_cost_s is None else self.aside.cold_cost_s
-
-    def tier_read(self, name:str)->tuple:
-        "(what was recorded of the state compiled with tier `name`, seconds it takes compiling cold: as recorded of it, else of the default's code): read once a move, however often it asks"
-        if name not in self.tiers_read: self.tiers_read[name] = self.aside.warm_starts.read(self.t.record(self.model, self.st, name), self.st.record)
-        return self.tiers_read[name]
-
-    def tier_cached(self, name:str)->bool: return self.tier_read(name)[0] is not None # Inductor's cache has its code
-    def tier_compile_s(self, name:str)->float: return self.tier_read(name)[1]
-
-    def tier_warm_s(self, name:str)->float:
-        "Seconds tier `name` takes compiling warm in the fit's path, from inductor's cache: as recorded of it, else its share of the cold compile (`warm_cost`)"
-        return warm_cost(*self.tier_read(name))
-
-    def try_cost_s(self, name:str, saving_s:float)->float:
-        "Seconds trying tier `name`, `saving_s` faster a step, costs the fit's path (`try_cost`); `Tiers.try_cost_s` where set"
-        if self.t.try_cost_s is not None: return self.t.try_cost_s
-        return try_cost(self.tier_warm_s(name), saving_s, self.t.ab_batches)
-
     @cached_property
     def polled(self)->JobResult|None: return self.aside.poll(self.run.job) # The tier's job, once done
 
     @cached_property
     def fallback_res(self)->JobResult|None: return self.aside.poll(self.run.fallback) # The default's, once done
+
+# %% ../nbs/08_background.ipynb #c242d0a9
+@patch
+def left_after(self:_Facts, wait_s:float, step_s:float)->int: return batches_left(self.learn, wait_s, step_s)
+
+@patch(as_prop=True)
+def cold_cost_s(self:_Facts)->float:
+    "Seconds a cold compile of the state in the worker costs the fit's path (`cold_cost`); `cold_cost_s` where the fit sets it"
+    return cold_cost(self.handover_s, self.start_s) if self.aside.cold_cost_s is None else self.aside.cold_cost_s
+
+@patch
+def tier_read(self:_Facts, name:str)->tuple:
+    "(what was recorded of the state compiled with tier `name`, seconds it takes compiling cold: as recorded of it, else of the default's code): read once a move, however often it asks"
+    if name not in self.tiers_read: self.tiers_read[name] = self.aside.warm_starts.read(self.t.record(self.model, self.st, name), self.st.record)
+    return self.tiers_read[name]
+
+@patch
+def tier_cached(self:_Facts, name:str)->bool: return self.tier_read(name)[0] is not None # Inductor's cache has its code
+
+@patch
+def tier_compile_s(self:_Facts, name:str)->float: return self.tier_read(name)[1]
+
+@patch
+def tier_warm_s(self:_Facts, name:str)->float:
+    "Seconds tier `name` takes compiling warm in the fit's path, from inductor's cache: as recorded of it, else its share of the cold compile (`warm_cost`)"
+    return warm_cost(*self.tier_read(name))
+
+@patch
+def try_cost_s(self:_Facts, name:str, saving_s:float)->float:
+    "Seconds trying tier `name`, `saving_s` faster a step, costs the fit's path (`try_cost`); `Tiers.try_cost_s` where set"
+    if self.t.try_cost_s is not None: return self.t.try_cost_s
+    return try_cost(self.tier_warm_s(name), saving_s, self.t.ab_batches)
 
 # %% ../nbs/08_background.ipynb #a4ab0373
 class _WarmTimer:
