@@ -433,6 +433,13 @@ def tier_failed(self:EagerPolicy,
     return True
 
 @patch
+def drop_tier(self:EagerPolicy,
+    name:str, # A tier dropped in this fit
+):
+    "This batch's compiled calls no longer run tier `name`, where it chose it: they run the model's own code"
+    if self.tier is not None and self.tier[0] == name: self.tier = None
+
+@patch
 def take_tier_error(self:EagerPolicy)->tuple|None:
     "The (name, error) of a tier that raised since the last call"
     error, self.tier_error = self.tier_error, None

@@ -199,14 +199,9 @@ def before_batch(self:Tiers,
     if (raised := self.policy.take_tier_error()) is not None: self._raised(*raised, learn, model)
 
 @patch
-def measures(self:Tiers)->bool:
-    "Whether a step's GPU work can be measured on the fit's device"
-    return _BusyMeter.measures(self.device)
-
-@patch
 def profiled(self:Tiers, profile:_Profile|None)->tuple|bool|None:
     "(GPU seconds a step, bytes at its peak) that `profile` measured; `False` where the fit's device can't be measured; `None` till done"
-    if not self.measures(): return False
+    if not _BusyMeter.measures(self.device): return False
     return None if profile is None else profile.result()
 
 @patch
@@ -319,7 +314,7 @@ def _drop_raised(self:Tiers, name:str, learn, model:nn.Module, note:Note):
     for st in self._states():
         if st.tier.tier == name: self.aside.act(st, 'raised', learn, model)
     self.drop(name, model)
-    if self.policy.tier is not None and self.policy.tier[0] == name: self.policy.tier = None # At an agreement, after the batch's move: it runs the default
+    self.policy.drop_tier(name) # At an agreement, after the batch's move chose it: the batch runs the default
     self.notes.append(note)
 
 @patch

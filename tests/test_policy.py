@@ -358,3 +358,12 @@ def test_a_models_own_bug_found_in_a_tier_is_raised_not_retried():
     p = EagerPolicy()
     p.run_tier('reduce-overhead', {'mode': 'reduce-overhead'})
     assert not p.tier_failed('reduce-overhead', traced_op_error()('bad shapes')) and p.tier_error is None
+
+def test_a_dropped_tier_leaves_the_batch_on_the_default():
+    "A tier dropped while a batch had chosen it (another rank's tier raised) no longer runs; dropping another tier changes nothing"
+    p = EagerPolicy()
+    p.run_tier('reduce-overhead', {'mode': 'reduce-overhead'})
+    p.drop_tier('max-autotune-no-cudagraphs')
+    assert p.tier == ('reduce-overhead', {'mode': 'reduce-overhead'})
+    p.drop_tier('reduce-overhead')
+    assert p.tier is None
