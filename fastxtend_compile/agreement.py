@@ -22,14 +22,12 @@ class Local:
     "A fit in one process: it judges each model state and acts on what it finds at once"
     rank, leader, evaluates = 0, True, True # Rank 0, which runs its device's worker, and compiles evaluation states too
     agrees = False # What this process measures, it acts on at once
-    def __init__(self): self.device = None
 
     def join(self, part):
         "`part` of the fit (`Tiers`) decides with the other ranks: in one process there are none"
 
     def start(self, device:torch.device|None):
         "A fit starts on `device`"
-        self.device = None if device is None else str(device)
 
     def judges(self, training:bool)->bool:
         "Whether this process times and judges a state of this phase: every state, in one process"
@@ -90,7 +88,7 @@ class DDP(Local):
     evaluates = False # An evaluation runs eagerly: the ranks agree on training states alone
     agrees = True # What a rank measures, the ranks act on together, once they agreed
     def __init__(self):
-        super().__init__()
+        self.device = None # Where this rank trains
         self.group = None # A `gloo` group of its own for the fit's agreements, on the CPU whatever the fit's backend
         self.rank, self.world = 0, 1
         self.host = socket.gethostname()
@@ -106,10 +104,9 @@ class DDP(Local):
 
     def start(self, device:torch.device):
         "At the start of a DDP fit, on every rank: a group for the agreements, and where each rank trains"
-        super().start(device)
+        self.device = str(device)
         self.group = dist.new_group(backend='gloo', timeout=timedelta(seconds=self.timeout_s))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.gap, self.next_at, self.held = self.every, 0, []
         self.hosts = self.gather((self.host, self.device), 'the start of the fit')
         # A worker for each device, all compiling at once: inductor's cache keeps each device's code apart, so one device's
         # compile leaves the others cold, and one worker compiling for each device in turn would hand over later the more

@@ -410,10 +410,6 @@ class BackgroundCompile:
         if (st := self.states.get(key)) is None: st = self.states[key] = ModelState(key, self.warm_starts.key(model, key))
         return st
 
-    def ready(self, key:StateKey)->bool:
-        "Whether `key`'s compiled code runs, its hand-over done"
-        return (st := self.states.get(key)) is not None and st.stage.compiled and st.handover is None
-
     def started(self, key:StateKey)->bool:
         "Whether `key`'s compile began beside the fit (found worth it, in the worker, or done), or its code runs"
         return (st := self.states.get(key)) is not None and (st.stage in (Stage.JUDGED, Stage.COMPILING, Stage.DONE) or st.stage.compiled)

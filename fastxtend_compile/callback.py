@@ -142,7 +142,7 @@ class CompilerCallback(Callback):
         self.precompile = _Precompile(precompile, self.settings['backend'], ddp_compiled_autograd) # Precompiled code for the cache
         self.aside = BackgroundCompile(self.settings, regional, background=background) # Compiles each new model state in a worker process
         self.policy = EagerPolicy(compile_valid) # Decides which calls of the model run eagerly, each batch
-        self.tiers = Tiers(self.settings, regional, self.policy) # With `background` and no `mode`: a faster tier where the measured step has one
+        self.tiers = Tiers(self.settings, policy=self.policy) # With `background` and no `mode`: a faster tier where the measured step has one
         self.report = CompileReport()
         self.collector = GCFreeze() # Keeps Python's full garbage collections short during a fit
         self.workers = CompileWorkers() # Starts inductor's Triton compile processes as the fit's first compile starts

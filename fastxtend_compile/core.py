@@ -433,10 +433,10 @@ def tier_failed(self:EagerPolicy,
     return True
 
 @patch
-def drop_tier(self:EagerPolicy,
+def clear_tier(self:EagerPolicy,
     name:str, # A tier dropped in this fit
 ):
-    "This batch's compiled calls no longer run tier `name`, where it chose it: they run the model's own code"
+    "This batch's compiled calls no longer run tier `name`, where they were to: they run the model's own code"
     if self.tier is not None and self.tier[0] == name: self.tier = None
 
 @patch

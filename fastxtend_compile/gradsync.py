@@ -256,12 +256,8 @@ def before_backward(self:GradSync,
     loss:torch.Tensor, # What the backward starts from: `learn.loss_grad`
 ):
     "Once the ranks switched, average the gradients as the backward ends: every callback's `after_backward` sees them averaged, as with DDP"
-    if self.averages and getattr(loss, 'requires_grad', False): loss.register_hook(self._at_end)
-
-@patch
-def _at_end(self:GradSync, grad):
-    "The backward started from the loss: average the gradients once it is done"
-    at_backward_end(self._average)
+    # The hook runs as the backward starts from the loss: the averaging waits for its end
+    if self.averages and getattr(loss, 'requires_grad', False): loss.register_hook(lambda grad: at_backward_end(self._average))
 
 @patch
 def _average(self:GradSync):

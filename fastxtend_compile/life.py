@@ -125,10 +125,9 @@ def _first(stage, f):
     stage, acts = _judge(stage, f)
     return stage, (('picked',), *picked) + acts
 
-def _pick_first(f, gpu_s:float|None, step_bytes:int):
+def _pick_first(f, gpu_s:float, step_bytes:int):
     "CUDA graphs compiled first, in the worker or the fit's path, where their saving over the fit's rest pays back trying them, and they fit the GPU"
     # The probe's median step: the fit's rest runs such steps, its lucky fastest one hides idle time CUDA graphs would save
-    if gpu_s is None: return () # Its GPU work unmeasured: the default's code goes first
     step_s, left = f.probe_s, f.left_after(0., 1.)
     busy = min(gpu_s / step_s, 1.)
     saving = first_saving(busy, step_s)

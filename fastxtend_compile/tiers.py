@@ -157,10 +157,9 @@ class Tiers:
     first_batches, pick_first, in_path = 3, staticmethod(first_tier), staticmethod(first_in_path)
     def __init__(self,
         settings:dict, # The model's `torch.compile` settings, from `compile_settings`
-        regional:bool=False, # Only the model's repeated blocks are compiled
         policy:EagerPolicy|None=None, # The callback's: the model's compiled calls read the tier this batch runs from it
     ):
-        self.settings, self.regional = settings, regional
+        self.settings = settings
         self.policy = EagerPolicy() if policy is None else policy
         self.aside = None # The fit's background compile, whose worker compiles the tiers; `None` while tiers are off
         self.device = None # The device the fit trains on
@@ -294,7 +293,8 @@ def _calls(model:nn.Module)->list:
 
 @patch
 def drop(self:Tiers, name:str, model:nn.Module):
-    "Drop tier `name`'s compiled functions, with the memory their graphs held"
+    "Drop tier `name`'s compiled functions, with the memory their graphs held: a batch that was to run it runs the model's own code"
+    self.policy.clear_tier(name) # Where this batch's move chose it before the ranks agreed to drop it
     for c in _calls(model): c.drop_tier(name)
     if self.device.type == 'cuda': torch.cuda.empty_cache()
 
@@ -314,7 +314,6 @@ def _drop_raised(self:Tiers, name:str, learn, model:nn.Module, note:Note):
     for st in self._states():
         if st.tier.tier == name: self.aside.act(st, 'raised', learn, model)
     self.drop(name, model)
-    self.policy.drop_tier(name) # At an agreement, after the batch's move chose it: the batch runs the default
     self.notes.append(note)
 
 @patch

@@ -363,7 +363,7 @@ def test_a_dropped_tier_leaves_the_batch_on_the_default():
     "A tier dropped while a batch had chosen it (another rank's tier raised) no longer runs; dropping another tier changes nothing"
     p = EagerPolicy()
     p.run_tier('reduce-overhead', {'mode': 'reduce-overhead'})
-    p.drop_tier('max-autotune-no-cudagraphs')
+    p.clear_tier('max-autotune-no-cudagraphs')
     assert p.tier == ('reduce-overhead', {'mode': 'reduce-overhead'})
-    p.drop_tier('reduce-overhead')
+    p.clear_tier('reduce-overhead')
     assert p.tier is None

@@ -329,9 +329,9 @@ def test_trying_a_tier_costs_its_warm_compile_and_its_ab_as_this_machine_recorde
     assert cost() == 6.
 
 def test_a_tier_runs_training_calls_alone_and_drops_whole():
-    "The policy's tier runs calls with gradients in training mode; evaluation keeps the model's own compiled function"
+    "The policy's tier runs calls with gradients in training mode; evaluation keeps the model's own compiled function; dropped, its functions go and the batch runs the model's own"
     from torch import nn
-    from fastxtend_compile.core import compile_model, EagerPolicy
+    from fastxtend_compile.core import compile_model, EagerPolicy, compile_settings
     set_seed(0)
     graphs = [] # The graphs the tier's backend compiled, by whether the model trained
     def tier_backend(gm, example_inputs):
@@ -348,8 +348,11 @@ def test_a_tier_runs_training_calls_alone_and_drops_whole():
     assert [k for k in call.entries if 'tier' in k] == [(call.trains, 'tier', 'plain')]
     torch.testing.assert_close(ev, model._call_impl(x))
     torch.testing.assert_close(out, model.train()._call_impl(x))
-    call.drop_tier('plain')
-    assert [k for k in call.entries if 'tier' in k] == []
+    t = Tiers(compile_settings(backend='aot_eager'), policy=policy)
+    t.start(None, torch.device('cpu'))
+    t.drop('plain', model) # As a tier that raised on another rank is dropped at the ranks' agreement, after this batch chose it
+    assert [k for k in call.entries if 'tier' in k] == [] and policy.tier is None
+    torch.testing.assert_close(model.train()(x), out)
 
 def test_under_ddp_a_tier_compiled_first_runs_on_every_rank_only_where_its_cuda_graphs_fit_every_ranks_gpu():
     "Rank 0's choice, offered at an agreement: a rank whose GPU is too full leaves every rank on the default's code first"
