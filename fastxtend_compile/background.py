@@ -89,7 +89,7 @@ class _Facts:
     leader = property(lambda self: self.aside.ranks.leader) # This rank runs its device's worker
     probe_all = property(lambda self: self.aside.cold_cost_s == 0) # Every state compiles, unprobed
     probe_batches = property(lambda self: self.aside.probe_batches)
-    seen = property(lambda self: self.st.probe.seen if self.aside.last_probed is self.st else 0) # Its probe's batches, timed in a row
+    seen = property(lambda self: len(self.st.probe.times) if self.aside.last_probed is self.st else 0) # Its probe's batches, timed in a row
     changes = property(lambda self: self.aside.changes + (self.aside.last_probed is not self.st)) # How often the state probed changed
     any_ready = property(lambda self: any(s.stage.compiled for s in self.aside.states.values()))
     probe_s = property(lambda self: None if self.st.probe is None else self.st.probe.step_s) # The eager step its probe timed
@@ -179,20 +179,6 @@ def try_cost_s(self:_Facts, name:str, saving_s:float)->float:
     return try_cost(self.tier_warm_s(name), saving_s, self.t.ab_batches)
 
 # %% ../nbs/08_background.ipynb #a4ab0373
-class _WarmTimer:
-    "Times a warm compile in the fit's path from its batch to a later one of the same epoch and phase"
-    def __init__(self): self.timing = None # (record, start, its `Note`, batch, step)
-
-    def start(self, record:str, now:float, note:Note, learn, step_s:float|None=None):
-        self.timing = (record, now, note, _batch(learn), step_s)
-
-    def stop(self, now:float, learn)->tuple|None:
-        "(record, `Note`, seconds) of the compile, where this batch can time it; each batch between counts as a step"
-        if self.timing is None: return None
-        (record, start, note, (epoch, it, training), step_s), self.timing = self.timing, None
-        if (learn.epoch, learn.training) != (epoch, training) or learn.iter <= it: return None
-        return record, note, max(now - start - (learn.iter - it)*(step_s or 0.), 0.)
-
 class _EvalTimes:
     "Times a fit's evaluation batches, eager and compiled, each state's apart: from a batch's start to the next one's"
     least = 3 # Batches of a kind a state needs timed
@@ -205,11 +191,6 @@ class _EvalTimes:
         last, kind = self.last, (record, compiled)
         if last is not None and record is not None and not last[3]: self.times.setdefault(last[:2], []).append(now - last[2])
         self.last = None if record is None else (*kind, now, last is None or last[:2] != kind)
-
-    @property
-    def pending(self)->bool:
-        "Whether an evaluation batch runs, its time ending at the next batch's start"
-        return self.last is not None
 
     def take(self)->dict:
         "{(record, compiled): the mean seconds of its batches} of those timed often enough, emptied for the next fit"
@@ -225,14 +206,14 @@ class WarmStarts:
         settings:dict, # The model's `torch.compile` settings, from `compile_settings`
         regional:bool=False, # Only the model's repeated blocks are compiled
     ):
-        self.settings, self.regional = settings, regional
+        self.regional = regional
         self.records = WarmRecords(settings, regional) # The records, of any settings: a record's name says which
-        self.timer = _WarmTimer() # Times a hand-over's warm compile in the fit's path
+        self.timing = None # (record, start, its `Note`, (epoch, batch, training), step) of a warm compile in the fit's path, timed
         self.times_warm = True # This process records warm compiles: under DDP, rank 0 alone, which timed the eager step
         self.trained = set() # The records of the training states this fit compiled, for the share of a step their code saves
         self.evals = _EvalTimes() # Times the fit's evaluation batches, eager and compiled, for their states' records
 
-    def __getstate__(self): return {**self.__dict__, 'timer': _WarmTimer(), 'trained': set(), 'evals': _EvalTimes()}
+    def __getstate__(self): return {**self.__dict__, 'timing': None, 'trained': set(), 'evals': _EvalTimes()}
 
     def key(self, model:nn.Module, state:StateKey, settings:dict|None=None)->str:
         "The record of `state` compiled with `settings` (`None`: the model's own)"
@@ -317,21 +298,22 @@ def time(self:WarmStarts,
     step_s:float|None=None, # Seconds of a step, for each batch run before a later one can tell
 ):
     "Time the warm compile of `record` that this batch runs, for the report's `note` of it, until a later batch can tell"
-    self.timer.start(record, now, note, learn, step_s)
+    self.timing = (record, now, note, (learn.epoch, learn.iter, learn.training), step_s)
     if learn.training: self.trained.add(record)
 
 @patch
 def timed(self:WarmStarts, now:float, learn)->tuple|None:
-    "(`Note`, seconds) of a warm compile timed, recorded, once this batch (`now`) can tell"
-    if (t := self.timer.stop(now, learn)) is None: return None
-    record, note, seconds = t
-    self.warmed(record, seconds)
+    "(`Note`, seconds) of a warm compile timed, recorded, once this batch (`now`) can tell: a later one of the same epoch and phase, each batch between counted as a step"
+    if self.timing is None: return None
+    (record, start, note, (epoch, it, training), step_s), self.timing = self.timing, None
+    if (learn.epoch, learn.training) != (epoch, training) or learn.iter <= it: return None
+    self.warmed(record, seconds := max(now - start - (learn.iter - it)*(step_s or 0.), 0.))
     return note, seconds
 
 @patch
 def end_fit(self:WarmStarts):
     "The fit ended: a warm compile still timed is left out"
-    self.timer = _WarmTimer()
+    self.timing = None
 
 @patch
 def measured(self:WarmStarts,
@@ -436,7 +418,7 @@ def eval_batch(self:BackgroundCompile,
 ):
     "A batch starts: an evaluation batch is timed to the next one's start, for its state's record"
     evals = self.warm_starts.evals
-    if compiled is None and not evals.pending: return # A training batch, no evaluation batch before it to end
+    if compiled is None and evals.last is None: return # A training batch, no evaluation batch before it to end
     evals.batch(None if compiled is None else self.state(key, model).record, bool(compiled), time.perf_counter())
 
 @patch
@@ -502,7 +484,7 @@ def probing(self:BackgroundCompile)->bool:
 @patch
 def probed(self:BackgroundCompile, seconds:float):
     "The batch running ended in `seconds`, timed alone: its probe's time, where it was a probe's batch"
-    if self.timing is not None: self.timing.probe.add(seconds)
+    if self.timing is not None: self.timing.probe.times.append(seconds)
     self.timing = None
 
 @patch
@@ -636,7 +618,6 @@ def position(learn, next_batch:bool=False)->tuple:
     epoch, it = learn.epoch, learn.iter + next_batch
     if next_batch and it >= getattr(learn, 'n_iter', it + 1): epoch, it = epoch + 1, 0
     return epoch, it
-def _batch(learn)->tuple: return learn.epoch, learn.iter, learn.training
 
 # %% ../nbs/08_background.ipynb #2d444b79
 def _failed_warning(res:JobResult)->str:

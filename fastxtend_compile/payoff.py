@@ -152,13 +152,12 @@ def first_tier(
     step_s:float, # Seconds of the eager step
     batches:int, # The fit's training batches left
     cost_s:float, # Seconds trying a tier costs the fit's path
-    margin:float=MARGIN, # The share of a step an A/B needs a tier to save (`faster`)
 )->str|None:
     "The tier compiled first, before the default: CUDA graphs, where the GPU idles in the eager step and their expected saving over the batches left pays back trying them"
     # Compiled, the step runs the default's kernels, which CUDA graphs launch as one. Once its kernels are fused, a step whose
     # eager GPU work nearly filled it often waits on the host: the GPU's idle share of the eager step undercounts what CUDA
     # graphs save. Where the GPU idles less than the A/B's margin, no A/B could keep them over the default's code
-    if busy is None or busy > 1 - margin: return None
+    if busy is None or busy > 1 - MARGIN: return None
     return GRAPHS if pays_back(batches, first_saving(busy, step_s), cost_s) else None
 
 def try_cost(
@@ -209,27 +208,24 @@ def first_in_path(
     compile_s:float, # Seconds the tier is expected to take compiling cold, in the fit's path or in the worker
     warm_s:float, # Seconds a hand-over from a worker takes compiling warm in the fit's path
     start_s:float=WORKER_START_S, # Seconds a cold worker takes to start up, before it compiles
-    slowdown:float=WORKER_SLOWDOWN, # How much slower an eager step runs beside the worker compiling
 )->bool:
     "Whether CUDA graphs compiled first cost the fit less compiled in its path than in a worker beside it"
     # In its path the fit stands still for the compile. Beside a worker it runs slowed eager steps where CUDA graphs would
     # have run shorter ones (`first_saving`) until the hand-over, a start-up and the same compile later, then compiles warm:
     # the more the GPU idles, the more that wait costs, and the longer the compile, the longer the wait
     if busy is None: return False
-    return compile_s < worker_handover(compile_s, start_s) * (1 - (1 - first_saving(busy, 1.)) / slowdown) + warm_s
+    return compile_s < worker_handover(compile_s, start_s) * (1 - (1 - first_saving(busy, 1.)) / WORKER_SLOWDOWN) + warm_s
 
 def cudagraphs_fit(
     free:int, # Bytes free on the GPU now
     step:int, # Bytes a training step allocates beyond what it starts with, at its peak
-    spare:float=1.5, # The memory needed free, as a multiple of a step's peak: the graphs' pool itself, and half as much room beside it
 )->bool:
     "Whether CUDA graphs' memory pool, as large as a step's memory at its peak, fits beside the fit with room to spare"
-    return free >= spare * step
+    return free >= 1.5 * step # The graphs' pool itself, and half as much room beside it
 
 def faster(
     tier:list, # Seconds of the tier's training steps, each timed alone
     base:list, # Seconds of the default tier's, timed between them
-    margin:float=MARGIN, # The share of the step the tier must save to be kept
 )->bool:
-    "Whether the tier's median step beats the default's by `margin`"
-    return median(tier) <= (1 - margin) * median(base)
+    "Whether the tier's median step beats the default's by `MARGIN`"
+    return median(tier) <= (1 - MARGIN) * median(base)

@@ -89,17 +89,7 @@ _EAGER = frozenset([Stage.PROBING, Stage.JUDGED, Stage.COMPILING, Stage.DONE, St
 
 class Probe:
     "A model state's first eager batches, each timed alone by the report's recorder: the fit's one measure of the eager step"
-    def __init__(self): self.times = [] # Seconds of each batch timed
-
-    def add(self, seconds:float):
-        "A batch of the probe ended, in `seconds`"
-        self.times.append(seconds)
-
-    @property
-    def seen(self)->int:
-        "The batches timed"
-        return len(self.times)
-
+    def __init__(self): self.times = [] # Seconds of each batch timed, in order
 
     @property
     def step_s(self)->float:

@@ -352,7 +352,7 @@ def test_the_hand_overs_compile_is_timed_within_its_epoch_and_phase(tmp_path, mo
     assert warm.timed(14., at(0, 7)) == (0, 3.) and warm.get('state') == {'warm_s': 3.}
     warm.time('other', 10., 0, at(0, 5), 0.5)
     assert warm.timed(99., at(0, 0, training=False)) is None # The epoch's validation came first
-    assert warm.get('other') is None and warm.timer.timing is None
+    assert warm.get('other') is None and warm.timing is None
     warm.times_warm = False # Under DDP, a rank other than 0: timed, not recorded
     warm.time('third', 10., 0, at(0, 5), 0.5)
     assert warm.timed(14., at(0, 7)) == (0, 3.) and warm.get('third') is None
