@@ -1215,8 +1215,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                      'fastxtend_compile/tiers.py'),
                                          'fastxtend_compile.tiers.Tiers._drop_raised': ( 'tiers.html#tiers._drop_raised',
                                                                                          'fastxtend_compile/tiers.py'),
-                                         'fastxtend_compile.tiers.Tiers._raised': ( 'tiers.html#tiers._raised',
-                                                                                    'fastxtend_compile/tiers.py'),
                                          'fastxtend_compile.tiers.Tiers._states': ( 'tiers.html#tiers._states',
                                                                                     'fastxtend_compile/tiers.py'),
                                          'fastxtend_compile.tiers.Tiers.after_batch': ( 'tiers.html#tiers.after_batch',

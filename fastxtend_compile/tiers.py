@@ -166,7 +166,6 @@ class Tiers:
         self.timer = _StepTimer() # Times a batch alone, where its state's stage needs
         self.measuring = None # The `_Profile` measuring the GPU work of the batch running
         self.notes = [] # The report's lines about the tiers of this fit
-        self.together = False # The fit's ranks decide together (DDP): what a rank measures waits for their agreement
         self.raised = None # (name, error) of a tier that raised in this rank's path, for the other ranks to drop at the next agreement
         self.dropped = set() # The tiers dropped in this fit, having raised
         self.mode_graphs = False # The model's own mode runs CUDA graphs on the fit's device, every compiled batch
@@ -179,13 +178,13 @@ class Tiers:
         device:torch.device, # Where the fit trains
     ):
         "A fit starts: it tries tiers where it compiles in the background on a device that has them, with the default mode"
-        self.aside, self.device, self.timer.device, self.together, self.owned = None, device, device, False, False
+        self.aside, self.device, self.timer.device, self.owned = None, device, device, False
         self.mode_graphs = device.type == 'cuda' and uses_cudagraphs(self.settings)
         if aside is None or device.type not in self.default_on: return
         if (why := why_no_tiers(self.settings)) is not None:
             if why: self.notes.append(why)
             return
-        self.aside, self.together, aside.tiers = aside, aside.ranks.agrees, self # Its worker compiles the tiers, its executor carries out their moves
+        self.aside, aside.tiers = aside, self # Its worker compiles the tiers, its executor carries out their moves
         aside.ranks.join(self) # Under DDP the ranks agree on each tier: picked, compiled on every device, kept
 
 # %% ../nbs/09_tiers.ipynb #fef401a8
@@ -194,8 +193,11 @@ def before_batch(self:Tiers,
     learn, # The `Learner` whose batch starts
     model:nn.Module, # The model being compiled (not DDP's wrapper)
 ):
-    "Before the batch's move: a tier that raised in the fit's path since the last batch is dropped (the batch's tier is its state's move's, `advance`)"
-    if (raised := self.policy.take_tier_error()) is not None: self._raised(*raised, learn, model)
+    "Before the batch's move: a tier that raised in the fit's path since the last batch is dropped; under DDP, on every rank from the next agreement (the batch's tier is its state's move's, `advance`)"
+    if (raised := self.policy.take_tier_error()) is None: return
+    name, error = raised[0], error_text(raised[1])
+    if self.aside is not None and self.aside.ranks.agrees: self.raised = (name, error)
+    self._drop_raised(name, learn, model, Note('tier_raised', name=name, error=error))
 
 @patch
 def profiled(self:Tiers, profile:_Profile|None)->tuple|bool|None:
@@ -300,12 +302,6 @@ def drop(self:Tiers, name:str, model:nn.Module):
 
 @patch
 def _states(self:Tiers)->list: return [] if self.aside is None else list(self.aside.states.values())
-
-@patch
-def _raised(self:Tiers, name:str, error:Exception, learn, model:nn.Module):
-    "A tier raised in the fit's path, where the worker had compiled it: the default tier trains on, the tier's graphs dropped; under DDP, on every rank from the next agreement"
-    if self.together: self.raised = (name, error_text(error))
-    self._drop_raised(name, learn, model, Note('tier_raised', name=name, error=error_text(error)))
 
 @patch
 def _drop_raised(self:Tiers, name:str, learn, model:nn.Module, note:Note):
